@@ -1,1 +1,58 @@
-//! vl-attn
+//! Cross-attention and causal self-attention for [candle](https://github.com/huggingface/candle).
+//!
+//! - [`CrossAttention`]: queries of one width attend to a memory of another
+//!   (text over image tokens, audio over video), with grouped-query heads,
+//!   optional biases, and a [`CrossKv`] cache so that the memory's keys and
+//!   values are projected once and shared, without copies, by every beam or
+//!   sample that reads it.
+//! - [`CausalSelfAttention`] with a preallocated, growable [`KvCache`]
+//!   (bottom-right aligned causal masks, left padding through key masks).
+//! - [`mask`]: every mask, with one polarity — `1` = may attend.
+//! - [`kernel`]: the reference and the fused attention paths; a query row
+//!   with nothing to attend to yields zeros, never NaN.
+//! - [`TanhGate`] (Flamingo's gated cross-attention) and [`QueryPool`]
+//!   (learned queries that summarise a memory).
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_nn::{VarBuilder, VarMap};
+//! use vl_attn::{CrossAttention, CrossAttentionConfig, Mask, mask};
+//!
+//! # fn main() -> Result<(), vl_attn::AttnError> {
+//! let dev = Device::Cpu;
+//! let vars = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev);
+//! // Text of width 64 attends to image tokens of width 96, 4 heads.
+//! let attn = CrossAttention::load(vb, &CrossAttentionConfig::new(64, 96, 4))?;
+//! let text = Tensor::randn(0f32, 1., (2, 5, 64), &dev)?;
+//! let image = Tensor::randn(0f32, 1., (2, 197, 96), &dev)?;
+//!
+//! // Project the image once, reuse it at every step.
+//! let kv = attn.project_memory(&image)?;
+//! // The second sample has no image: its text attends to nothing.
+//! let has_image = mask::image_tokens(&[197, 0], 197, &dev)?;
+//! let out = attn.forward_cached(&text, &kv, Some(&has_image))?;
+//! assert_eq!(out.dims(), &[2, 5, 64]);
+//! assert_eq!(out.get(1)?.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod cache;
+pub mod cross;
+pub mod error;
+pub mod gate;
+pub mod kernel;
+pub mod mask;
+pub mod pool;
+mod proj;
+pub mod self_attn;
+
+pub use cache::KvCache;
+pub use cross::{CrossAttention, CrossAttentionConfig, CrossKv};
+pub use error::{AttnError, Result};
+pub use gate::TanhGate;
+pub use kernel::Backend;
+pub use mask::Mask;
+pub use pool::QueryPool;
+pub use self_attn::{CausalSelfAttention, SelfAttentionConfig};

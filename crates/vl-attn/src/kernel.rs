@@ -1,0 +1,426 @@
+//! Scaled dot-product attention over grouped heads: the reference path and
+//! the fused path.
+//!
+//! Both paths take queries `(batch_q, heads, q_len, head_dim)` and keys and
+//! values `(batch_k, kv_heads, k_len, head_dim)` where `heads` is a multiple
+//! of `kv_heads` (grouped-query attention; `kv_heads = 1` is multi-query) and
+//! `batch_q` a multiple of `batch_k`: query sample `b` reads key sample
+//! `b / (batch_q / batch_k)`. That lets `r` beams or samples share one
+//! image's keys and values with no copy — they are folded into the query
+//! length of a single matrix product.
+//!
+//! Masks follow [`crate::mask`]: `1` = may attend. A query row with no key
+//! left gives an exactly zero output row and zero weights.
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, D};
+use rayon::prelude::*;
+
+use crate::error::{AttnError, Result};
+use crate::mask::Mask;
+
+/// Which implementation computes attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backend {
+    /// Materialises the `(batch, heads, q_len, k_len)` scores with matrix
+    /// products; differentiable. Always used when weights are requested or
+    /// when an input tracks gradients.
+    Reference,
+    /// Never materialises the score tensor: on CPU, one fused kernel (one
+    /// query row at a time, scores in f32, multi-threaded); on other devices,
+    /// the reference path over blocks of queries whose scores fit in
+    /// [`FUSED_BLOCK_BYTES`]. Falls back to [`Backend::Reference`] for inputs
+    /// that track gradients.
+    #[default]
+    Fused,
+}
+
+/// The largest score block the fused path materialises off CPU, in bytes.
+pub const FUSED_BLOCK_BYTES: usize = 64 << 20;
+
+/// The dimensions of one attention call, checked once.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    batch_q: usize,
+    heads: usize,
+    q_len: usize,
+    head_dim: usize,
+    batch_k: usize,
+    kv_heads: usize,
+    k_len: usize,
+}
+
+impl Dims {
+    fn check(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Mask>) -> Result<Self> {
+        let shape_err = |arg, expected: String, t: &Tensor| AttnError::Shape {
+            arg,
+            expected,
+            actual: t.dims().to_vec(),
+        };
+        let (batch_q, heads, q_len, head_dim) = q
+            .dims4()
+            .map_err(|_| shape_err("q", "(batch, heads, q_len, head_dim)".into(), q))?;
+        let (batch_k, kv_heads, k_len, k_dim) = k
+            .dims4()
+            .map_err(|_| shape_err("k", "(batch, kv_heads, k_len, head_dim)".into(), k))?;
+        if k_dim != head_dim
+            || batch_k == 0
+            || kv_heads == 0
+            || batch_q % batch_k != 0
+            || heads % kv_heads != 0
+        {
+            return Err(shape_err(
+                "k",
+                format!(
+                    "(a divisor of {batch_q}, a divisor of {heads}, k_len, {head_dim}) to match q"
+                ),
+                k,
+            ));
+        }
+        if v.dims() != k.dims() {
+            return Err(shape_err("v", format!("{:?} like k", k.dims()), v));
+        }
+        crate::error::check_dtype_device("k", k, "q", q.dtype(), q.device())?;
+        crate::error::check_dtype_device("v", v, "q", q.dtype(), q.device())?;
+        if let Some(m) = mask {
+            m.check(batch_q, q_len, k_len)?;
+            crate::error::check_dtype_device("mask", m.tensor(), "u8 mask", DType::U8, q.device())?;
+        }
+        Ok(Self {
+            batch_q,
+            heads,
+            q_len,
+            head_dim,
+            batch_k,
+            kv_heads,
+            k_len,
+        })
+    }
+
+    /// Query samples per key sample.
+    fn r(&self) -> usize {
+        self.batch_q / self.batch_k
+    }
+
+    /// Query heads per key head.
+    fn g(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+}
+
+/// Attention output `(batch_q, heads, q_len, head_dim)`.
+///
+/// # Shapes
+/// - `q`: `(batch_q, heads, q_len, head_dim)`
+/// - `k`, `v`: `(batch_k, kv_heads, k_len, head_dim)`, `batch_q % batch_k == 0`,
+///   `heads % kv_heads == 0`
+/// - `mask`: `(batch_q | 1, q_len | 1, k_len)`, `1` = may attend
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Mask>,
+    scale: f64,
+    backend: Backend,
+) -> Result<Tensor> {
+    let dims = Dims::check(q, k, v, mask)?;
+    let tracks = q.track_op() || k.track_op() || v.track_op();
+    match backend {
+        Backend::Fused if !tracks => fused(q, k, v, mask, scale, dims),
+        _ => Ok(reference(q, k, v, mask, scale, dims)?.0),
+    }
+}
+
+/// Attention output and weights, always on the reference path.
+///
+/// # Shapes
+/// As [`attention`]; returns `(batch_q, heads, q_len, head_dim)` and the
+/// weights `(batch_q, heads, q_len, k_len)`, whose rows sum to 1, or to 0
+/// where the mask leaves no key.
+pub fn attention_with_weights(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Mask>,
+    scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    let dims = Dims::check(q, k, v, mask)?;
+    reference(q, k, v, mask, scale, dims)
+}
+
+/// The mask as `(batch_k | 1, 1, r | 1, 1, q_len | 1, k_len)`, to broadcast
+/// over `(batch_k, kv_heads, r, g, q_len, k_len)`.
+fn grouped_mask(mask: &Mask, dims: Dims) -> Result<Tensor> {
+    let (mb, mq, tk) = mask.dims();
+    let t = mask.tensor();
+    let t = if mb == 1 {
+        t.reshape((1, 1, 1, 1, mq, tk))?
+    } else {
+        t.reshape((dims.batch_k, 1, dims.r(), 1, mq, tk))?
+    };
+    Ok(t)
+}
+
+fn reference(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Mask>,
+    scale: f64,
+    dims: Dims,
+) -> Result<(Tensor, Tensor)> {
+    let Dims {
+        batch_q,
+        heads,
+        q_len,
+        head_dim,
+        batch_k,
+        kv_heads,
+        k_len,
+    } = dims;
+    let (r, g) = (dims.r(), dims.g());
+    // (bq, h, tq, hd) -> (bk, r, hkv, g, tq, hd) -> (bk, hkv, r, g, tq, hd) -> (bk, hkv, r*g*tq, hd)
+    let qg = (q * scale)?
+        .reshape((batch_k, r, kv_heads, g, q_len, head_dim))?
+        .permute((0, 2, 1, 3, 4, 5))?
+        .reshape((batch_k, kv_heads, r * g * q_len, head_dim))?;
+    // (bk, hkv, r*g*tq, tk), in f32 whatever the input dtype
+    let scores = qg.matmul(&k.t()?)?.to_dtype(DType::F32)?;
+    let grouped = (batch_k, kv_heads, r, g, q_len, k_len);
+    let tracks = scores.track_op();
+    let weights = match mask {
+        None => softmax(&scores, tracks)?,
+        Some(mask) => {
+            let m = grouped_mask(mask, dims)?.broadcast_as(grouped)?;
+            let floor = Tensor::new(f32::MIN, scores.device())?.broadcast_as(grouped)?;
+            let masked = m.where_cond(&scores.reshape(grouped)?, &floor)?.reshape((
+                batch_k,
+                kv_heads,
+                r * g * q_len,
+                k_len,
+            ))?;
+            // A fully masked row is uniform after softmax; the mask zeroes it.
+            let w = softmax(&masked, tracks)?.reshape(grouped)?;
+            w.broadcast_mul(&m.to_dtype(DType::F32)?)?.reshape((
+                batch_k,
+                kv_heads,
+                r * g * q_len,
+                k_len,
+            ))?
+        }
+    };
+    // (bk, hkv, r*g*tq, hd)
+    let out = weights.to_dtype(v.dtype())?.matmul(v)?;
+    let ungroup = |t: Tensor, last: usize| -> Result<Tensor> {
+        // (bk, hkv, r, g, tq, last) -> (bk, r, hkv, g, tq, last) -> (bq, h, tq, last)
+        Ok(t.reshape((batch_k, kv_heads, r, g, q_len, last))?
+            .permute((0, 2, 1, 3, 4, 5))?
+            .reshape((batch_q, heads, q_len, last))?)
+    };
+    Ok((ungroup(out, head_dim)?, ungroup(weights, k_len)?))
+}
+
+fn softmax(scores: &Tensor, differentiable: bool) -> Result<Tensor> {
+    Ok(if differentiable {
+        candle_nn::ops::softmax(scores, D::Minus1)?
+    } else {
+        candle_nn::ops::softmax_last_dim(scores)?
+    })
+}
+
+fn fused(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Mask>,
+    scale: f64,
+    dims: Dims,
+) -> Result<Tensor> {
+    if !q.device().is_cpu() {
+        return blocked_reference(q, k, v, mask, scale, dims);
+    }
+    let dtype = q.dtype();
+    let f32_contiguous =
+        |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?.contiguous()?) };
+    let mask = match mask {
+        None => None,
+        Some(m) => {
+            let (mb, mq, _) = m.dims();
+            let data = m.tensor().flatten_all()?.to_vec1::<u8>()?;
+            Some((data, mb, mq))
+        }
+    };
+    let op = FusedCpu {
+        dims,
+        scale: scale as f32,
+        mask,
+    };
+    let out = f32_contiguous(q)?.apply_op3_no_bwd(&f32_contiguous(k)?, &f32_contiguous(v)?, &op)?;
+    Ok(out.to_dtype(dtype)?)
+}
+
+/// The reference path over blocks of queries, so that no score block is
+/// larger than [`FUSED_BLOCK_BYTES`].
+fn blocked_reference(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Mask>,
+    scale: f64,
+    dims: Dims,
+) -> Result<Tensor> {
+    let row_bytes = dims.batch_q * dims.heads * dims.k_len * std::mem::size_of::<f32>();
+    let block = (FUSED_BLOCK_BYTES / row_bytes.max(1)).clamp(1, dims.q_len.max(1));
+    if block >= dims.q_len {
+        return Ok(reference(q, k, v, mask, scale, dims)?.0);
+    }
+    let mut outs = Vec::with_capacity(dims.q_len.div_ceil(block));
+    for start in (0..dims.q_len).step_by(block) {
+        let len = block.min(dims.q_len - start);
+        let qb = q.narrow(2, start, len)?;
+        let mb = match mask {
+            Some(m) if m.dims().1 != 1 => Some(Mask::new(m.tensor().narrow(1, start, len)?)?),
+            other => other.cloned(),
+        };
+        let d = Dims { q_len: len, ..dims };
+        outs.push(reference(&qb, k, v, mb.as_ref(), scale, d)?.0);
+    }
+    Ok(Tensor::cat(&outs, 2)?)
+}
+
+/// The fused CPU kernel: for each query row, scores against every key in
+/// f32 (one row of `k_len` floats per thread), softmax, weighted sum of
+/// values. Inputs are contiguous f32.
+struct FusedCpu {
+    dims: Dims,
+    scale: f32,
+    /// The mask's bytes with its batch and query extents (each 1 or full).
+    mask: Option<(Vec<u8>, usize, usize)>,
+}
+
+/// A dot product written so that the compiler vectorises it.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    const LANES: usize = 16;
+    let mut acc = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+impl FusedCpu {
+    fn row(
+        &self,
+        row: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let Dims {
+            heads,
+            q_len,
+            head_dim,
+            kv_heads,
+            k_len,
+            ..
+        } = self.dims;
+        let (r, g) = (self.dims.r(), self.dims.g());
+        // row = (b * heads + h) * q_len + i
+        let i = row % q_len;
+        let h = (row / q_len) % heads;
+        let b = row / (q_len * heads);
+        let kv_base = ((b / r) * kv_heads + h / g) * k_len * head_dim;
+        let q_row = &q[row * head_dim..][..head_dim];
+        let allowed: Option<&[u8]> = self.mask.as_ref().map(|(m, mb, mq)| {
+            let mb_i = if *mb == 1 { 0 } else { b };
+            let mq_i = if *mq == 1 { 0 } else { i };
+            &m[(mb_i * mq + mq_i) * k_len..][..k_len]
+        });
+        let mut max = f32::NEG_INFINITY;
+        let mut any = false;
+        for (j, s) in scores.iter_mut().enumerate() {
+            if allowed.is_some_and(|m| m[j] == 0) {
+                continue;
+            }
+            let k_row = &k[kv_base + j * head_dim..][..head_dim];
+            *s = dot(q_row, k_row) * self.scale;
+            max = max.max(*s);
+            any = true;
+        }
+        out.fill(0.0);
+        if !any {
+            return;
+        }
+        let mut sum = 0f32;
+        for (j, s) in scores.iter_mut().enumerate() {
+            if allowed.is_some_and(|m| m[j] == 0) {
+                *s = 0.0;
+                continue;
+            }
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let inv = 1.0 / sum;
+        for (j, &p) in scores.iter().enumerate() {
+            if p == 0.0 {
+                continue;
+            }
+            let p = p * inv;
+            let v_row = &v[kv_base + j * head_dim..][..head_dim];
+            for (o, &x) in out.iter_mut().zip(v_row) {
+                *o += p * x;
+            }
+        }
+    }
+}
+
+impl CustomOp3 for FusedCpu {
+    fn name(&self) -> &'static str {
+        "vl-fused-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        fn slice<'a>(s: &'a CpuStorage, l: &Layout, name: &str) -> candle_core::Result<&'a [f32]> {
+            let data = match s {
+                CpuStorage::F32(d) => d.as_slice(),
+                _ => candle_core::bail!("fused attention: {name} must be f32"),
+            };
+            match l.contiguous_offsets() {
+                Some((a, b)) => Ok(&data[a..b]),
+                None => candle_core::bail!("fused attention: {name} must be contiguous"),
+            }
+        }
+        let (q, k, v) = (
+            slice(s1, l1, "q")?,
+            slice(s2, l2, "k")?,
+            slice(s3, l3, "v")?,
+        );
+        let d = self.dims;
+        let mut out = vec![0f32; d.batch_q * d.heads * d.q_len * d.head_dim];
+        if d.head_dim > 0 {
+            out.par_chunks_mut(d.head_dim).enumerate().for_each_init(
+                || vec![0f32; d.k_len],
+                |scores, (row, o)| self.row(row, q, k, v, scores, o),
+            );
+        }
+        Ok((
+            CpuStorage::F32(out),
+            Shape::from((d.batch_q, d.heads, d.q_len, d.head_dim)),
+        ))
+    }
+}

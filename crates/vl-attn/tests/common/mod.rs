@@ -1,0 +1,66 @@
+//! Helpers shared by the vl-attn tests.
+#![allow(dead_code, missing_docs)]
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+
+pub fn vb(vars: &VarMap, dtype: DType) -> VarBuilder<'static> {
+    VarBuilder::from_varmap(vars, dtype, &Device::Cpu)
+}
+
+pub fn randn(shape: &[usize]) -> Tensor {
+    Tensor::randn(0f32, 1., shape, &Device::Cpu).expect("randn")
+}
+
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a.to_dtype(DType::F32).expect("dtype") - b.to_dtype(DType::F32).expect("dtype"))
+        .expect("sub")
+        .abs()
+        .expect("abs")
+        .flatten_all()
+        .expect("flatten")
+        .max(0)
+        .expect("max")
+        .to_scalar::<f32>()
+        .expect("scalar")
+}
+
+pub fn all_finite(t: &Tensor) -> bool {
+    t.to_dtype(DType::F32)
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f32>())
+        .expect("to_vec")
+        .iter()
+        .all(|x| x.is_finite())
+}
+
+/// A random 0/1 mask with the given shape.
+pub fn random_mask(shape: &[usize], density: f64) -> Tensor {
+    Tensor::rand(0f32, 1., shape, &Device::Cpu)
+        .and_then(|t| t.lt(density))
+        .expect("mask")
+}
+
+/// Deterministic standard-normal-ish data from a seed (sum of uniforms), so
+/// that a failing property case reproduces.
+pub fn seeded(shape: &[usize], seed: u64) -> Tensor {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut uniform = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 40) as f32 / (1u64 << 24) as f32
+    };
+    let n: usize = shape.iter().product();
+    let data: Vec<f32> = (0..n)
+        .map(|_| (0..4).map(|_| uniform()).sum::<f32>() - 2.0)
+        .collect();
+    Tensor::from_vec(data, shape, &Device::Cpu).expect("seeded")
+}
+
+/// A deterministic 0/1 `u8` mask; `density` of ones.
+pub fn seeded_mask(shape: &[usize], seed: u64, density: f32) -> Tensor {
+    seeded(shape, seed ^ 0xABCD)
+        .lt((density - 0.5) * 2.0)
+        .expect("mask")
+}

@@ -1,0 +1,243 @@
+//! One pre-LN decoder block:
+//!
+//! ```text
+//! x += self_attn(self_attn_norm(x))                 causal
+//! x += [tanh(gate) *] cross_attn(cross_attn_norm(x), image)   no causal mask
+//! x += ffn(ffn_norm(x))
+//! ```
+//!
+//! Blocks without cross-attention (when `cross_attention_every > 1`) skip
+//! the middle line.
+
+use candle_core::Tensor;
+use candle_nn::{LayerNorm, LayerNormConfig, Linear, Module, VarBuilder};
+use vl_attn::{
+    CausalSelfAttention, CrossAttention, CrossAttentionConfig, CrossKv, KvCache, Mask,
+    SelfAttentionConfig, TanhGate,
+};
+
+use crate::config::{Activation, DecoderConfig};
+use crate::error::Result;
+
+/// The position-wise feed-forward layer `down(act(up(x)))`.
+#[derive(Debug, Clone)]
+pub struct FeedForward {
+    up: Linear,
+    down: Linear,
+    act: Activation,
+}
+
+impl FeedForward {
+    /// Loads `up (intermediate, hidden)` and `down (hidden, intermediate)`
+    /// with biases.
+    pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<Self> {
+        Ok(Self {
+            up: candle_nn::linear(cfg.hidden_size, cfg.intermediate_size, vb.pp("up"))?,
+            down: candle_nn::linear(cfg.intermediate_size, cfg.hidden_size, vb.pp("down"))?,
+            act: cfg.hidden_act,
+        })
+    }
+
+    /// Builds from existing layers.
+    pub fn from_parts(up: Linear, down: Linear, act: Activation) -> Self {
+        Self { up, down, act }
+    }
+
+    /// # Shapes
+    /// `x: (batch, len, hidden)` → `(batch, len, hidden)`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self
+            .down
+            .forward(&self.act.forward(&self.up.forward(x)?)?)?)
+    }
+}
+
+/// The cross-attention branch of a block.
+#[derive(Debug, Clone)]
+pub struct CrossBranch {
+    /// Pre-norm of the branch.
+    pub cross_attn_norm: LayerNorm,
+    /// Text queries over image keys and values.
+    pub cross_attn: CrossAttention,
+    /// Flamingo's tanh gate, when configured.
+    pub gate: Option<TanhGate>,
+}
+
+/// What a block reads besides its input.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BlockInputs<'a> {
+    /// Self-attention key mask, `(batch | 1, len | 1, keys)`, over every key
+    /// including cached ones (e.g. left padding); combined with causality.
+    pub text_mask: Option<&'a Mask>,
+    /// Cross-attention mask, `(batch | 1, len | 1, image_len)`.
+    pub image_mask: Option<&'a Mask>,
+    /// Return this block's cross-attention weights.
+    pub want_weights: bool,
+}
+
+/// Where a block's cross-attention reads the image from.
+#[derive(Debug, Clone, Copy)]
+pub enum ImageInput<'a> {
+    /// No image: the cross-attention branch is skipped.
+    None,
+    /// Image tokens `(batch, image_len, memory_dim)`, projected on the spot.
+    Memory(&'a Tensor),
+    /// Keys and values projected once by [`DecoderBlock::project_image`].
+    Cached(&'a CrossKv),
+}
+
+/// A pre-LN decoder block; norms are named by role.
+#[derive(Debug, Clone)]
+pub struct DecoderBlock {
+    self_attn_norm: LayerNorm,
+    self_attn: CausalSelfAttention,
+    cross: Option<CrossBranch>,
+    ffn_norm: LayerNorm,
+    ffn: FeedForward,
+}
+
+pub(crate) fn layer_norm(vb: VarBuilder, cfg: &DecoderConfig) -> Result<LayerNorm> {
+    let ln_cfg = LayerNormConfig {
+        eps: cfg.layer_norm_eps,
+        ..Default::default()
+    };
+    Ok(candle_nn::layer_norm(cfg.hidden_size, ln_cfg, vb)?)
+}
+
+impl DecoderBlock {
+    /// Loads block `layer` under `vb`: `self_attn_norm`, `self_attn.*`,
+    /// `cross_attn_norm`, `cross_attn.*`, `cross_attn_gate` (gated only),
+    /// `ffn_norm`, `ffn.*`.
+    pub fn load(vb: VarBuilder, cfg: &DecoderConfig, layer: usize) -> Result<Self> {
+        let self_cfg = SelfAttentionConfig {
+            hidden: cfg.hidden_size,
+            num_heads: cfg.num_attention_heads,
+            num_kv_heads: cfg.kv_heads(),
+            bias: cfg.attention_bias,
+        };
+        let cross = if cfg.has_cross_attention(layer) {
+            let cross_cfg = CrossAttentionConfig {
+                num_kv_heads: cfg.kv_heads(),
+                bias: cfg.attention_bias,
+                ..CrossAttentionConfig::new(
+                    cfg.hidden_size,
+                    cfg.memory_dim,
+                    cfg.num_attention_heads,
+                )
+            };
+            Some(CrossBranch {
+                cross_attn_norm: layer_norm(vb.pp("cross_attn_norm"), cfg)?,
+                cross_attn: CrossAttention::load(vb.pp("cross_attn"), &cross_cfg)?,
+                gate: if cfg.gated_cross_attention {
+                    Some(TanhGate::load(vb.clone(), "cross_attn_gate", 1)?)
+                } else {
+                    None
+                },
+            })
+        } else {
+            None
+        };
+        Ok(Self {
+            self_attn_norm: layer_norm(vb.pp("self_attn_norm"), cfg)?,
+            self_attn: CausalSelfAttention::load(vb.pp("self_attn"), &self_cfg)?,
+            cross,
+            ffn_norm: layer_norm(vb.pp("ffn_norm"), cfg)?,
+            ffn: FeedForward::load(vb.pp("ffn"), cfg)?,
+        })
+    }
+
+    /// Builds a block from existing parts (checkpoint converters).
+    pub fn from_parts(
+        self_attn_norm: LayerNorm,
+        self_attn: CausalSelfAttention,
+        cross: Option<CrossBranch>,
+        ffn_norm: LayerNorm,
+        ffn: FeedForward,
+    ) -> Self {
+        Self {
+            self_attn_norm,
+            self_attn,
+            cross,
+            ffn_norm,
+            ffn,
+        }
+    }
+
+    /// Whether the block has a cross-attention branch.
+    pub fn has_cross_attention(&self) -> bool {
+        self.cross.is_some()
+    }
+
+    /// Sets the attention implementation of both attentions.
+    pub fn set_backend(&mut self, backend: vl_attn::Backend) {
+        self.self_attn = self.self_attn.clone().with_backend(backend);
+        if let Some(c) = &mut self.cross {
+            c.cross_attn = c.cross_attn.clone().with_backend(backend);
+        }
+    }
+
+    /// The image's keys and values for this block, `None` for a block
+    /// without cross-attention.
+    ///
+    /// # Shapes
+    /// `image: (batch, image_len, memory_dim)`.
+    pub fn project_image(&self, image: &Tensor) -> Result<Option<CrossKv>> {
+        match &self.cross {
+            None => Ok(None),
+            Some(c) => Ok(Some(c.cross_attn.project_memory(image)?)),
+        }
+    }
+
+    /// Runs the block; with `cache`, the new tokens' keys and values are
+    /// appended to it and attend to the cached ones.
+    ///
+    /// # Shapes
+    /// `x: (batch, len, hidden)` → `(batch, len, hidden)`, and the
+    /// cross-attention weights `(batch, heads, len, image_len)` when asked
+    /// for and the block has cross-attention.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        image: ImageInput<'_>,
+        cache: Option<&mut KvCache>,
+        inputs: BlockInputs<'_>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let h = self.self_attn_norm.forward(x)?;
+        let h = match cache {
+            Some(cache) => self.self_attn.forward_cached(&h, cache, inputs.text_mask)?,
+            None => self.self_attn.forward(&h, inputs.text_mask)?,
+        };
+        let mut x = (x + h)?;
+        let mut weights = None;
+        if let Some(c) = &self.cross {
+            let kv;
+            let kv = match image {
+                ImageInput::None => None,
+                ImageInput::Cached(kv) => Some(kv),
+                ImageInput::Memory(m) => {
+                    kv = c.cross_attn.project_memory(m)?;
+                    Some(&kv)
+                }
+            };
+            if let Some(kv) = kv {
+                let q = c.cross_attn_norm.forward(&x)?;
+                let out = if inputs.want_weights {
+                    let (out, w) =
+                        c.cross_attn
+                            .forward_cached_with_weights(&q, kv, inputs.image_mask)?;
+                    weights = Some(w);
+                    out
+                } else {
+                    c.cross_attn.forward_cached(&q, kv, inputs.image_mask)?
+                };
+                let out = match &c.gate {
+                    Some(g) => g.forward(&out)?,
+                    None => out,
+                };
+                x = (x + out)?;
+            }
+        }
+        let h = self.ffn.forward(&self.ffn_norm.forward(&x)?)?;
+        Ok(((x + h)?, weights))
+    }
+}

@@ -1,0 +1,267 @@
+//! The decoder's configuration, read from `config.json`.
+
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+use crate::error::{config_err, DecoderError, Result};
+
+/// The feed-forward activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum Activation {
+    /// GELU with the exact erf (`gelu` in transformers).
+    #[default]
+    #[serde(rename = "gelu", alias = "gelu_erf")]
+    Gelu,
+    /// GELU with the tanh approximation (`gelu_new`, `gelu_pytorch_tanh`).
+    #[serde(
+        rename = "gelu_tanh",
+        alias = "gelu_new",
+        alias = "gelu_pytorch_tanh",
+        alias = "gelu_fast"
+    )]
+    GeluTanh,
+    /// `max(0, x)`.
+    #[serde(rename = "relu")]
+    Relu,
+    /// `x * sigmoid(x)`.
+    #[serde(rename = "silu", alias = "swish")]
+    Silu,
+}
+
+impl Activation {
+    /// Applies the activation.
+    pub fn forward(self, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+        match self {
+            Self::Gelu => x.gelu_erf(),
+            Self::GeluTanh => x.gelu(),
+            Self::Relu => x.relu(),
+            Self::Silu => x.silu(),
+        }
+    }
+}
+
+fn default_kv_heads() -> Option<usize> {
+    None
+}
+fn default_act() -> Activation {
+    Activation::Gelu
+}
+fn default_eps() -> f64 {
+    1e-5
+}
+fn default_true() -> bool {
+    true
+}
+fn default_every() -> usize {
+    1
+}
+
+/// The decoder's sizes and special tokens. Field names follow the Hugging
+/// Face `config.json` keys, with GPT-2's spellings accepted as aliases.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DecoderConfig {
+    /// Tokens in the vocabulary.
+    #[serde(alias = "n_vocab")]
+    pub vocab_size: usize,
+    /// Width of the text stream.
+    #[serde(alias = "n_embd", alias = "d_model")]
+    pub hidden_size: usize,
+    /// Self- and cross-attention heads.
+    #[serde(alias = "n_head")]
+    pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention); defaults to
+    /// `num_attention_heads`.
+    #[serde(default = "default_kv_heads")]
+    pub num_key_value_heads: Option<usize>,
+    /// Decoder blocks.
+    #[serde(alias = "n_layer")]
+    pub num_hidden_layers: usize,
+    /// Width of the feed-forward layer.
+    #[serde(alias = "n_inner")]
+    pub intermediate_size: usize,
+    /// Learned positions; the longest sequence the decoder can read.
+    #[serde(alias = "n_positions", alias = "n_ctx")]
+    pub max_position_embeddings: usize,
+    /// Width of the image tokens (the memory) that cross-attention reads.
+    #[serde(alias = "cross_attention_hidden_size", alias = "encoder_hidden_size")]
+    pub memory_dim: usize,
+    /// Feed-forward activation (default `gelu`, the erf form).
+    #[serde(default = "default_act", alias = "activation_function")]
+    pub hidden_act: Activation,
+    /// Layer-norm epsilon (default 1e-5).
+    #[serde(default = "default_eps", alias = "layer_norm_epsilon")]
+    pub layer_norm_eps: f64,
+    /// Whether the LM head shares the token embedding (default true).
+    #[serde(default = "default_true")]
+    pub tie_word_embeddings: bool,
+    /// Cross-attention in every k-th block, starting with the first
+    /// (1 = every block; Flamingo uses k > 1). Default 1.
+    #[serde(default = "default_every")]
+    pub cross_attention_every: usize,
+    /// Flamingo's tanh gate on the cross-attention branch (default false).
+    #[serde(default)]
+    pub gated_cross_attention: bool,
+    /// Whether the attention projections have biases (default true).
+    #[serde(default = "default_true")]
+    pub attention_bias: bool,
+    /// The start token.
+    pub bos_token_id: u32,
+    /// The end token.
+    pub eos_token_id: u32,
+    /// The padding token.
+    pub pad_token_id: u32,
+}
+
+impl DecoderConfig {
+    /// Key/value heads, resolved.
+    pub fn kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    /// Whether block `layer` has cross-attention.
+    pub fn has_cross_attention(&self, layer: usize) -> bool {
+        layer % self.cross_attention_every == 0
+    }
+
+    /// Rejects impossible values before any tensor is built.
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("intermediate_size", self.intermediate_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+            ("memory_dim", self.memory_dim),
+            ("cross_attention_every", self.cross_attention_every),
+            ("num_key_value_heads", self.kv_heads()),
+        ];
+        for (field, v) in positive {
+            if v == 0 {
+                return config_err(field, "must be positive, got 0");
+            }
+        }
+        if self.hidden_size % self.num_attention_heads != 0 {
+            return config_err(
+                "hidden_size",
+                format!(
+                    "{} is not divisible by num_attention_heads {}",
+                    self.hidden_size, self.num_attention_heads
+                ),
+            );
+        }
+        if self.num_attention_heads % self.kv_heads() != 0 {
+            return config_err(
+                "num_key_value_heads",
+                format!(
+                    "num_attention_heads {} is not divisible by {}",
+                    self.num_attention_heads,
+                    self.kv_heads()
+                ),
+            );
+        }
+        if !(self.layer_norm_eps > 0.0 && self.layer_norm_eps.is_finite()) {
+            return config_err(
+                "layer_norm_eps",
+                format!("must be positive, got {}", self.layer_norm_eps),
+            );
+        }
+        for (field, id) in [
+            ("bos_token_id", self.bos_token_id),
+            ("eos_token_id", self.eos_token_id),
+            ("pad_token_id", self.pad_token_id),
+        ] {
+            if id as usize >= self.vocab_size {
+                return config_err(
+                    field,
+                    format!("{id} is not below vocab_size {}", self.vocab_size),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Parses and validates a `config.json`.
+    pub fn from_json(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|source| DecoderError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let cfg: Self = serde_json::from_str(&text).map_err(|source| DecoderError::Json {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// A tiny configuration for tests and examples.
+    pub fn tiny(vocab_size: usize, memory_dim: usize) -> Self {
+        Self {
+            vocab_size,
+            hidden_size: 32,
+            num_attention_heads: 4,
+            num_key_value_heads: None,
+            num_hidden_layers: 2,
+            intermediate_size: 64,
+            max_position_embeddings: 64,
+            memory_dim,
+            hidden_act: Activation::Gelu,
+            layer_norm_eps: 1e-5,
+            tie_word_embeddings: true,
+            cross_attention_every: 1,
+            gated_cross_attention: false,
+            attention_bias: true,
+            bos_token_id: 1,
+            eos_token_id: 2,
+            pad_token_id: 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpt2_spellings_and_defaults() {
+        let cfg: DecoderConfig = serde_json::from_str(
+            r#"{"n_vocab": 50, "n_embd": 16, "n_head": 4, "n_layer": 2, "n_inner": 64,
+                "n_positions": 32, "encoder_hidden_size": 24, "activation_function": "gelu_new",
+                "layer_norm_epsilon": 1e-5, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1}"#,
+        )
+        .expect("parse");
+        assert_eq!(cfg.hidden_act, Activation::GeluTanh);
+        assert_eq!(cfg.kv_heads(), 4);
+        assert!(cfg.tie_word_embeddings);
+        cfg.validate().expect("valid");
+    }
+
+    #[test]
+    fn validate_names_the_field() {
+        let mut cfg = DecoderConfig::tiny(10, 8);
+        cfg.num_attention_heads = 3;
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("hidden_size") && err.contains("32") && err.contains('3'),
+            "{err}"
+        );
+        let mut cfg = DecoderConfig::tiny(10, 8);
+        cfg.num_hidden_layers = 0;
+        assert!(cfg
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("num_hidden_layers"));
+        let mut cfg = DecoderConfig::tiny(10, 8);
+        cfg.eos_token_id = 10;
+        assert!(cfg
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("eos_token_id"));
+        let bad =
+            serde_json::from_str::<DecoderConfig>(r#"{"vocab_size": 10, "hidden_act": "tanhh"}"#);
+        assert!(bad.is_err());
+    }
+}

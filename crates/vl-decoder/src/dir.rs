@@ -1,0 +1,226 @@
+//! Model directories: `config.json` + `model.safetensors` (memory-mapped) +
+//! `tokenizer.json`, and the device and dtype to load them on.
+//!
+//! Every error names the file, and for weights the tensor with the expected
+//! and the found shape or dtype.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::{VarBuilder, VarMap};
+
+use crate::error::{arg_err, DecoderError, Result};
+
+/// The weights file of a model directory.
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+/// The config file of a model directory.
+pub const CONFIG_FILE: &str = "config.json";
+/// The tokenizer file of a model directory.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// Parses `cpu`, `cuda`, `cuda:N` or `metal` (`metal:N`).
+pub fn parse_device(name: &str) -> Result<Device> {
+    let (kind, ordinal) = match name.split_once(':') {
+        Some((k, n)) => match n.parse::<usize>() {
+            Ok(n) => (k, n),
+            Err(_) => {
+                return arg_err(
+                    "device",
+                    format!("`{name}`: the ordinal `{n}` is not a number"),
+                )
+            }
+        },
+        None => (name, 0),
+    };
+    match kind {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" if cfg!(feature = "cuda") => Ok(Device::new_cuda(ordinal)?),
+        "cuda" => arg_err(
+            "device",
+            format!("`{name}`: this build has no CUDA support (build with --features cuda)"),
+        ),
+        "metal" if cfg!(feature = "metal") => Ok(Device::new_metal(ordinal)?),
+        "metal" => arg_err(
+            "device",
+            format!("`{name}`: this build has no Metal support (build with --features metal)"),
+        ),
+        _ => arg_err(
+            "device",
+            format!("`{name}` is not one of cpu, cuda[:N], metal[:N]"),
+        ),
+    }
+}
+
+/// Parses `f32`, `f16` or `bf16`.
+pub fn parse_dtype(name: &str) -> Result<DType> {
+    match name {
+        "f32" => Ok(DType::F32),
+        "f16" => Ok(DType::F16),
+        "bf16" => Ok(DType::BF16),
+        _ => arg_err("dtype", format!("`{name}` is not one of f32, f16, bf16")),
+    }
+}
+
+/// A safetensors backend that checks each tensor's presence, shape and
+/// dtype before loading it, and names the file in every error.
+struct CheckedSafetensors {
+    inner: MmapedSafetensors,
+    path: PathBuf,
+}
+
+impl CheckedSafetensors {
+    fn err(&self, reason: String) -> candle_core::Error {
+        candle_core::Error::Msg(format!("{}: {reason}", self.path.display()))
+    }
+}
+
+impl SimpleBackend for CheckedSafetensors {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let view = self.inner.get(name).map_err(|_| {
+            self.err(format!(
+                "missing tensor `{name}` (expected shape {:?})",
+                s.dims()
+            ))
+        })?;
+        if view.shape() != s.dims() {
+            return Err(self.err(format!(
+                "tensor `{name}` has shape {:?}, expected {:?}",
+                view.shape(),
+                s.dims()
+            )));
+        }
+        use safetensors::Dtype as D;
+        if !matches!(view.dtype(), D::F32 | D::F16 | D::BF16 | D::F64) {
+            return Err(self.err(format!(
+                "tensor `{name}` has dtype {:?}, expected a float (f32, f16, bf16)",
+                view.dtype()
+            )));
+        }
+        self.inner.load(name, dev)?.to_dtype(dtype)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.inner.load(name, dev)?.to_dtype(dtype)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.inner.get(name).is_ok()
+    }
+}
+
+/// Memory-maps safetensors files into a checked [`VarBuilder`].
+///
+/// The files are mapped read-only; they must not be modified while the
+/// model is alive.
+pub fn mmap_weights(
+    files: &[PathBuf],
+    dtype: DType,
+    device: &Device,
+) -> Result<VarBuilder<'static>> {
+    let Some(first) = files.first() else {
+        return arg_err("weights", "no safetensors file given");
+    };
+    for f in files {
+        if !f.is_file() {
+            return Err(DecoderError::Weights {
+                path: f.clone(),
+                reason: "no such file".into(),
+            });
+        }
+    }
+    // SAFETY: the files are mapped read-only and the mapping is owned by the
+    // backend; like every memory-mapped loader, this assumes nothing
+    // truncates the files while they are mapped.
+    let inner = unsafe { MmapedSafetensors::multi(files) }.map_err(|e| DecoderError::Weights {
+        path: first.clone(),
+        reason: format!("not a valid safetensors file: {e}"),
+    })?;
+    let backend = CheckedSafetensors {
+        inner,
+        path: first.clone(),
+    };
+    Ok(VarBuilder::from_backend(
+        Box::new(backend),
+        dtype,
+        device.clone(),
+    ))
+}
+
+/// Maps a candle error raised while loading weights to one that names the
+/// file (the checked backend already put the tensor in the message).
+pub fn weights_error(path: &Path, e: DecoderError) -> DecoderError {
+    match e {
+        DecoderError::Candle(c) => {
+            let msg = c.to_string();
+            let prefix = format!("{}: ", path.display());
+            DecoderError::Weights {
+                path: path.to_path_buf(),
+                reason: msg.strip_prefix(&prefix).unwrap_or(&msg).to_string(),
+            }
+        }
+        DecoderError::Attn(vl_attn::AttnError::Candle(c)) => {
+            weights_error(path, DecoderError::Candle(c))
+        }
+        other => other,
+    }
+}
+
+/// Writes every variable of `vars` to a safetensors file.
+pub fn save_varmap(vars: &VarMap, path: &Path) -> Result<()> {
+    let data = vars.data().lock().map_err(|_| DecoderError::Weights {
+        path: path.to_path_buf(),
+        reason: "the variable map's lock is poisoned".into(),
+    })?;
+    let tensors: HashMap<String, Tensor> = data
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect();
+    candle_core::safetensors::save(&tensors, path).map_err(|e| DecoderError::Weights {
+        path: path.to_path_buf(),
+        reason: format!("cannot write: {e}"),
+    })
+}
+
+/// Loads `tokenizer.json` and checks that it covers `vocab_size` ids.
+pub fn load_tokenizer(path: &Path, vocab_size: usize) -> Result<tokenizers::Tokenizer> {
+    if !path.is_file() {
+        return Err(DecoderError::Tokenizer {
+            path: path.to_path_buf(),
+            reason: "no such file".into(),
+        });
+    }
+    let tok = tokenizers::Tokenizer::from_file(path).map_err(|e| DecoderError::Tokenizer {
+        path: path.to_path_buf(),
+        reason: format!("not a valid tokenizer: {e}"),
+    })?;
+    let n = tok.get_vocab_size(true);
+    if n < vocab_size {
+        return Err(DecoderError::Tokenizer {
+            path: path.to_path_buf(),
+            reason: format!("has {n} tokens, fewer than the model's vocab_size {vocab_size}"),
+        });
+    }
+    Ok(tok)
+}
+
+/// Reads a JSON file into `T`, naming the file in errors.
+pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|source| DecoderError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|source| DecoderError::Json {
+        path: path.to_path_buf(),
+        source,
+    })
+}

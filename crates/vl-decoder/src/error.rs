@@ -1,0 +1,92 @@
+//! The error type of vl-decoder.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in vl-decoder.
+///
+/// Messages name the culprit — the config field, the file, the tensor, the
+/// argument — with the expected and the actual value.
+#[derive(Debug, thiserror::Error)]
+pub enum DecoderError {
+    /// A configuration value is impossible.
+    #[error("config: {field}: {reason}")]
+    Config {
+        /// The config field, as spelled in `config.json`.
+        field: &'static str,
+        /// What is wrong, with the values involved.
+        reason: String,
+    },
+    /// A file could not be read or written.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A JSON file does not parse or has fields of the wrong type.
+    #[error("{}: {source}", path.display())]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error, with line and column.
+        source: serde_json::Error,
+    },
+    /// A weights file is malformed, lacks a tensor, or has one of the wrong
+    /// shape or dtype.
+    #[error("{}: {reason}", path.display())]
+    Weights {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, naming the tensor and the expected vs found value.
+        reason: String,
+    },
+    /// A tokenizer file is malformed or does not fit the model.
+    #[error("{}: {reason}", path.display())]
+    Tokenizer {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// An argument is out of range (a generation setting, a token id, a
+    /// device name).
+    #[error("{arg}: {reason}")]
+    Argument {
+        /// The argument, e.g. `num_beams`.
+        arg: &'static str,
+        /// What is wrong, with the values involved.
+        reason: String,
+    },
+    /// A sequence would pass the model's last position.
+    #[error("position {position} is past the model's max_position_embeddings {max}")]
+    MaxPositions {
+        /// The first position that does not exist.
+        position: usize,
+        /// The model's number of positions.
+        max: usize,
+    },
+    /// An error from the attention modules.
+    #[error(transparent)]
+    Attn(#[from] vl_attn::AttnError),
+    /// An error from candle.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// The result type of vl-decoder.
+pub type Result<T> = std::result::Result<T, DecoderError>;
+
+pub(crate) fn config_err<T>(field: &'static str, reason: impl Into<String>) -> Result<T> {
+    Err(DecoderError::Config {
+        field,
+        reason: reason.into(),
+    })
+}
+
+pub(crate) fn arg_err<T>(arg: &'static str, reason: impl Into<String>) -> Result<T> {
+    Err(DecoderError::Argument {
+        arg,
+        reason: reason.into(),
+    })
+}

@@ -1,0 +1,441 @@
+//! The vision-language decoder: token embedding + learned positions →
+//! blocks → final norm → LM head; and its incremental use, an image context
+//! built once per image and a decode state with the text caches.
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{Embedding, LayerNorm, Linear, Module, VarBuilder};
+use vl_attn::{CrossKv, KvCache, Mask};
+
+use crate::block::{layer_norm, BlockInputs, DecoderBlock, ImageInput};
+use crate::config::DecoderConfig;
+use crate::error::{arg_err, DecoderError, Result};
+
+/// The masks of a full forward pass.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ForwardMasks<'a> {
+    /// Text key mask `(batch | 1, len | 1, len)`, e.g. [`Mask::from_keys`]
+    /// of a left-padding mask; combined with causality.
+    pub text: Option<&'a Mask>,
+    /// Image mask `(batch | 1, len | 1, image_len)`, e.g.
+    /// [`vl_attn::mask::image_tokens`] or [`vl_attn::mask::interleaved`].
+    pub image: Option<&'a Mask>,
+}
+
+/// Every block's image keys and values, projected once per image batch and
+/// reused at every decode step; `None` in blocks without cross-attention
+/// and in text-only mode.
+#[derive(Debug, Clone)]
+pub struct ImageContext {
+    layers: Vec<Option<CrossKv>>,
+    mask: Option<Mask>,
+    images: usize,
+}
+
+impl ImageContext {
+    /// The number of images (0 in text-only mode).
+    pub fn images(&self) -> usize {
+        self.images
+    }
+
+    /// Whether there is no image.
+    pub fn is_text_only(&self) -> bool {
+        self.layers.iter().all(Option::is_none)
+    }
+
+    /// Block `layer`'s keys and values.
+    pub fn layer(&self, layer: usize) -> Option<&CrossKv> {
+        self.layers.get(layer).and_then(Option::as_ref)
+    }
+
+    /// The per-image token mask `(images | 1, 1, image_len)`, if any.
+    pub fn mask(&self) -> Option<&Mask> {
+        self.mask.as_ref()
+    }
+}
+
+/// The state of incremental decoding: per-block text caches and the
+/// position offset, over an [`ImageContext`] shared by every row.
+///
+/// Rows are laid out image by image: with `images` images and `per_image`
+/// rows each (beams or samples), row `b` reads image `b / per_image`.
+#[derive(Debug)]
+pub struct DecodeState {
+    image: ImageContext,
+    /// The image mask expanded to one row per decode row, built once.
+    image_mask: Option<Mask>,
+    caches: Vec<KvCache>,
+    rows: usize,
+    per_image: usize,
+    offset: usize,
+}
+
+impl DecodeState {
+    /// Tokens decoded so far (the next token's position).
+    pub fn position(&self) -> usize {
+        self.offset
+    }
+
+    /// Rows being decoded.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Rows per image.
+    pub fn per_image(&self) -> usize {
+        self.per_image
+    }
+
+    /// The shared image context.
+    pub fn image(&self) -> &ImageContext {
+        &self.image
+    }
+
+    /// Keeps rows `indices` in that order (beam search): row `j` becomes a
+    /// copy of row `indices[j]`'s text cache. Rows must stay with their
+    /// image: `indices[j] / per_image == j / per_image`. The image context is
+    /// untouched — no image key or value is copied.
+    pub fn reorder(&mut self, indices: &[u32]) -> Result<()> {
+        if indices.len() != self.rows {
+            return arg_err(
+                "indices",
+                format!("expected {} row indices, got {}", self.rows, indices.len()),
+            );
+        }
+        if let Some((j, &i)) = indices
+            .iter()
+            .enumerate()
+            .find(|(j, &i)| i as usize / self.per_image != j / self.per_image)
+        {
+            return arg_err(
+                "indices",
+                format!(
+                    "row {j} would take row {i}, which reads another image ({} rows per image)",
+                    self.per_image
+                ),
+            );
+        }
+        let Some(device) = self
+            .image
+            .layers
+            .iter()
+            .flatten()
+            .next()
+            .map(|kv| kv.k().device().clone())
+        else {
+            return self.reorder_on(indices, &Device::Cpu);
+        };
+        self.reorder_on(indices, &device)
+    }
+
+    fn reorder_on(&mut self, indices: &[u32], device: &Device) -> Result<()> {
+        let idx = Tensor::new(indices, device)?;
+        for cache in &mut self.caches {
+            cache.index_select(&idx)?;
+        }
+        Ok(())
+    }
+}
+
+/// The decoder.
+#[derive(Debug, Clone)]
+pub struct VisionLanguageDecoder {
+    embed_tokens: Embedding,
+    embed_positions: Embedding,
+    blocks: Vec<DecoderBlock>,
+    final_norm: LayerNorm,
+    lm_head: Linear,
+    /// `0..max_position_embeddings` as u32, built once, narrowed per step.
+    positions: Tensor,
+    cfg: DecoderConfig,
+}
+
+impl VisionLanguageDecoder {
+    /// Loads (or, with a `VarMap`-backed builder, initialises) the decoder:
+    /// `embed_tokens`, `embed_positions`, `blocks.{i}.*`, `final_norm`, and
+    /// `lm_head` unless `tie_word_embeddings`.
+    pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<Self> {
+        cfg.validate()?;
+        let embed_tokens =
+            candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, vb.pp("embed_tokens"))?;
+        let embed_positions = candle_nn::embedding(
+            cfg.max_position_embeddings,
+            cfg.hidden_size,
+            vb.pp("embed_positions"),
+        )?;
+        let blocks = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderBlock::load(vb.pp("blocks").pp(i), cfg, i))
+            .collect::<Result<Vec<_>>>()?;
+        let final_norm = layer_norm(vb.pp("final_norm"), cfg)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear::new(embed_tokens.embeddings().clone(), None)
+        } else {
+            candle_nn::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+        };
+        Self::from_parts(
+            embed_tokens,
+            embed_positions,
+            blocks,
+            final_norm,
+            lm_head,
+            cfg,
+        )
+    }
+
+    /// Builds the decoder from existing parts (checkpoint converters).
+    pub fn from_parts(
+        embed_tokens: Embedding,
+        embed_positions: Embedding,
+        blocks: Vec<DecoderBlock>,
+        final_norm: LayerNorm,
+        lm_head: Linear,
+        cfg: &DecoderConfig,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let device = embed_tokens.embeddings().device().clone();
+        let positions = Tensor::arange(0u32, cfg.max_position_embeddings as u32, &device)?;
+        Ok(Self {
+            embed_tokens,
+            embed_positions,
+            blocks,
+            final_norm,
+            lm_head,
+            positions,
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &DecoderConfig {
+        &self.cfg
+    }
+
+    /// The blocks.
+    pub fn blocks(&self) -> &[DecoderBlock] {
+        &self.blocks
+    }
+
+    /// The device of the weights.
+    pub fn device(&self) -> &Device {
+        self.embed_tokens.embeddings().device()
+    }
+
+    /// The dtype of the weights.
+    pub fn dtype(&self) -> DType {
+        self.embed_tokens.embeddings().dtype()
+    }
+
+    /// Sets the attention implementation of every block.
+    pub fn set_backend(&mut self, backend: vl_attn::Backend) {
+        for b in &mut self.blocks {
+            b.set_backend(backend);
+        }
+    }
+
+    fn check_tokens(&self, tokens: &Tensor, offset: usize) -> Result<(usize, usize)> {
+        let (b, t) = tokens.dims2().map_err(|_| DecoderError::Argument {
+            arg: "tokens",
+            reason: format!("expected shape (batch, len), got {:?}", tokens.dims()),
+        })?;
+        if tokens.dtype() != DType::U32 {
+            return arg_err(
+                "tokens",
+                format!("expected dtype u32, got {:?}", tokens.dtype()),
+            );
+        }
+        if offset + t > self.cfg.max_position_embeddings {
+            return Err(DecoderError::MaxPositions {
+                position: offset + t - 1,
+                max: self.cfg.max_position_embeddings,
+            });
+        }
+        Ok((b, t))
+    }
+
+    fn embed(&self, tokens: &Tensor, offset: usize, t: usize) -> Result<Tensor> {
+        let tok = self.embed_tokens.forward(tokens)?;
+        let pos = self
+            .embed_positions
+            .forward(&self.positions.narrow(0, offset, t)?)?;
+        Ok(tok.broadcast_add(&pos)?)
+    }
+
+    fn check_memory(&self, memory: &Tensor) -> Result<()> {
+        match memory.dims() {
+            &[_, _, d] if d == self.cfg.memory_dim => Ok(()),
+            dims => arg_err(
+                "memory",
+                format!(
+                    "expected shape (batch, image_len, {}), got {dims:?}",
+                    self.cfg.memory_dim
+                ),
+            ),
+        }
+    }
+
+    /// Logits of every position, in one pass with no cache.
+    ///
+    /// # Shapes
+    /// - `tokens: (batch, len)` u32
+    /// - `memory: (batch, image_len, memory_dim)`, or `None` for text only
+    /// - returns `(batch, len, vocab)`
+    pub fn forward(
+        &self,
+        tokens: &Tensor,
+        memory: Option<&Tensor>,
+        masks: ForwardMasks<'_>,
+    ) -> Result<Tensor> {
+        let (_, t) = self.check_tokens(tokens, 0)?;
+        if let Some(m) = memory {
+            self.check_memory(m)?;
+        }
+        let mut x = self.embed(tokens, 0, t)?;
+        let image = memory.map_or(ImageInput::None, ImageInput::Memory);
+        let inputs = BlockInputs {
+            text_mask: masks.text,
+            image_mask: masks.image,
+            want_weights: false,
+        };
+        for block in &self.blocks {
+            x = block.forward(&x, image, None, inputs)?.0;
+        }
+        self.logits(&x)
+    }
+
+    /// LM-head logits of hidden states.
+    ///
+    /// # Shapes
+    /// `hidden: (batch, len, hidden)` → `(batch, len, vocab)`.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(self.lm_head.forward(&self.final_norm.forward(hidden)?)?)
+    }
+
+    /// Projects every block's image keys and values, once per image batch.
+    ///
+    /// # Shapes
+    /// - `memory: (images, image_len, memory_dim)`
+    /// - `mask: (images | 1, 1, image_len)`, for images of unequal token counts
+    pub fn image_context(&self, memory: &Tensor, mask: Option<Mask>) -> Result<ImageContext> {
+        self.check_memory(memory)?;
+        let images = memory.dims()[0];
+        if let Some(m) = &mask {
+            let (mb, mq, mk) = m.dims();
+            if (mb != images && mb != 1) || mq != 1 || mk != memory.dims()[1] {
+                return arg_err(
+                    "image mask",
+                    format!(
+                        "expected shape ({images} | 1, 1, {}), got {:?}",
+                        memory.dims()[1],
+                        [mb, mq, mk]
+                    ),
+                );
+            }
+        }
+        let layers = self
+            .blocks
+            .iter()
+            .map(|b| b.project_image(memory))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ImageContext {
+            layers,
+            mask,
+            images,
+        })
+    }
+
+    /// A context with no image: cross-attention is skipped.
+    pub fn text_only_context(&self) -> ImageContext {
+        ImageContext {
+            layers: vec![None; self.blocks.len()],
+            mask: None,
+            images: 0,
+        }
+    }
+
+    /// A fresh decode state over `image`, with `per_image` rows per image
+    /// (beams or samples), or `per_image` rows in text-only mode.
+    pub fn start(&self, image: &ImageContext, per_image: usize) -> Result<DecodeState> {
+        if per_image == 0 {
+            return arg_err("per_image", "must be positive, got 0");
+        }
+        let rows = per_image * image.images.max(1);
+        let image_mask = match &image.mask {
+            Some(m) if m.dims().0 > 1 && per_image > 1 => {
+                let idx: Vec<u32> = (0..rows as u32).map(|r| r / per_image as u32).collect();
+                Some(m.index_select(&Tensor::new(idx, self.device())?)?)
+            }
+            other => other.clone(),
+        };
+        let capacity = self.cfg.max_position_embeddings.min(256);
+        Ok(DecodeState {
+            image: image.clone(),
+            image_mask,
+            caches: (0..self.blocks.len())
+                .map(|_| KvCache::new(capacity))
+                .collect(),
+            rows,
+            per_image,
+            offset: 0,
+        })
+    }
+
+    /// Feeds the next tokens of every row and returns their hidden states
+    /// (before the final norm), and block `weights_of`'s cross-attention
+    /// weights when asked.
+    ///
+    /// # Shapes
+    /// `tokens: (rows, len)` u32 → `(rows, len, hidden)`, weights
+    /// `(rows, heads, len, image_len)`.
+    pub fn step_hidden(
+        &self,
+        state: &mut DecodeState,
+        tokens: &Tensor,
+        weights_of: Option<usize>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (b, t) = self.check_tokens(tokens, state.offset)?;
+        if b != state.rows {
+            return arg_err("tokens", format!("expected {} rows, got {b}", state.rows));
+        }
+        let mut x = self.embed(tokens, state.offset, t)?;
+        let mut weights = None;
+        for (i, (block, cache)) in self.blocks.iter().zip(&mut state.caches).enumerate() {
+            let image = state.image.layers[i]
+                .as_ref()
+                .map_or(ImageInput::None, ImageInput::Cached);
+            let inputs = BlockInputs {
+                text_mask: None,
+                image_mask: state.image_mask.as_ref(),
+                want_weights: weights_of == Some(i),
+            };
+            let (y, w) = block.forward(&x, image, Some(cache), inputs)?;
+            x = y;
+            if w.is_some() {
+                weights = w;
+            }
+        }
+        state.offset += t;
+        Ok((x, weights))
+    }
+
+    /// Feeds the next tokens and returns the logits of every new position.
+    ///
+    /// # Shapes
+    /// `tokens: (rows, len)` u32 → `(rows, len, vocab)`.
+    pub fn step(&self, state: &mut DecodeState, tokens: &Tensor) -> Result<Tensor> {
+        let (h, _) = self.step_hidden(state, tokens, None)?;
+        self.logits(&h)
+    }
+
+    /// Feeds the next tokens and returns the logits of the last position
+    /// only, in f32 — what generation needs.
+    ///
+    /// # Shapes
+    /// `tokens: (rows, len)` u32 → `(rows, vocab)` f32.
+    pub fn step_last(&self, state: &mut DecodeState, tokens: &Tensor) -> Result<Tensor> {
+        let (h, _) = self.step_hidden(state, tokens, None)?;
+        let t = h.dims()[1];
+        Ok(self
+            .logits(&h.narrow(1, t - 1, 1)?)?
+            .squeeze(1)?
+            .to_dtype(DType::F32)?)
+    }
+}
