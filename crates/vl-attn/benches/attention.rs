@@ -4,6 +4,8 @@
 //!
 //! `cargo bench -p vl-attn --bench attention`
 
+#![allow(missing_docs)] // criterion_group! generates undocumented items
+
 use candle_core::{DType, Device, Tensor};
 use candle_nn::attention::{flash_attn, AttnMask};
 use candle_nn::{VarBuilder, VarMap};

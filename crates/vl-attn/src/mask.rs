@@ -253,10 +253,10 @@ pub fn interleaved(
             .collect();
         for t in 0..text_len {
             let row = &mut data[(b * text_len + t) * memory_len..][..memory_len];
-            let seen = ranges.iter().filter(|(start, _)| *start <= t);
+            let mut seen = ranges.iter().filter(|(start, _)| *start <= t);
             let seen: Vec<_> = match mode {
                 MediaAttention::AllPrevious => seen.collect(),
-                MediaAttention::MostRecent => seen.last().into_iter().collect(),
+                MediaAttention::MostRecent => seen.next_back().into_iter().collect(),
             };
             for (_, r) in seen {
                 row[r.clone()].fill(1);
