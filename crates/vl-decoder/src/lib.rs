@@ -41,9 +41,11 @@ pub mod dir;
 pub mod error;
 pub mod mock_vit;
 pub mod model;
+pub mod pretrained;
 
 pub use block::{DecoderBlock, FeedForward};
 pub use config::{Activation, DecoderConfig};
 pub use error::{DecoderError, Result};
 pub use mock_vit::{MockVit, MockVitConfig};
 pub use model::{DecodeState, ForwardMasks, ImageContext, VisionLanguageDecoder};
+pub use pretrained::{VisionConfig, VisionEncoder, VlConfig, VlModel};
