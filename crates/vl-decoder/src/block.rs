@@ -163,6 +163,11 @@ impl DecoderBlock {
         }
     }
 
+    /// The cross-attention branch, if the block has one.
+    pub fn cross_branch(&self) -> Option<&CrossBranch> {
+        self.cross.as_ref()
+    }
+
     /// Whether the block has a cross-attention branch.
     pub fn has_cross_attention(&self) -> bool {
         self.cross.is_some()

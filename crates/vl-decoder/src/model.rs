@@ -136,6 +136,19 @@ impl DecodeState {
     }
 }
 
+/// The standard deviation of fresh embeddings (transformers'
+/// `initializer_range`).
+pub const EMBEDDING_INIT_STD: f64 = 0.02;
+
+/// An embedding table `weight (n, width)`, initialised N(0, 0.02) when fresh.
+fn embedding(n: usize, width: usize, vb: VarBuilder) -> Result<Embedding> {
+    let init = candle_nn::Init::Randn {
+        mean: 0.0,
+        stdev: EMBEDDING_INIT_STD,
+    };
+    Ok(Embedding::new(vb.get_with_hints((n, width), "weight", init)?, width))
+}
+
 /// The decoder.
 #[derive(Debug, Clone)]
 pub struct VisionLanguageDecoder {
@@ -156,8 +169,8 @@ impl VisionLanguageDecoder {
     pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<Self> {
         cfg.validate()?;
         let embed_tokens =
-            candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, vb.pp("embed_tokens"))?;
-        let embed_positions = candle_nn::embedding(
+            embedding(cfg.vocab_size, cfg.hidden_size, vb.pp("embed_tokens"))?;
+        let embed_positions = embedding(
             cfg.max_position_embeddings,
             cfg.hidden_size,
             vb.pp("embed_positions"),
@@ -249,6 +262,16 @@ impl VisionLanguageDecoder {
             });
         }
         Ok((b, t))
+    }
+
+    /// Token plus position embeddings of `tokens` placed at positions
+    /// `offset..offset + len`: the input of the first block.
+    ///
+    /// # Shapes
+    /// `tokens: (batch, len)` u32 → `(batch, len, hidden)`.
+    pub fn embeddings(&self, tokens: &Tensor, offset: usize) -> Result<Tensor> {
+        let (_, t) = self.check_tokens(tokens, offset)?;
+        self.embed(tokens, offset, t)
     }
 
     fn embed(&self, tokens: &Tensor, offset: usize, t: usize) -> Result<Tensor> {
