@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use anyhow::ensure;
 use candle_core::{DType, Device, Tensor, D};
-use candle_nn::{Module, VarBuilder, VarMap};
+use candle_nn::{VarBuilder, VarMap};
 use vl::vl_attn::mask;
 use vl::vl_decoder::{DecoderConfig, ForwardMasks, MockVit, MockVitConfig, VisionLanguageDecoder};
 
@@ -29,7 +29,8 @@ fn run() -> anyhow::Result<()> {
         ..DecoderConfig::tiny(VOCAB, MEMORY_DIM)
     };
     let vars = VarMap::new();
-    let decoder = VisionLanguageDecoder::load(VarBuilder::from_varmap(&vars, DType::F32, &dev), &cfg)?;
+    let decoder =
+        VisionLanguageDecoder::load(VarBuilder::from_varmap(&vars, DType::F32, &dev), &cfg)?;
     let vit = MockVit::new(&MockVitConfig::base(MEMORY_DIM, SEED), DType::F32, &dev)?;
     let images = Tensor::rand(0f32, 1., (BATCH, 3, 224, 224), &dev)?;
     let memory = vit.forward(&images)?; // (2, 197, 96)
@@ -38,13 +39,23 @@ fn run() -> anyhow::Result<()> {
     let logits = decoder.forward(&tokens, Some(&memory), ForwardMasks::default())?;
     println!("image tokens shape: {:?}", memory.dims());
     println!("logits shape: {:?}", logits.dims());
-    println!("self-attention mask shape: {:?}", mask::causal(TEXT_LEN, &dev)?.dims());
+    println!(
+        "self-attention mask shape: {:?}",
+        mask::causal(TEXT_LEN, &dev)?.dims()
+    );
 
     // The first block's cross-attention, applied to the embedded tokens of sample 0.
     if let Some(branch) = decoder.blocks()[0].cross_branch() {
         let x = decoder.embeddings(&tokens, 0)?;
-        let out = branch.cross_attn.forward(&branch.cross_attn_norm.forward(&x)?, &memory, None)?;
-        let norms = out.sqr()?.sum(D::Minus1)?.sqrt()?.get(0)?.to_vec1::<f32>()?;
+        let out = branch
+            .cross_attn
+            .forward(&branch.cross_attn_norm.forward(&x)?, &memory, None)?;
+        let norms = out
+            .sqr()?
+            .sum(D::Minus1)?
+            .sqrt()?
+            .get(0)?
+            .to_vec1::<f32>()?;
         let norms: Vec<String> = norms.iter().map(|n| format!("{n:.3}")).collect();
         println!("cross-attention output norms: {}", norms.join(" "));
     }
@@ -57,7 +68,11 @@ fn run() -> anyhow::Result<()> {
         steps.push(decoder.step(&mut state, &tokens.narrow(1, t, 1)?)?);
     }
     let stepped = Tensor::cat(&steps, 1)?;
-    let diff = (stepped - &logits)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    let diff = (stepped - &logits)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?;
     println!("kv-cache max abs diff: {diff:.2e}");
     ensure!(diff <= 1e-5, "cached and uncached logits differ by {diff}");
     Ok(())

@@ -106,7 +106,10 @@ impl KvCache {
         };
         let select = |buf: &Tensor| -> Result<Tensor> {
             let (_, h, cap, d) = buf.dims4()?;
-            let kept = buf.narrow(2, 0, self.len)?.index_select(indices, 0)?;
+            let kept = buf
+                .narrow(2, 0, self.len)?
+                .contiguous()?
+                .index_select(indices, 0)?;
             let out = Tensor::zeros((indices.elem_count(), h, cap, d), buf.dtype(), buf.device())?;
             out.slice_set(&kept, 2, 0)?;
             Ok(out)

@@ -214,7 +214,7 @@ impl CrossAttention {
         })
     }
 
-    /// Chooses the attention implementation (the default is [`Backend::Fused`]).
+    /// Chooses the attention implementation (the default is [`Backend::Auto`]).
     pub fn with_backend(mut self, backend: Backend) -> Self {
         self.backend = backend;
         self

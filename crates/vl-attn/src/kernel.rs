@@ -21,6 +21,12 @@ use crate::mask::Mask;
 /// Which implementation computes attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Backend {
+    /// [`Backend::Fused`] for short query blocks (decode steps, up to
+    /// [`AUTO_FUSED_MAX_Q_LEN`] queries) and for score tensors larger than
+    /// [`FUSED_BLOCK_BYTES`]; [`Backend::Reference`] otherwise, where its
+    /// matrix products are faster (see BENCHMARKS.md).
+    #[default]
+    Auto,
     /// Materialises the `(batch, heads, q_len, k_len)` scores with matrix
     /// products; differentiable. Always used when weights are requested or
     /// when an input tracks gradients.
@@ -30,9 +36,11 @@ pub enum Backend {
     /// the reference path over blocks of queries whose scores fit in
     /// [`FUSED_BLOCK_BYTES`]. Falls back to [`Backend::Reference`] for inputs
     /// that track gradients.
-    #[default]
     Fused,
 }
+
+/// The longest query block that [`Backend::Auto`] sends to the fused path.
+pub const AUTO_FUSED_MAX_Q_LEN: usize = 16;
 
 /// The largest score block the fused path materialises off CPU, in bytes.
 pub const FUSED_BLOCK_BYTES: usize = 64 << 20;
@@ -124,9 +132,17 @@ pub fn attention(
 ) -> Result<Tensor> {
     let dims = Dims::check(q, k, v, mask)?;
     let tracks = q.track_op() || k.track_op() || v.track_op();
-    match backend {
-        Backend::Fused if !tracks => fused(q, k, v, mask, scale, dims),
-        _ => Ok(reference(q, k, v, mask, scale, dims)?.0),
+    let score_bytes =
+        dims.batch_q * dims.heads * dims.q_len * dims.k_len * std::mem::size_of::<f32>();
+    let use_fused = match backend {
+        Backend::Reference => false,
+        Backend::Fused => true,
+        Backend::Auto => dims.q_len <= AUTO_FUSED_MAX_Q_LEN || score_bytes > FUSED_BLOCK_BYTES,
+    };
+    if use_fused && !tracks {
+        fused(q, k, v, mask, scale, dims)
+    } else {
+        Ok(reference(q, k, v, mask, scale, dims)?.0)
     }
 }
 

@@ -124,7 +124,7 @@ impl CausalSelfAttention {
         })
     }
 
-    /// Chooses the attention implementation (the default is [`Backend::Fused`]).
+    /// Chooses the attention implementation (the default is [`Backend::Auto`]).
     pub fn with_backend(mut self, backend: Backend) -> Self {
         self.backend = backend;
         self

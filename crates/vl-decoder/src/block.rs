@@ -10,7 +10,7 @@
 //! the middle line.
 
 use candle_core::Tensor;
-use candle_nn::{LayerNorm, LayerNormConfig, Linear, Module, VarBuilder};
+use candle_nn::{Linear, Module, VarBuilder};
 use vl_attn::{
     CausalSelfAttention, CrossAttention, CrossAttentionConfig, CrossKv, KvCache, Mask,
     SelfAttentionConfig, TanhGate,
@@ -18,6 +18,7 @@ use vl_attn::{
 
 use crate::config::{Activation, DecoderConfig};
 use crate::error::Result;
+use crate::norm::LayerNorm;
 
 /// The position-wise feed-forward layer `down(act(up(x)))`.
 #[derive(Debug, Clone)]
@@ -97,11 +98,7 @@ pub struct DecoderBlock {
 }
 
 pub(crate) fn layer_norm(vb: VarBuilder, cfg: &DecoderConfig) -> Result<LayerNorm> {
-    let ln_cfg = LayerNormConfig {
-        eps: cfg.layer_norm_eps,
-        ..Default::default()
-    };
-    Ok(candle_nn::layer_norm(cfg.hidden_size, ln_cfg, vb)?)
+    LayerNorm::load(cfg.hidden_size, cfg.layer_norm_eps, vb)
 }
 
 impl DecoderBlock {

@@ -49,6 +49,14 @@ pub enum DecoderError {
         /// What is wrong.
         reason: String,
     },
+    /// An image file cannot be read, is not an image, or is unusable.
+    #[error("{}: {reason}", path.display())]
+    Image {
+        /// The image file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
     /// An argument is out of range (a generation setting, a token id, a
     /// device name).
     #[error("{arg}: {reason}")]

@@ -39,13 +39,22 @@ pub mod block;
 pub mod config;
 pub mod dir;
 pub mod error;
+pub mod generate;
+pub mod init;
 pub mod mock_vit;
 pub mod model;
+pub mod norm;
+pub mod preprocess;
 pub mod pretrained;
+pub mod vit;
 
 pub use block::{DecoderBlock, FeedForward};
 pub use config::{Activation, DecoderConfig};
 pub use error::{DecoderError, Result};
+pub use generate::{
+    generate, EarlyStopping, Generated, GenerationConfig, StopReason, Strategy, TokenEvent,
+};
 pub use mock_vit::{MockVit, MockVitConfig};
 pub use model::{DecodeState, ForwardMasks, ImageContext, VisionLanguageDecoder};
 pub use pretrained::{VisionConfig, VisionEncoder, VlConfig, VlModel};
+pub use vit::{Vit, VitConfig};

@@ -3,7 +3,9 @@
 //! built once per image and a decode state with the text caches.
 
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{Embedding, LayerNorm, Linear, Module, VarBuilder};
+use candle_nn::{Embedding, Linear, Module, VarBuilder};
+
+use crate::norm::LayerNorm;
 use vl_attn::{CrossKv, KvCache, Mask};
 
 use crate::block::{layer_norm, BlockInputs, DecoderBlock, ImageInput};
@@ -146,7 +148,10 @@ fn embedding(n: usize, width: usize, vb: VarBuilder) -> Result<Embedding> {
         mean: 0.0,
         stdev: EMBEDDING_INIT_STD,
     };
-    Ok(Embedding::new(vb.get_with_hints((n, width), "weight", init)?, width))
+    Ok(Embedding::new(
+        vb.get_with_hints((n, width), "weight", init)?,
+        width,
+    ))
 }
 
 /// The decoder.
@@ -168,8 +173,7 @@ impl VisionLanguageDecoder {
     /// `lm_head` unless `tie_word_embeddings`.
     pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<Self> {
         cfg.validate()?;
-        let embed_tokens =
-            embedding(cfg.vocab_size, cfg.hidden_size, vb.pp("embed_tokens"))?;
+        let embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, vb.pp("embed_tokens"))?;
         let embed_positions = embedding(
             cfg.max_position_embeddings,
             cfg.hidden_size,

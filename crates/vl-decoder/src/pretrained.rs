@@ -8,8 +8,8 @@
 
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device};
-use candle_nn::VarMap;
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
 use serde::{Deserialize, Serialize};
 
 use crate::config::DecoderConfig;
@@ -17,9 +17,11 @@ use crate::dir::{
     load_tokenizer, mmap_weights, read_json, save_varmap, weights_error, CONFIG_FILE,
     TOKENIZER_FILE, WEIGHTS_FILE,
 };
-use crate::error::{config_err, DecoderError, Result};
+use crate::error::{arg_err, config_err, DecoderError, Result};
 use crate::mock_vit::{MockVit, MockVitConfig};
 use crate::model::VisionLanguageDecoder;
+use crate::preprocess::{preprocess_batch, PixelSpec};
+use crate::vit::{Vit, VitConfig};
 
 /// The `model_type` of a vl model directory.
 pub const MODEL_TYPE: &str = "vl";
@@ -30,6 +32,31 @@ pub const MODEL_TYPE: &str = "vl";
 pub enum VisionConfig {
     /// The seeded, weightless [`MockVit`].
     MockVit(MockVitConfig),
+    /// A trained [`Vit`], weights under `vision.`.
+    Vit(VitConfig),
+}
+
+impl VisionConfig {
+    /// The width of the image tokens.
+    pub fn hidden_size(&self) -> usize {
+        match self {
+            Self::MockVit(c) => c.hidden_size,
+            Self::Vit(c) => c.hidden_size,
+        }
+    }
+
+    /// What the encoder expects of its pixels (the mock ViT takes pixels
+    /// normalised by mean 0.5 and std 0.5).
+    pub fn pixel_spec(&self) -> PixelSpec {
+        match self {
+            Self::MockVit(c) => PixelSpec {
+                image_size: c.image_size,
+                mean: [0.5; 3],
+                std: [0.5; 3],
+            },
+            Self::Vit(c) => c.pixel_spec(),
+        }
+    }
 }
 
 /// `config.json` of a vl model directory.
@@ -54,22 +81,24 @@ impl VlConfig {
             );
         }
         self.decoder.validate()?;
-        match &self.vision {
-            Some(VisionConfig::MockVit(v)) => {
-                v.validate()?;
-                if v.hidden_size != self.decoder.memory_dim {
-                    return config_err(
-                        "vision.hidden_size",
-                        format!(
-                            "{} does not match decoder.memory_dim {}",
-                            v.hidden_size, self.decoder.memory_dim
-                        ),
-                    );
-                }
-                Ok(())
-            }
-            None => Ok(()),
+        let Some(vision) = &self.vision else {
+            return Ok(());
+        };
+        match vision {
+            VisionConfig::MockVit(v) => v.validate()?,
+            VisionConfig::Vit(v) => v.validate()?,
         }
+        if vision.hidden_size() != self.decoder.memory_dim {
+            return config_err(
+                "vision.hidden_size",
+                format!(
+                    "{} does not match decoder.memory_dim {}",
+                    vision.hidden_size(),
+                    self.decoder.memory_dim
+                ),
+            );
+        }
+        Ok(())
     }
 }
 
@@ -78,6 +107,29 @@ impl VlConfig {
 pub enum VisionEncoder {
     /// The mock encoder.
     MockVit(MockVit),
+    /// A trained ViT.
+    Vit(Vit),
+}
+
+impl VisionEncoder {
+    /// Builds the encoder of `cfg`, its weights (if any) under `vb`.
+    pub fn load(vb: VarBuilder, cfg: &VisionConfig) -> Result<Self> {
+        Ok(match cfg {
+            VisionConfig::MockVit(c) => Self::MockVit(MockVit::new(c, vb.dtype(), vb.device())?),
+            VisionConfig::Vit(c) => Self::Vit(Vit::load(vb, c)?),
+        })
+    }
+
+    /// Image tokens of normalised pixels.
+    ///
+    /// # Shapes
+    /// `pixels: (batch, 3, size, size)` → `(batch, tokens, hidden)`.
+    pub fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::MockVit(m) => m.forward(pixels),
+            Self::Vit(v) => v.forward(pixels),
+        }
+    }
 }
 
 /// A loaded model directory.
@@ -121,9 +173,9 @@ impl VlModel {
             .map_err(|e| weights_error(&weights, e))?;
         let vision = match &config.vision {
             None => None,
-            Some(VisionConfig::MockVit(v)) => {
-                Some(VisionEncoder::MockVit(MockVit::new(v, dtype, device)?))
-            }
+            Some(v) => Some(
+                VisionEncoder::load(vb.pp("vision"), v).map_err(|e| weights_error(&weights, e))?,
+            ),
         };
         Ok(Self {
             path: dir.to_path_buf(),
@@ -132,6 +184,21 @@ impl VlModel {
             vision,
             tokenizer,
         })
+    }
+
+    /// Image tokens of decoded images: preprocessing, then the encoder.
+    ///
+    /// # Shapes
+    /// Returns `(images.len(), tokens, memory_dim)`.
+    pub fn encode_images(&self, images: &[&image::DynamicImage]) -> Result<Tensor> {
+        let (Some(vision), Some(cfg)) = (&self.vision, &self.config.vision) else {
+            return arg_err(
+                "images",
+                format!("the model in {} has no vision encoder", self.path.display()),
+            );
+        };
+        let pixels = preprocess_batch(images, &cfg.pixel_spec(), self.decoder.device())?;
+        vision.forward(&pixels.to_dtype(self.decoder.dtype())?)
     }
 
     /// Writes a model directory: `config`, the variables of `vars` (named

@@ -356,3 +356,54 @@ fn devices_and_dtypes_parse_with_clear_errors() {
             .contains("--features cuda"));
     }
 }
+
+/// Training must reach every parameter: candle-nn's fused layer norm has no
+/// backward pass, and a cut graph trains only the output layer.
+#[test]
+fn every_parameter_receives_a_gradient() -> anyhow::Result<()> {
+    use candle_core::D;
+    use vl_decoder::{VisionEncoder, VitConfig};
+    let cfg = DecoderConfig {
+        gated_cross_attention: true,
+        ..DecoderConfig::tiny(VOCAB, MEM)
+    };
+    let vit_cfg = VitConfig {
+        image_size: 16,
+        patch_size: 8,
+        num_channels: 3,
+        hidden_size: MEM,
+        num_hidden_layers: 1,
+        num_attention_heads: 4,
+        intermediate_size: 32,
+        layer_norm_eps: 1e-5,
+        image_mean: [0.5; 3],
+        image_std: [0.5; 3],
+    };
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
+    let decoder = VisionLanguageDecoder::load(vb.pp("decoder"), &cfg)?;
+    let vision = VisionEncoder::load(vb.pp("vision"), &VisionConfig::Vit(vit_cfg))?;
+    // Open the gates, or the cross-attention branch has a zero gradient.
+    vl_decoder::init::seeded_init(&vars, 1)?;
+    for (name, var) in vars.data().lock().expect("lock").iter() {
+        if name.ends_with("cross_attn_gate") {
+            var.set(&Tensor::new(&[0.5f32], &Device::Cpu)?)?;
+        }
+    }
+    let pixels = Tensor::randn(0f32, 1., (2, 3, 16, 16), &Device::Cpu)?;
+    let toks = tokens(&[&[1, 5, 7, 3], &[1, 4, 4, 8]]);
+    let logits = decoder.forward(
+        &toks,
+        Some(&vision.forward(&pixels)?),
+        ForwardMasks::default(),
+    )?;
+    let loss = candle_nn::ops::log_softmax(&logits, D::Minus1)?
+        .mean_all()?
+        .neg()?;
+    let grads = loss.backward()?;
+    for (name, var) in vars.data().lock().expect("lock").iter() {
+        let g = grads.get(var.as_tensor());
+        assert!(g.is_some(), "{name} has no gradient");
+    }
+    Ok(())
+}

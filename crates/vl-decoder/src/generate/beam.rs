@@ -1,0 +1,343 @@
+//! Beam search, following transformers' vectorised `_beam_search`
+//! (`generation/utils.py`, v4.50 and later; see the [module
+//! documentation](super) for the conventions, step by step).
+//!
+//! Every image has its own search over `num_beams` rows of one shared
+//! [`DecodeState`](crate::model::DecodeState); the image's keys and values
+//! are projected once and read by all its beams, and only the text caches
+//! are reordered between steps.
+
+use candle_core::{Tensor, D};
+
+use super::config::{EarlyStopping, GenerationConfig, Strategy};
+use super::logits::process;
+use super::{Generated, StopReason, TokenEvent};
+use crate::error::{arg_err, Result};
+use crate::model::{ImageContext, VisionLanguageDecoder};
+
+/// transformers' "very large negative value" that masks a beam or a
+/// candidate (added in f32, as there).
+const MASKED: f32 = -1.0e9;
+
+/// The settings of one search.
+struct Params {
+    num_beams: usize,
+    length_penalty: f32,
+    early_stopping: EarlyStopping,
+    /// Most generated tokens, after the position limit.
+    max_new: usize,
+    /// Candidates kept per step: `max(2, 1 + eos ids) * num_beams`.
+    beams_to_keep: usize,
+}
+
+/// `len ^ length_penalty`, computed in f64 as Python's `int ** float`.
+fn length_divisor(len: usize, length_penalty: f32) -> f32 {
+    (len as f64).powf(f64::from(length_penalty)) as f32
+}
+
+/// One continuation of a running beam.
+struct Candidate {
+    /// Accumulated log-probability.
+    score: f32,
+    beam: usize,
+    token: u32,
+    /// Whether it ends the beam: an EOS id, or the last allowed token.
+    hits: bool,
+}
+
+/// A finished-hypothesis slot (transformers' `sequences`, `beam_scores`,
+/// `is_sent_finished`).
+#[derive(Debug, Clone)]
+struct Slot {
+    tokens: Vec<u32>,
+    score: f32,
+    finished: bool,
+}
+
+/// The search of one image.
+struct ImageSearch {
+    running: Vec<Vec<u32>>,
+    running_scores: Vec<f32>,
+    slots: Vec<Slot>,
+    /// transformers' `is_early_stop_heuristic_unsatisfied`.
+    improvable: bool,
+    done: bool,
+}
+
+impl ImageSearch {
+    fn new(num_beams: usize) -> Self {
+        // Only the first beam is live at the start: the others would
+        // repeat its candidates.
+        let mut running_scores = vec![MASKED; num_beams];
+        running_scores[0] = 0.0;
+        Self {
+            running: vec![Vec::new(); num_beams],
+            running_scores,
+            slots: vec![
+                Slot {
+                    tokens: Vec::new(),
+                    score: MASKED,
+                    finished: false,
+                };
+                num_beams
+            ],
+            improvable: true,
+            done: false,
+        }
+    }
+
+    /// The best `beams_to_keep` continuations, best first (ties: the lower
+    /// `beam * vocab + token`).
+    fn candidates(
+        &self,
+        log_probs: &[Vec<f32>],
+        p: &Params,
+        cfg: &GenerationConfig,
+    ) -> Vec<Candidate> {
+        let vocab = log_probs.first().map_or(0, Vec::len);
+        let mut flat: Vec<(f32, usize)> = log_probs
+            .iter()
+            .zip(&self.running_scores)
+            .enumerate()
+            .flat_map(|(b, (row, &run))| {
+                row.iter()
+                    .enumerate()
+                    .map(move |(v, &lp)| (lp + run, b * vocab + v))
+            })
+            .collect();
+        let best_first =
+            |a: &(f32, usize), b: &(f32, usize)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+        let k = p.beams_to_keep.min(flat.len());
+        if k > 0 && k < flat.len() {
+            flat.select_nth_unstable_by(k - 1, best_first);
+            flat.truncate(k);
+        }
+        flat.sort_by(best_first);
+        // Every beam has generated as many tokens: this step's token is
+        // number `len + 1`; at `max_new` every candidate ends.
+        let last = self.running[0].len() + 1 >= p.max_new;
+        flat.into_iter()
+            .map(|(score, i)| {
+                let token = (i % vocab) as u32;
+                Candidate {
+                    score,
+                    beam: i / vocab,
+                    token,
+                    hits: last || cfg.is_eos(token),
+                }
+            })
+            .collect()
+    }
+
+    /// One step over this image's processed log-probabilities
+    /// `(num_beams, vocab)`; returns the new running beams as
+    /// `(source beam, token)`.
+    fn step(
+        &mut self,
+        log_probs: &[Vec<f32>],
+        p: &Params,
+        cfg: &GenerationConfig,
+    ) -> Vec<(usize, u32)> {
+        let nb = p.num_beams;
+        let generated = self.running[0].len() + 1;
+        let cands = self.candidates(log_probs, p, cfg);
+        let extend = |c: &Candidate, running: &[Vec<u32>]| {
+            let mut t = running[c.beam].clone();
+            t.push(c.token);
+            t
+        };
+
+        // Running beams: the best candidates that do not end.
+        let masked: Vec<f32> = cands
+            .iter()
+            .map(|c| if c.hits { c.score + MASKED } else { c.score })
+            .collect();
+        let mut order: Vec<usize> = (0..cands.len()).collect();
+        order.sort_by(|&i, &j| masked[j].total_cmp(&masked[i]));
+        order.truncate(nb);
+        let chosen: Vec<(usize, u32)> = order
+            .iter()
+            .map(|&i| (cands[i].beam, cands[i].token))
+            .collect();
+        let running: Vec<Vec<u32>> = order
+            .iter()
+            .map(|&i| extend(&cands[i], &self.running))
+            .collect();
+        let running_scores: Vec<f32> = order.iter().map(|&i| masked[i]).collect();
+
+        // Finished hypotheses: candidates that end among the first
+        // `num_beams` ranks, scored `score / generated^length_penalty`,
+        // merged with the slots; the best `num_beams` stay. (transformers
+        // also masks candidates of items that can no longer improve or are
+        // full under early_stopping=True; such an image is done here and
+        // no longer stepped, so those masks never apply.)
+        let divisor = length_divisor(generated, p.length_penalty);
+        let mut merged = std::mem::take(&mut self.slots);
+        for (rank, c) in cands.iter().enumerate() {
+            let finished = c.hits && rank < nb;
+            merged.push(Slot {
+                tokens: if finished {
+                    extend(c, &self.running)
+                } else {
+                    Vec::new()
+                },
+                score: if finished {
+                    c.score / divisor
+                } else {
+                    c.score / divisor + MASKED
+                },
+                finished,
+            });
+        }
+        merged.sort_by(|a, b| b.score.total_cmp(&a.score));
+        merged.truncate(nb);
+        self.slots = merged;
+        self.running = running;
+        self.running_scores = running_scores;
+
+        // Can a running beam still beat the worst finished hypothesis?
+        let best_len = if p.early_stopping == EarlyStopping::Never && p.length_penalty > 0.0 {
+            p.max_new
+        } else {
+            generated
+        };
+        let best_possible = self.running_scores[0] / length_divisor(best_len, p.length_penalty);
+        let worst = self
+            .slots
+            .iter()
+            .map(|s| s.score)
+            .fold(f32::INFINITY, f32::min);
+        self.improvable &= self
+            .slots
+            .iter()
+            .any(|s| best_possible > if s.finished { worst } else { MASKED });
+        let full = p.early_stopping == EarlyStopping::True && self.slots.iter().all(|s| s.finished);
+        let can_continue = !cands.iter().all(|c| c.hits);
+        self.done = !(self.improvable && !full && can_continue);
+        chosen
+    }
+
+    /// The best finished hypothesis (the best running beam if, in some
+    /// degenerate case, none finished).
+    fn result(&self, cfg: &GenerationConfig, p: &Params, limit: StopReason) -> Generated {
+        let (tokens, score) = match self.slots.iter().find(|s| s.finished) {
+            Some(s) => (s.tokens.clone(), s.score),
+            None => {
+                let len = self.running[0].len().max(1);
+                (
+                    self.running[0].clone(),
+                    self.running_scores[0] / length_divisor(len, p.length_penalty),
+                )
+            }
+        };
+        let stop = match tokens.last() {
+            Some(&t) if cfg.is_eos(t) => StopReason::Eos,
+            _ => limit,
+        };
+        Generated {
+            tokens,
+            score: Some(score),
+            stop,
+        }
+    }
+}
+
+/// Beam search over every image at once: `num_beams` rows per image.
+///
+/// Each image's best hypothesis is streamed to `on_token` when that image's
+/// search ends. Images whose search has ended are fed `pad_token_id` and
+/// their logits ignored; decoding stops when every search has ended.
+pub(crate) fn decode(
+    model: &VisionLanguageDecoder,
+    image: &ImageContext,
+    cfg: &GenerationConfig,
+    on_token: &mut dyn FnMut(TokenEvent),
+) -> Result<Vec<Generated>> {
+    let Strategy::Beam {
+        num_beams,
+        length_penalty,
+        early_stopping,
+    } = cfg.strategy
+    else {
+        return arg_err("strategy", "beam search needs Strategy::Beam");
+    };
+    let max_positions = model.config().max_position_embeddings;
+    let vocab = model.config().vocab_size;
+    let per_beam = 2.max(1 + cfg.eos_token_ids.len());
+    if vocab < per_beam {
+        return arg_err(
+            "eos_token_ids",
+            format!(
+                "beam search keeps {per_beam} * num_beams candidates per step, more than the \
+                 vocabulary size {vocab} * num_beams"
+            ),
+        );
+    }
+    let p = Params {
+        num_beams,
+        length_penalty,
+        early_stopping,
+        max_new: cfg.max_new_tokens.min(max_positions),
+        beams_to_keep: per_beam * num_beams,
+    };
+    let limit = if p.max_new < cfg.max_new_tokens {
+        StopReason::MaxPositions
+    } else {
+        StopReason::MaxNewTokens
+    };
+    let mut state = model.start(image, num_beams)?;
+    let rows = state.rows();
+    let mut searches: Vec<ImageSearch> = (0..rows / num_beams)
+        .map(|_| ImageSearch::new(num_beams))
+        .collect();
+    let mut results: Vec<Option<Generated>> = vec![None; searches.len()];
+    let mut next = vec![cfg.start_token_id; rows];
+    while searches.iter().any(|s| !s.done) {
+        let input = Tensor::from_slice(&next, (rows, 1), model.device())?;
+        let logits = model.step_last(&mut state, &input)?; // (rows, vocab)
+        let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?.to_vec2::<f32>()?;
+        let mut log_probs = log_probs.into_iter();
+        let mut order: Vec<u32> = (0..rows as u32).collect();
+        for (i, search) in searches.iter_mut().enumerate() {
+            let mut block: Vec<Vec<f32>> = log_probs.by_ref().take(num_beams).collect(); // (num_beams, vocab)
+            let first = i * num_beams;
+            if search.done {
+                next[first..first + num_beams].fill(cfg.pad_token_id);
+                continue;
+            }
+            for (row, beam) in block.iter_mut().zip(&search.running) {
+                process(row, beam, cfg);
+            }
+            for (j, (src, token)) in search.step(&block, &p, cfg).into_iter().enumerate() {
+                order[first + j] = (first + src) as u32;
+                next[first + j] = token;
+            }
+            if search.done {
+                let g = search.result(cfg, &p, limit);
+                for (index, &token) in g.tokens.iter().enumerate() {
+                    on_token(TokenEvent {
+                        image: i,
+                        token,
+                        index,
+                    });
+                }
+                results[i] = Some(g);
+            }
+        }
+        if searches.iter().any(|s| !s.done)
+            && order.iter().enumerate().any(|(j, &i)| i as usize != j)
+        {
+            state.reorder(&order)?;
+        }
+    }
+    Ok(results
+        .into_iter()
+        .map(|g| {
+            g.unwrap_or(Generated {
+                tokens: Vec::new(),
+                score: None,
+                stop: limit,
+            })
+        })
+        .collect())
+}

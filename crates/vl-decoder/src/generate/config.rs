@@ -1,0 +1,211 @@
+//! Generation settings: how many tokens, which ones end a caption, and how
+//! the next token is chosen.
+
+use crate::config::DecoderConfig;
+use crate::error::{arg_err, Result};
+
+/// Below this temperature, sampling is greedy decoding: dividing logits by a
+/// smaller number overflows f32. The same cut-off as candle's
+/// `LogitsProcessor::new`.
+pub const MIN_SAMPLING_TEMPERATURE: f64 = 1e-7;
+
+/// When beam search may stop before `max_new_tokens`, as transformers'
+/// `early_stopping` (`True`, `False`, `"never"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EarlyStopping {
+    /// Stop an image as soon as it has `num_beams` finished hypotheses.
+    True,
+    /// Stop when the best running beam, scored at its current length, can no
+    /// longer beat the worst finished hypothesis (transformers' default).
+    #[default]
+    False,
+    /// Stop only when no running beam can beat the worst finished hypothesis
+    /// even at the longest allowed length (when `length_penalty > 0`): the
+    /// canonical beam search with `length_penalty = 0`.
+    Never,
+}
+
+/// How the next token is chosen.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Strategy {
+    /// The most likely token (ties: the lowest id, as `torch.argmax`).
+    Greedy,
+    /// A token drawn from the softmax of `logits / temperature`, cut to the
+    /// `top_k` most likely tokens, then to the smallest set whose
+    /// probability (renormalised over the `top_k`) reaches `top_p`.
+    Sample {
+        /// Softmax temperature, `>= 0`; below [`MIN_SAMPLING_TEMPERATURE`]
+        /// (in particular 0) this is greedy decoding.
+        temperature: f64,
+        /// Keep only the `top_k` most likely tokens (ties at the k-th logit
+        /// are kept, as transformers' `TopKLogitsWarper`).
+        top_k: Option<usize>,
+        /// Nucleus sampling threshold in `(0, 1]`.
+        top_p: Option<f64>,
+        /// Seed of the random draws. Row `r` (image `r`) draws from its own
+        /// stream, seeded from `(seed, r)`: the same seed gives the same
+        /// tokens, and a row's tokens do not depend on the other rows.
+        seed: u64,
+    },
+    /// Beam search, as transformers' `generate(num_beams=..)`.
+    Beam {
+        /// Beams per image, `>= 1`.
+        num_beams: usize,
+        /// Finished hypotheses are scored `sum_logprobs / len^length_penalty`
+        /// (`len` = generated tokens, EOS included). 1.0 in transformers.
+        length_penalty: f32,
+        /// When an image's search may stop early.
+        early_stopping: EarlyStopping,
+    },
+}
+
+impl Strategy {
+    /// Beam search with transformers' defaults: `length_penalty = 1.0`,
+    /// `early_stopping = False`.
+    pub fn beam(num_beams: usize) -> Self {
+        Self::Beam {
+            num_beams,
+            length_penalty: 1.0,
+            early_stopping: EarlyStopping::False,
+        }
+    }
+}
+
+/// Everything [`generate`](super::generate) needs besides the model and the
+/// images.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationConfig {
+    /// Most tokens generated per image, EOS included; `>= 1`.
+    pub max_new_tokens: usize,
+    /// No EOS id may be chosen before this many tokens
+    /// (transformers' `min_new_tokens`).
+    pub min_new_tokens: usize,
+    /// The token fed first (`bos_token_id` / `decoder_start_token_id`); not
+    /// part of the output.
+    pub start_token_id: u32,
+    /// Tokens that end a caption; empty: captions end at `max_new_tokens`.
+    pub eos_token_ids: Vec<u32>,
+    /// The token fed to rows whose caption has ended.
+    pub pad_token_id: u32,
+    /// transformers' `repetition_penalty`: every token already in the
+    /// sequence (start token included, as transformers' `input_ids` holds
+    /// it) has its score divided by this when positive, multiplied when
+    /// not. 1.0 = off; must be positive.
+    pub repetition_penalty: f32,
+    /// How the next token is chosen.
+    pub strategy: Strategy,
+}
+
+impl GenerationConfig {
+    /// Greedy decoding of up to `max_new_tokens` tokens with the model's
+    /// start, end and padding tokens.
+    pub fn greedy(cfg: &DecoderConfig, max_new_tokens: usize) -> Self {
+        Self {
+            max_new_tokens,
+            min_new_tokens: 0,
+            start_token_id: cfg.bos_token_id,
+            eos_token_ids: vec![cfg.eos_token_id],
+            pad_token_id: cfg.pad_token_id,
+            repetition_penalty: 1.0,
+            strategy: Strategy::Greedy,
+        }
+    }
+
+    /// This configuration with another strategy.
+    pub fn with_strategy(self, strategy: Strategy) -> Self {
+        Self { strategy, ..self }
+    }
+
+    /// Rejects impossible settings, naming the field: `max_new_tokens` 0,
+    /// `min_new_tokens > max_new_tokens`, a non-positive
+    /// `repetition_penalty`, a negative or NaN `temperature`, `top_k` 0,
+    /// `top_p` outside `(0, 1]`, `num_beams` 0, a non-finite
+    /// `length_penalty`. Token ids are checked against the model's
+    /// vocabulary by [`generate`](super::generate).
+    pub fn validate(&self) -> Result<()> {
+        if self.max_new_tokens == 0 {
+            return arg_err("max_new_tokens", "must be positive, got 0");
+        }
+        if self.min_new_tokens > self.max_new_tokens {
+            return arg_err(
+                "min_new_tokens",
+                format!(
+                    "{} is above max_new_tokens {}",
+                    self.min_new_tokens, self.max_new_tokens
+                ),
+            );
+        }
+        let p = self.repetition_penalty;
+        if !(p > 0.0 && p.is_finite()) {
+            return arg_err(
+                "repetition_penalty",
+                format!("must be positive and finite, got {p}"),
+            );
+        }
+        match &self.strategy {
+            Strategy::Greedy => Ok(()),
+            Strategy::Sample {
+                temperature,
+                top_k,
+                top_p,
+                ..
+            } => {
+                if !(*temperature >= 0.0 && temperature.is_finite()) {
+                    return arg_err(
+                        "temperature",
+                        format!("must be finite and >= 0, got {temperature}"),
+                    );
+                }
+                if *top_k == Some(0) {
+                    return arg_err("top_k", "must be positive, got 0");
+                }
+                match top_p {
+                    Some(p) if !(*p > 0.0 && *p <= 1.0) => {
+                        arg_err("top_p", format!("must be in (0, 1], got {p}"))
+                    }
+                    _ => Ok(()),
+                }
+            }
+            Strategy::Beam {
+                num_beams,
+                length_penalty,
+                ..
+            } => {
+                if *num_beams == 0 {
+                    return arg_err("num_beams", "must be positive, got 0");
+                }
+                if !length_penalty.is_finite() {
+                    return arg_err(
+                        "length_penalty",
+                        format!("must be finite, got {length_penalty}"),
+                    );
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Checks the token ids against a vocabulary of `vocab` tokens.
+    pub(crate) fn check_ids(&self, vocab: usize) -> Result<()> {
+        let ids = [
+            ("start_token_id", self.start_token_id),
+            ("pad_token_id", self.pad_token_id),
+        ]
+        .into_iter()
+        .chain(self.eos_token_ids.iter().map(|&id| ("eos_token_ids", id)));
+        for (field, id) in ids {
+            if id as usize >= vocab {
+                return arg_err(
+                    field,
+                    format!("{id} is not below the vocabulary size {vocab}"),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `token` ends a caption.
+    pub(crate) fn is_eos(&self, token: u32) -> bool {
+        self.eos_token_ids.contains(&token)
+    }
+}

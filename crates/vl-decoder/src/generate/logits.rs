@@ -1,0 +1,176 @@
+//! Score processing shared by every strategy (transformers' logits
+//! processors, in their order: repetition penalty, then `min_new_tokens`),
+//! and the token choice of greedy decoding and sampling.
+
+use candle_core::{Device, Tensor};
+use candle_transformers::generation::{LogitsProcessor, Sampling};
+
+use super::config::{GenerationConfig, Strategy, MIN_SAMPLING_TEMPERATURE};
+use crate::error::Result;
+
+/// Applies the repetition penalty and the `min_new_tokens` EOS suppression
+/// to one row's scores (logits for greedy and sampling, log-probabilities
+/// for beam search, as in transformers).
+///
+/// `generated` holds the row's tokens after the start token; the penalty
+/// also covers the start token, which transformers' `input_ids` holds.
+pub(crate) fn process(scores: &mut [f32], generated: &[u32], cfg: &GenerationConfig) {
+    if cfg.repetition_penalty != 1.0 {
+        let mut seen: Vec<u32> = std::iter::once(cfg.start_token_id)
+            .chain(generated.iter().copied())
+            .collect();
+        seen.sort_unstable();
+        seen.dedup();
+        for t in seen {
+            if let Some(s) = scores.get_mut(t as usize) {
+                *s = if *s < 0.0 {
+                    *s * cfg.repetition_penalty
+                } else {
+                    *s / cfg.repetition_penalty
+                };
+            }
+        }
+    }
+    if generated.len() < cfg.min_new_tokens {
+        for &eos in &cfg.eos_token_ids {
+            if let Some(s) = scores.get_mut(eos as usize) {
+                *s = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
+/// The index of the largest score; the first on ties, as `torch.argmax`.
+pub(crate) fn argmax(scores: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, s) in scores.iter().enumerate() {
+        if *s > scores[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Sets every score below the `k`-th largest to `-inf` (ties at the k-th
+/// kept), as transformers' `TopKLogitsWarper`.
+fn keep_top_k(scores: &mut [f32], k: usize) {
+    if k == 0 || k >= scores.len() {
+        return;
+    }
+    let mut sorted = scores.to_vec();
+    let (_, kth, _) = sorted.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+    let kth = *kth;
+    for s in scores.iter_mut() {
+        if *s < kth {
+            *s = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// Mixes a seed and a row index into the seed of that row's stream
+/// (SplitMix64's finaliser), so rows draw independently.
+fn row_seed(seed: u64, row: usize) -> u64 {
+    const GOLDEN_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut z = seed.wrapping_add(GOLDEN_GAMMA.wrapping_mul(row as u64 + 1));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Chooses one token per row from processed scores: greedy, or one seeded
+/// sampler per row.
+pub(crate) enum Chooser {
+    /// `argmax`.
+    Greedy,
+    /// One candle [`LogitsProcessor`] per row, with transformers' top-k
+    /// applied before it (candle's own top-k-then-top-p does not
+    /// renormalise the top-k probabilities before the nucleus cut).
+    Sample {
+        rows: Vec<LogitsProcessor>,
+        top_k: Option<usize>,
+    },
+}
+
+impl Chooser {
+    /// The chooser of `strategy` (not beam search) for `rows` rows.
+    pub(crate) fn new(strategy: &Strategy, rows: usize) -> Self {
+        match strategy {
+            Strategy::Sample {
+                temperature,
+                top_k,
+                top_p,
+                seed,
+            } if *temperature >= MIN_SAMPLING_TEMPERATURE => {
+                let sampling = match top_p {
+                    Some(p) if *p < 1.0 => Sampling::TopP {
+                        p: *p,
+                        temperature: *temperature,
+                    },
+                    _ => Sampling::All {
+                        temperature: *temperature,
+                    },
+                };
+                Self::Sample {
+                    rows: (0..rows)
+                        .map(|r| {
+                            LogitsProcessor::from_sampling(row_seed(*seed, r), sampling.clone())
+                        })
+                        .collect(),
+                    top_k: *top_k,
+                }
+            }
+            _ => Self::Greedy,
+        }
+    }
+
+    /// The next token of `row`.
+    pub(crate) fn choose(&mut self, row: usize, scores: &mut [f32]) -> Result<u32> {
+        match self {
+            Self::Greedy => Ok(argmax(scores)),
+            Self::Sample { rows, top_k } => {
+                if let Some(k) = top_k {
+                    keep_top_k(scores, *k);
+                }
+                let Some(processor) = rows.get_mut(row) else {
+                    return Ok(argmax(scores));
+                };
+                let t = Tensor::from_slice(scores, scores.len(), &Device::Cpu)?;
+                Ok(processor.sample(&t)?)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_keeps_ties() {
+        let mut s = [1.0, 3.0, 2.0, 2.0, 0.0];
+        keep_top_k(&mut s, 2);
+        assert_eq!(s[1], 3.0);
+        assert_eq!((s[2], s[3]), (2.0, 2.0));
+        assert!(s[0].is_infinite() && s[4].is_infinite());
+    }
+
+    #[test]
+    fn penalty_and_min_tokens() {
+        let cfg = GenerationConfig {
+            max_new_tokens: 4,
+            min_new_tokens: 2,
+            start_token_id: 0,
+            eos_token_ids: vec![3],
+            pad_token_id: 0,
+            repetition_penalty: 2.0,
+            strategy: Strategy::Greedy,
+        };
+        let mut s = [4.0, -1.0, 1.0, 5.0];
+        process(&mut s, &[1, 1], &cfg);
+        assert_eq!(s, [2.0, -2.0, 1.0, 5.0]);
+        let mut s = [4.0, -1.0, 1.0, 5.0];
+        process(&mut s, &[1], &cfg);
+        assert_eq!(s[3], f32::NEG_INFINITY);
+        assert_eq!(argmax(&[1.0, 2.0, 2.0]), 1);
+    }
+}

@@ -1,0 +1,223 @@
+//! A small, trainable ViT image encoder: patch embedding, a CLS token,
+//! learned positions, pre-LN encoder blocks (bidirectional self-attention
+//! and a feed-forward layer), a final norm.
+
+use candle_core::{DType, Tensor};
+use candle_nn::{Init, Linear, Module, VarBuilder};
+
+use crate::norm::LayerNorm;
+use serde::{Deserialize, Serialize};
+use vl_attn::{CrossAttention, CrossAttentionConfig};
+
+use crate::config::Activation;
+use crate::error::{arg_err, config_err, Result};
+
+fn default_eps() -> f64 {
+    1e-5
+}
+
+fn default_half() -> [f32; 3] {
+    [0.5; 3]
+}
+
+/// The ViT's sizes and its input normalisation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VitConfig {
+    /// Input height and width, in pixels; images are resized to it.
+    pub image_size: usize,
+    /// Patch height and width; divides `image_size`.
+    pub patch_size: usize,
+    /// Input channels.
+    pub num_channels: usize,
+    /// Token width.
+    pub hidden_size: usize,
+    /// Encoder blocks.
+    pub num_hidden_layers: usize,
+    /// Attention heads; divides `hidden_size`.
+    pub num_attention_heads: usize,
+    /// Feed-forward width.
+    pub intermediate_size: usize,
+    /// Layer-norm epsilon (default 1e-5).
+    #[serde(default = "default_eps")]
+    pub layer_norm_eps: f64,
+    /// Per-channel mean subtracted from pixels scaled to [0, 1] (default 0.5).
+    #[serde(default = "default_half")]
+    pub image_mean: [f32; 3],
+    /// Per-channel std dividing them (default 0.5).
+    #[serde(default = "default_half")]
+    pub image_std: [f32; 3],
+}
+
+impl VitConfig {
+    /// What the encoder expects of its pixels.
+    pub fn pixel_spec(&self) -> crate::preprocess::PixelSpec {
+        crate::preprocess::PixelSpec {
+            image_size: self.image_size,
+            mean: self.image_mean,
+            std: self.image_std,
+        }
+    }
+
+    /// Patches per image.
+    pub fn num_patches(&self) -> usize {
+        (self.image_size / self.patch_size).pow(2)
+    }
+
+    /// Rejects impossible sizes.
+    pub fn validate(&self) -> Result<()> {
+        if self.patch_size == 0 || self.image_size == 0 || self.image_size % self.patch_size != 0 {
+            return config_err(
+                "vision.patch_size",
+                format!(
+                    "{} must divide image_size {}",
+                    self.patch_size, self.image_size
+                ),
+            );
+        }
+        for (field, v) in [
+            ("vision.num_channels", self.num_channels),
+            ("vision.hidden_size", self.hidden_size),
+            ("vision.num_hidden_layers", self.num_hidden_layers),
+            ("vision.num_attention_heads", self.num_attention_heads),
+            ("vision.intermediate_size", self.intermediate_size),
+        ] {
+            if v == 0 {
+                return config_err(field, "must be positive, got 0");
+            }
+        }
+        if self.num_channels != 3 {
+            return config_err(
+                "vision.num_channels",
+                format!("only RGB (3) is supported, got {}", self.num_channels),
+            );
+        }
+        if self.hidden_size % self.num_attention_heads != 0 {
+            return config_err(
+                "vision.hidden_size",
+                format!(
+                    "{} is not divisible by num_attention_heads {}",
+                    self.hidden_size, self.num_attention_heads
+                ),
+            );
+        }
+        if let Some(s) = self.image_std.iter().find(|s| !s.is_finite() || **s <= 0.0) {
+            return config_err("vision.image_std", format!("must be positive, got {s}"));
+        }
+        Ok(())
+    }
+}
+
+/// One pre-LN encoder block: `x += attn(attn_norm(x))` (bidirectional),
+/// `x += ffn(ffn_norm(x))`.
+#[derive(Debug, Clone)]
+struct VitBlock {
+    attn_norm: LayerNorm,
+    /// Self-attention as cross-attention of the tokens over themselves.
+    attn: CrossAttention,
+    ffn_norm: LayerNorm,
+    up: Linear,
+    down: Linear,
+}
+
+impl VitBlock {
+    fn load(vb: VarBuilder, cfg: &VitConfig) -> Result<Self> {
+        let eps = cfg.layer_norm_eps;
+        let d = cfg.hidden_size;
+        Ok(Self {
+            attn_norm: LayerNorm::load(d, eps, vb.pp("attn_norm"))?,
+            attn: CrossAttention::load(
+                vb.pp("attn"),
+                &CrossAttentionConfig::new(d, d, cfg.num_attention_heads),
+            )?,
+            ffn_norm: LayerNorm::load(d, eps, vb.pp("ffn_norm"))?,
+            up: candle_nn::linear(d, cfg.intermediate_size, vb.pp("ffn").pp("up"))?,
+            down: candle_nn::linear(cfg.intermediate_size, d, vb.pp("ffn").pp("down"))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.attn_norm.forward(x)?;
+        let x = (x + self.attn.forward(&h, &h, None)?)?;
+        let h = Activation::Gelu.forward(&self.up.forward(&self.ffn_norm.forward(&x)?)?)?;
+        Ok((&x + self.down.forward(&h)?)?)
+    }
+}
+
+/// The encoder.
+///
+/// Weights: `patch_embed (hidden, channels * patch * patch)` with bias
+/// (a convolution of stride = kernel = patch, flattened channel-major),
+/// `cls (1, 1, hidden)`, `positions (1, 1 + patches, hidden)`,
+/// `blocks.{i}.*`, `final_norm`.
+#[derive(Debug, Clone)]
+pub struct Vit {
+    patch_embed: Linear,
+    cls: Tensor,
+    positions: Tensor,
+    blocks: Vec<VitBlock>,
+    final_norm: LayerNorm,
+    cfg: VitConfig,
+}
+
+impl Vit {
+    /// Loads or initialises the encoder under `vb`.
+    pub fn load(vb: VarBuilder, cfg: &VitConfig) -> Result<Self> {
+        cfg.validate()?;
+        let d = cfg.hidden_size;
+        let fan_in = cfg.num_channels * cfg.patch_size * cfg.patch_size;
+        let small = Init::Randn {
+            mean: 0.0,
+            stdev: 0.02,
+        };
+        Ok(Self {
+            patch_embed: candle_nn::linear(fan_in, d, vb.pp("patch_embed"))?,
+            cls: vb.get_with_hints((1, 1, d), "cls", small)?,
+            positions: vb.get_with_hints((1, 1 + cfg.num_patches(), d), "positions", small)?,
+            blocks: (0..cfg.num_hidden_layers)
+                .map(|i| VitBlock::load(vb.pp("blocks").pp(i), cfg))
+                .collect::<Result<Vec<_>>>()?,
+            final_norm: LayerNorm::load(d, cfg.layer_norm_eps, vb.pp("final_norm"))?,
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &VitConfig {
+        &self.cfg
+    }
+
+    /// Image tokens: CLS first, then the patches in row-major order.
+    ///
+    /// # Shapes
+    /// `pixels: (batch, channels, image_size, image_size)`, normalised →
+    /// `(batch, 1 + patches, hidden)`.
+    pub fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
+        let c = &self.cfg;
+        let dims = pixels.dims();
+        if dims.len() != 4 || dims[1..] != [c.num_channels, c.image_size, c.image_size] {
+            return arg_err(
+                "pixels",
+                format!(
+                    "expected shape (batch, {}, {}, {}), got {dims:?}",
+                    c.num_channels, c.image_size, c.image_size
+                ),
+            );
+        }
+        let b = dims[0];
+        let (p, g) = (c.patch_size, c.image_size / c.patch_size);
+        let dtype: DType = self.cls.dtype();
+        // (b, c, g, p, g, p) -> (b, g, g, c, p, p) -> (b, g*g, c*p*p)
+        let patches = pixels
+            .to_dtype(dtype)?
+            .reshape((b, c.num_channels, g, p, g, p))?
+            .permute((0, 2, 4, 1, 3, 5))?
+            .reshape((b, g * g, c.num_channels * p * p))?;
+        let tokens = self.patch_embed.forward(&patches)?;
+        let cls = self.cls.broadcast_as((b, 1, c.hidden_size))?;
+        let mut x = Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.positions)?;
+        for block in &self.blocks {
+            x = block.forward(&x)?;
+        }
+        self.final_norm.forward(&x)
+    }
+}

@@ -1,0 +1,355 @@
+//! Caption images with a vl model directory.
+//!
+//! `cargo run --release --example caption -- [OPTIONS] <IMAGE|DIR>...`
+//!
+//! stdout carries only results: one caption per image (prefixed by its path
+//! when there are several), or one JSON object per image with `--json`.
+//! Logs and the progress bar go to stderr.
+//!
+//! Exit codes: 0 every image captioned; 1 some inputs failed (each reported,
+//! every other one still captioned); 2 usage error or the model could not
+//! be loaded.
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use image::DynamicImage;
+use indicatif::{ProgressBar, ProgressDrawTarget};
+use vl::captioner::{Caption, Captioner};
+use vl::heatmap;
+use vl::vl_decoder::dir::{parse_device, parse_dtype};
+use vl::vl_decoder::preprocess::load_image;
+use vl::vl_decoder::{EarlyStopping, GenerationConfig, Strategy};
+
+/// File extensions taken from a directory.
+const IMAGE_EXTENSIONS: &[&str] = &["png", "jpg", "jpeg", "gif", "bmp", "tif", "tiff", "webp"];
+
+/// Caption images with a vl model.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// Images, or directories whose every image is captioned.
+    #[arg(required = true)]
+    inputs: Vec<PathBuf>,
+    /// The model directory.
+    #[arg(long, default_value = "models/shapes-captioner")]
+    model: PathBuf,
+    /// One JSON object per image per line: {"image", "caption", "token_ids"} or {"image", "error"}.
+    #[arg(long)]
+    json: bool,
+    /// Most tokens generated per image (default: as many as the model's positions allow).
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// No end token before this many tokens.
+    #[arg(long, default_value_t = 0)]
+    min_tokens: usize,
+    /// Beam search with this many beams (1 = no beam search).
+    #[arg(long, default_value_t = 1)]
+    beams: usize,
+    /// Sample with this temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    temperature: f64,
+    /// Sample from the k most likely tokens only.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Sample from the smallest set of tokens whose probability reaches p, in (0, 1].
+    #[arg(long, allow_negative_numbers = true)]
+    top_p: Option<f64>,
+    /// Penalise tokens already generated (1 = off).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    repetition_penalty: f32,
+    /// Seed of sampling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Images captioned together.
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    /// cpu, cuda[:N] or metal[:N].
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// f32, f16 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Write, per image, one heatmap PNG per word and a grid of all words here.
+    #[arg(long)]
+    attention_map: Option<PathBuf>,
+}
+
+/// A usage or model problem: exit code 2.
+struct Fatal(anyhow::Error);
+
+fn generation_config(args: &Args, captioner: &Captioner) -> anyhow::Result<GenerationConfig> {
+    let dec = &captioner.model.config.decoder;
+    let room = dec.max_position_embeddings - 1;
+    let max_tokens = args.max_tokens.unwrap_or(room);
+    if max_tokens > room {
+        bail!(
+            "--max-tokens {max_tokens}: the model reads at most {} positions, so at most {room} new tokens",
+            dec.max_position_embeddings
+        );
+    }
+    let sampling = args.temperature != 0.0 || args.top_k.is_some() || args.top_p.is_some();
+    if args.beams != 1 && sampling {
+        bail!(
+            "--beams {} cannot be combined with sampling (--temperature/--top-k/--top-p)",
+            args.beams
+        );
+    }
+    if args.temperature < 0.0 || !args.temperature.is_finite() {
+        bail!(
+            "--temperature {}: must be a finite number >= 0",
+            args.temperature
+        );
+    }
+    let strategy = if args.beams == 0 {
+        bail!("--beams 0: must be at least 1");
+    } else if args.beams > 1 {
+        Strategy::Beam {
+            num_beams: args.beams,
+            length_penalty: 1.0,
+            early_stopping: EarlyStopping::False,
+        }
+    } else if sampling {
+        Strategy::Sample {
+            temperature: if args.temperature == 0.0 {
+                1.0
+            } else {
+                args.temperature
+            },
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed: args.seed,
+        }
+    } else {
+        Strategy::Greedy
+    };
+    let cfg = GenerationConfig {
+        min_new_tokens: args.min_tokens,
+        repetition_penalty: args.repetition_penalty,
+        ..captioner.greedy_config(max_tokens)
+    }
+    .with_strategy(strategy);
+    cfg.validate()
+        .map_err(|e| anyhow::anyhow!("{}", flag_name(&e.to_string())))?;
+    Ok(cfg)
+}
+
+/// Rewrites a generation field name in an error as the CLI flag.
+fn flag_name(msg: &str) -> String {
+    let pairs = [
+        ("max_new_tokens", "--max-tokens"),
+        ("min_new_tokens", "--min-tokens"),
+        ("num_beams", "--beams"),
+        ("temperature", "--temperature"),
+        ("top_k", "--top-k"),
+        ("top_p", "--top-p"),
+        ("repetition_penalty", "--repetition-penalty"),
+    ];
+    let mut out = msg.to_string();
+    for (field, flag) in pairs {
+        if out.starts_with(field) {
+            out = format!("{flag}{}", &out[field.len()..]);
+        }
+    }
+    out
+}
+
+/// Expands directories into their image files, sorted; files stay as given.
+fn expand(inputs: &[PathBuf]) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for p in inputs {
+        if p.is_dir() {
+            let mut files: Vec<PathBuf> = std::fs::read_dir(p)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path())
+                .filter(|f| {
+                    f.extension().and_then(|e| e.to_str()).is_some_and(|e| {
+                        IMAGE_EXTENSIONS.contains(&e.to_ascii_lowercase().as_str())
+                    })
+                })
+                .collect();
+            files.sort();
+            out.extend(files);
+        } else {
+            out.push(p.clone());
+        }
+    }
+    out
+}
+
+struct Output {
+    json: bool,
+    several: bool,
+    failed: usize,
+}
+
+impl Output {
+    fn ok(&mut self, path: &Path, c: &Caption) -> anyhow::Result<()> {
+        let mut out = std::io::stdout().lock();
+        if self.json {
+            let line = serde_json::json!({"image": path.display().to_string(), "caption": c.text, "token_ids": c.token_ids});
+            writeln!(out, "{line}")?;
+        } else if self.several {
+            writeln!(out, "{}: {}", path.display(), c.text)?;
+        } else {
+            writeln!(out, "{}", c.text)?;
+        }
+        out.flush()?;
+        Ok(())
+    }
+
+    fn err(&mut self, path: &Path, e: &anyhow::Error) -> anyhow::Result<()> {
+        self.failed += 1;
+        let msg = format!("{e:#}");
+        if self.json {
+            let line = serde_json::json!({"image": path.display().to_string(), "error": msg});
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "{line}")?;
+            out.flush()?;
+        }
+        let shown = path.display().to_string();
+        if msg.starts_with(&shown) {
+            eprintln!("error: {msg}");
+        } else {
+            eprintln!("error: {shown}: {msg}");
+        }
+        Ok(())
+    }
+}
+
+fn write_maps(
+    captioner: &Captioner,
+    dir: &Path,
+    path: &Path,
+    img: &DynamicImage,
+    c: &Caption,
+) -> anyhow::Result<()> {
+    let Some(vision) = &captioner.model.config.vision else {
+        bail!("the model has no vision encoder");
+    };
+    let spec = vision.pixel_spec();
+    let size = spec.image_size as u32;
+    let shown = image::imageops::resize(
+        &img.to_rgb8(),
+        size,
+        size,
+        image::imageops::FilterType::Triangle,
+    );
+    let maps = captioner.attention_maps(img, &c.token_ids)?;
+    let grid = (maps.first().map_or(0, Vec::len) as f64).sqrt() as u32;
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("image");
+    std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))?;
+    let tok = &captioner.model.tokenizer;
+    let mut tiles = Vec::new();
+    for (i, (id, w)) in c.token_ids.iter().zip(&maps).enumerate() {
+        let word = tok.id_to_token(*id).unwrap_or_default();
+        let tile = heatmap::overlay(&shown, w, grid, &word);
+        let file = dir.join(format!("{stem}_{i:02}_{}.png", sanitize(&word)));
+        tile.save(&file)
+            .with_context(|| format!("{}", file.display()))?;
+        tiles.push(tile);
+    }
+    let file = dir.join(format!("{stem}_grid.png"));
+    heatmap::grid(&tiles, &c.text)
+        .save(&file)
+        .with_context(|| format!("{}", file.display()))?;
+    Ok(())
+}
+
+fn sanitize(word: &str) -> String {
+    word.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect()
+}
+
+fn run(args: &Args) -> Result<usize, Fatal> {
+    let device = parse_device(&args.device).map_err(|e| Fatal(anyhow::anyhow!("--device {e}")))?;
+    let dtype = parse_dtype(&args.dtype).map_err(|e| Fatal(anyhow::anyhow!("--dtype {e}")))?;
+    if args.batch_size == 0 {
+        return Err(Fatal(anyhow::anyhow!("--batch-size 0: must be at least 1")));
+    }
+    let captioner = Captioner::load(&args.model, dtype, &device)
+        .with_context(|| format!("cannot load the model {}", args.model.display()))
+        .map_err(Fatal)?;
+    let gen = generation_config(args, &captioner).map_err(Fatal)?;
+    let inputs = expand(&args.inputs);
+    tracing::info!(images = inputs.len(), model = %args.model.display(), "captioning");
+    let bar = if inputs.len() > 1 && std::io::stderr().is_terminal() {
+        ProgressBar::with_draw_target(Some(inputs.len() as u64), ProgressDrawTarget::stderr())
+    } else {
+        ProgressBar::hidden()
+    };
+    let mut out = Output {
+        json: args.json,
+        several: inputs.len() > 1,
+        failed: 0,
+    };
+    let io = |e: anyhow::Error| Fatal(e.context("cannot write the results"));
+    for chunk in inputs.chunks(args.batch_size) {
+        let mut good: Vec<(&PathBuf, DynamicImage)> = Vec::new();
+        for path in chunk {
+            match load_image(path) {
+                Ok(img) => good.push((path, img)),
+                Err(e) => bar.suspend(|| out.err(path, &e.into())).map_err(io)?,
+            }
+        }
+        let images: Vec<&DynamicImage> = good.iter().map(|(_, i)| i).collect();
+        let captions = if images.is_empty() {
+            Ok(Vec::new())
+        } else {
+            captioner.caption(&images, &gen, &mut |_| {})
+        };
+        match captions {
+            Ok(captions) => {
+                for ((path, img), c) in good.iter().zip(&captions) {
+                    let mut result = Ok(());
+                    if let Some(dir) = &args.attention_map {
+                        result = write_maps(&captioner, dir, path, img, c).context("attention map");
+                    }
+                    match result {
+                        Ok(()) => bar.suspend(|| out.ok(path, c)).map_err(io)?,
+                        Err(e) => bar.suspend(|| out.err(path, &e)).map_err(io)?,
+                    }
+                }
+            }
+            Err(e) => {
+                for (path, _) in &good {
+                    bar.suspend(|| out.err(path, &e)).map_err(io)?;
+                }
+            }
+        }
+        bar.inc(chunk.len() as u64);
+    }
+    bar.finish_and_clear();
+    Ok(out.failed)
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        Err(e) => {
+            let code = if e.use_stderr() { 2 } else { 0 };
+            let _ = e.print();
+            return ExitCode::from(code);
+        }
+    };
+    match run(&args) {
+        Ok(0) => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::from(1),
+        Err(Fatal(e)) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}

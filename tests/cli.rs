@@ -1,0 +1,202 @@
+//! The caption CLI, run as a process: exit codes, stdout/stderr, JSON lines,
+//! heatmaps. Uses a tiny randomly initialised model written to a temporary
+//! directory.
+#![allow(missing_docs)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use candle_core::{DType, Device};
+use candle_nn::{VarBuilder, VarMap};
+use vl::shapes;
+use vl::vl_decoder::init::seeded_init;
+use vl::vl_decoder::{VisionEncoder, VisionLanguageDecoder, VlModel};
+
+/// The built `caption` example: `cargo test` builds examples next to the
+/// test binaries' `deps` directory.
+fn caption_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test exe");
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    dir.join("examples")
+        .join(format!("caption{}", std::env::consts::EXE_SUFFIX))
+}
+
+fn tiny_model(dir: &Path) {
+    let cfg = shapes::captioner_config(16, 1, 8);
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
+    VisionLanguageDecoder::load(vb.pp("decoder"), &cfg.decoder).expect("decoder");
+    VisionEncoder::load(vb.pp("vision"), cfg.vision.as_ref().expect("vision")).expect("vision");
+    seeded_init(&vars, 0).expect("init");
+    VlModel::save(dir, &cfg, &vars, &shapes::tokenizer().expect("tokenizer")).expect("save");
+}
+
+fn images(dir: &Path, n: u64) -> Vec<PathBuf> {
+    std::fs::create_dir_all(dir).expect("mkdir");
+    (0..n)
+        .map(|i| {
+            let p = dir.join(format!("img{i}.png"));
+            vl::vl_shapes::dataset_scene(99, i)
+                .render()
+                .save(&p)
+                .expect("png");
+            p
+        })
+        .collect()
+}
+
+fn run(args: &[&str]) -> Output {
+    Command::new(caption_bin())
+        .args(args)
+        .output()
+        .expect("run caption")
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+#[test]
+fn json_lines_and_exit_codes() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let imgs = images(&tmp.path().join("imgs"), 3);
+
+    // All good: exit 0, one JSON object per image.
+    let out = run(&[
+        "--model",
+        s(&model),
+        "--json",
+        "--max-tokens",
+        "5",
+        s(&tmp.path().join("imgs")),
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json line"))
+        .collect();
+    assert_eq!(lines.len(), 3);
+    for (l, p) in lines.iter().zip(&imgs) {
+        assert_eq!(l["image"], s(p));
+        assert!(l["caption"].is_string());
+        let ids = l["token_ids"].as_array().expect("ids");
+        assert!(!ids.is_empty() && ids.len() <= 5);
+    }
+
+    // One missing input among good ones: exit 1, the others still captioned.
+    let missing = tmp.path().join("missing.png");
+    let garbage = tmp.path().join("garbage.png");
+    std::fs::write(&garbage, b"not an image at all").expect("write");
+    let out = run(&[
+        "--model",
+        s(&model),
+        "--json",
+        s(&imgs[0]),
+        s(&missing),
+        s(&garbage),
+        s(&imgs[1]),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .collect();
+    assert_eq!(lines.len(), 4);
+    assert_eq!(
+        lines.iter().filter(|l| l.get("caption").is_some()).count(),
+        2
+    );
+    let errs: Vec<&serde_json::Value> = lines.iter().filter(|l| l.get("error").is_some()).collect();
+    assert_eq!(errs.len(), 2);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("missing.png") && stderr.contains("garbage.png"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+
+    // Plain output: one line, the caption only; several: prefixed by the path.
+    let out = run(&["--model", s(&model), s(&imgs[0])]);
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 1);
+    let out = run(&["--model", s(&model), s(&imgs[0]), s(&imgs[1])]);
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with(s(&imgs[0])));
+}
+
+#[test]
+fn usage_and_model_errors_exit_2_with_one_line() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let img = &images(&tmp.path().join("imgs"), 1)[0];
+    for (flags, culprit) in [
+        (vec!["--beams", "0"], "--beams"),
+        (vec!["--temperature", "-1"], "--temperature"),
+        (vec!["--top-p", "1.5"], "--top-p"),
+        (vec!["--max-tokens", "100"], "--max-tokens"),
+        (vec!["--device", "tpu"], "tpu"),
+        (vec!["--dtype", "f64"], "f64"),
+    ] {
+        let mut args = vec!["--model", s(&model)];
+        args.extend(flags.iter());
+        args.push(s(img));
+        let out = run(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {stderr}");
+        assert!(stderr.contains(culprit), "{flags:?}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{flags:?}: {stderr}");
+        assert!(out.stdout.is_empty());
+    }
+    let out = run(&["--model", s(&tmp.path().join("no-model")), s(img)]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no-model"));
+}
+
+#[test]
+fn attention_maps_are_written() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let img = &images(&tmp.path().join("imgs"), 1)[0];
+    let maps = tmp.path().join("maps");
+    let out = run(&[
+        "--model",
+        s(&model),
+        "--json",
+        "--max-tokens",
+        "3",
+        "--attention-map",
+        s(&maps),
+        s(img),
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let n = line["token_ids"].as_array().expect("ids").len();
+    let mut words: Vec<PathBuf> = std::fs::read_dir(&maps)
+        .expect("maps")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| !s(p).ends_with("_grid.png"))
+        .collect();
+    words.sort();
+    assert_eq!(words.len(), n);
+    let (w, h) = image::image_dimensions(&words[0]).expect("png");
+    assert_eq!(
+        (w, h),
+        (64 * vl::heatmap::UPSCALE, 64 * vl::heatmap::UPSCALE + 24)
+    );
+    assert!(maps.join("img0_grid.png").is_file());
+}
