@@ -51,6 +51,10 @@ struct Args {
     /// Evaluate scene accuracy on held-out scenes every this many steps.
     #[arg(long, default_value_t = 500)]
     eval_every: usize,
+    /// Start from the weights of this model directory (same sizes) instead
+    /// of fresh ones.
+    #[arg(long)]
+    resume: Option<PathBuf>,
     /// Width of the image and text streams.
     #[arg(long, default_value_t = 64)]
     hidden: usize,
@@ -97,12 +101,18 @@ fn run() -> anyhow::Result<()> {
             )
     );
 
-    let vars = VarMap::new();
+    let mut vars = VarMap::new();
     let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev);
     let decoder = VisionLanguageDecoder::load(vb.pp("decoder"), &cfg.decoder)?;
     let vision_cfg = cfg.vision.clone().context("vision config")?;
     let vision = VisionEncoder::load(vb.pp("vision"), &vision_cfg)?;
     seeded_init(&vars, args.init_seed)?;
+    if let Some(dir) = &args.resume {
+        let weights = dir.join(vl::vl_decoder::dir::WEIGHTS_FILE);
+        vars.load(&weights)
+            .with_context(|| format!("resume from {}", weights.display()))?;
+        eprintln!("resumed from {}", weights.display());
+    }
     let n_params: usize = vars.all_vars().iter().map(|v| v.elem_count()).sum();
     eprintln!("parameters: {n_params}");
 

@@ -161,15 +161,13 @@ impl CrossAttention {
         )?;
         let kv_inner = heads.kv_inner();
         let lin = |i, o, name| candle_nn::linear_b(i, o, cfg.bias, vb.pp(name));
-        Ok(Self {
-            q_proj: lin(cfg.query_dim, cfg.inner_dim, "q_proj")?,
-            k_proj: lin(cfg.memory_dim, kv_inner, "k_proj")?,
-            v_proj: lin(cfg.memory_dim, kv_inner, "v_proj")?,
-            o_proj: lin(cfg.inner_dim, cfg.out_dim, "o_proj")?,
-            heads,
-            cfg: cfg.clone(),
-            backend: Backend::default(),
-        })
+        Self::from_parts(
+            lin(cfg.query_dim, cfg.inner_dim, "q_proj")?,
+            lin(cfg.memory_dim, kv_inner, "k_proj")?,
+            lin(cfg.memory_dim, kv_inner, "v_proj")?,
+            lin(cfg.inner_dim, cfg.out_dim, "o_proj")?,
+            cfg,
+        )
     }
 
     /// Builds from existing projections, e.g. split from a checkpoint's fused

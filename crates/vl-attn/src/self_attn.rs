@@ -73,15 +73,13 @@ impl CausalSelfAttention {
             cfg.num_kv_heads,
         )?;
         let lin = |o, name| candle_nn::linear_b(cfg.hidden, o, cfg.bias, vb.pp(name));
-        Ok(Self {
-            q_proj: lin(cfg.hidden, "q_proj")?,
-            k_proj: lin(heads.kv_inner(), "k_proj")?,
-            v_proj: lin(heads.kv_inner(), "v_proj")?,
-            o_proj: lin(cfg.hidden, "o_proj")?,
-            heads,
-            cfg: cfg.clone(),
-            backend: Backend::default(),
-        })
+        Self::from_parts(
+            lin(cfg.hidden, "q_proj")?,
+            lin(heads.kv_inner(), "k_proj")?,
+            lin(heads.kv_inner(), "v_proj")?,
+            lin(cfg.hidden, "o_proj")?,
+            cfg,
+        )
     }
 
     /// Builds from existing projections (e.g. split from a fused `c_attn`).
