@@ -31,7 +31,7 @@ struct Args {
     #[arg(long, default_value = "models/shapes-captioner")]
     out: PathBuf,
     /// Optimiser steps.
-    #[arg(long, default_value_t = 4000)]
+    #[arg(long, default_value_t = 9000)]
     steps: usize,
     /// Scenes per step.
     #[arg(long, default_value_t = 48)]
