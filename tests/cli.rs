@@ -200,3 +200,29 @@ fn attention_maps_are_written() {
     );
     assert!(maps.join("img0_grid.png").is_file());
 }
+
+#[test]
+fn any_common_format_mode_and_size_is_captioned() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let scene = vl::vl_shapes::dataset_scene(5, 0).render();
+    let dynamic = image::DynamicImage::ImageRgb8(scene);
+    let dir = tmp.path().join("imgs");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let files = [
+        ("gray.png", dynamic.to_luma8().into()),
+        ("rgba.png", image::DynamicImage::ImageRgba8(dynamic.to_rgba8())),
+        ("sixteen.png", image::DynamicImage::ImageRgb16(dynamic.to_rgb16())),
+        ("big.png", dynamic.resize_exact(300, 200, image::imageops::FilterType::Nearest)),
+        ("one.png", dynamic.crop_imm(0, 0, 1, 1)),
+        ("photo.jpg", dynamic.clone()),
+        ("photo.bmp", dynamic.clone()),
+    ];
+    for (name, img) in &files {
+        img.save(dir.join(name)).expect(name);
+    }
+    let out = run(&["--model", s(&model), "--json", "--max-tokens", "3", s(&dir)]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), files.len());
+}
