@@ -212,9 +212,18 @@ fn any_common_format_mode_and_size_is_captioned() {
     std::fs::create_dir_all(&dir).expect("mkdir");
     let files = [
         ("gray.png", dynamic.to_luma8().into()),
-        ("rgba.png", image::DynamicImage::ImageRgba8(dynamic.to_rgba8())),
-        ("sixteen.png", image::DynamicImage::ImageRgb16(dynamic.to_rgb16())),
-        ("big.png", dynamic.resize_exact(300, 200, image::imageops::FilterType::Nearest)),
+        (
+            "rgba.png",
+            image::DynamicImage::ImageRgba8(dynamic.to_rgba8()),
+        ),
+        (
+            "sixteen.png",
+            image::DynamicImage::ImageRgb16(dynamic.to_rgb16()),
+        ),
+        (
+            "big.png",
+            dynamic.resize_exact(300, 200, image::imageops::FilterType::Nearest),
+        ),
         ("one.png", dynamic.crop_imm(0, 0, 1, 1)),
         ("photo.jpg", dynamic.clone()),
         ("photo.bmp", dynamic.clone()),
@@ -223,6 +232,14 @@ fn any_common_format_mode_and_size_is_captioned() {
         img.save(dir.join(name)).expect(name);
     }
     let out = run(&["--model", s(&model), "--json", "--max-tokens", "3", s(&dir)]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), files.len());
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).lines().count(),
+        files.len()
+    );
 }
