@@ -7,7 +7,9 @@ use candle_nn::{Linear, Module, VarBuilder};
 use crate::error::{check_dtype_device, AttnError, Result};
 use crate::kernel::{self, Backend};
 use crate::mask::Mask;
-use crate::proj::{check_input, merge_heads, silence_unattending, split_heads, HeadLayout};
+use crate::proj::{
+    check_input, check_linear, merge_heads, silence_unattending, split_heads, HeadLayout,
+};
 
 /// The sizes of a [`CrossAttention`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -193,13 +195,7 @@ impl CrossAttention {
             ("v_proj", &v_proj, kv_inner, cfg.memory_dim),
             ("o_proj", &o_proj, cfg.out_dim, cfg.inner_dim),
         ] {
-            if l.weight().dims() != [out, inp] {
-                return Err(AttnError::Shape {
-                    arg: name,
-                    expected: format!("({out}, {inp})"),
-                    actual: l.weight().dims().to_vec(),
-                });
-            }
+            check_linear(name, l, out, inp)?;
         }
         Ok(Self {
             q_proj,

@@ -4,10 +4,12 @@ use candle_core::{DType, Tensor};
 use candle_nn::{Linear, Module, VarBuilder};
 
 use crate::cache::KvCache;
-use crate::error::{check_dtype_device, AttnError, Result};
+use crate::error::{check_dtype_device, Result};
 use crate::kernel::{self, Backend};
 use crate::mask::{self, Mask};
-use crate::proj::{check_input, merge_heads, silence_unattending, split_heads, HeadLayout};
+use crate::proj::{
+    check_input, check_linear, merge_heads, silence_unattending, split_heads, HeadLayout,
+};
 
 /// The sizes of a [`CausalSelfAttention`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -103,13 +105,7 @@ impl CausalSelfAttention {
             ("v_proj", &v_proj, heads.kv_inner()),
             ("o_proj", &o_proj, cfg.hidden),
         ] {
-            if l.weight().dims() != [out, cfg.hidden] {
-                return Err(AttnError::Shape {
-                    arg: name,
-                    expected: format!("({out}, {})", cfg.hidden),
-                    actual: l.weight().dims().to_vec(),
-                });
-            }
+            check_linear(name, l, out, cfg.hidden)?;
         }
         Ok(Self {
             q_proj,

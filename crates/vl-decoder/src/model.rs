@@ -69,6 +69,8 @@ pub struct DecodeState {
     rows: usize,
     per_image: usize,
     offset: usize,
+    /// Where the caches live (also in text-only mode, with no image).
+    device: Device,
 }
 
 impl DecodeState {
@@ -116,21 +118,7 @@ impl DecodeState {
                 ),
             );
         }
-        let Some(device) = self
-            .image
-            .layers
-            .iter()
-            .flatten()
-            .next()
-            .map(|kv| kv.k().device().clone())
-        else {
-            return self.reorder_on(indices, &Device::Cpu);
-        };
-        self.reorder_on(indices, &device)
-    }
-
-    fn reorder_on(&mut self, indices: &[u32], device: &Device) -> Result<()> {
-        let idx = Tensor::new(indices, device)?;
+        let idx = Tensor::new(indices, &self.device)?;
         for cache in &mut self.caches {
             cache.index_select(&idx)?;
         }
@@ -402,6 +390,7 @@ impl VisionLanguageDecoder {
             rows,
             per_image,
             offset: 0,
+            device: self.device().clone(),
         })
     }
 
