@@ -22,7 +22,7 @@ use vl::captioner::{Caption, Captioner};
 use vl::heatmap;
 use vl::vl_decoder::dir::{parse_device, parse_dtype};
 use vl::vl_decoder::preprocess::load_image;
-use vl::vl_decoder::{EarlyStopping, GenerationConfig, Strategy};
+use vl::vl_decoder::{GenerationConfig, Strategy};
 
 /// File extensions taken from a directory.
 const IMAGE_EXTENSIONS: &[&str] = &["png", "jpg", "jpeg", "gif", "bmp", "tif", "tiff", "webp"];
@@ -40,27 +40,33 @@ struct Args {
     /// One JSON object per image per line: {"image", "caption", "token_ids"} or {"image", "error"}.
     #[arg(long)]
     json: bool,
-    /// Most tokens generated per image (default: as many as the model's positions allow).
+    /// Most tokens generated per image (default: the checkpoint's, else as many as the model's positions allow).
     #[arg(long)]
     max_tokens: Option<usize>,
-    /// No end token before this many tokens.
-    #[arg(long, default_value_t = 0)]
-    min_tokens: usize,
-    /// Beam search with this many beams (1 = no beam search).
-    #[arg(long, default_value_t = 1)]
-    beams: usize,
-    /// Sample with this temperature (0 = greedy).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    temperature: f64,
+    /// No end token before this many tokens (default: the checkpoint's, else 0).
+    #[arg(long)]
+    min_tokens: Option<usize>,
+    /// Beam search with this many beams; 1 = no beam search (default: the checkpoint's).
+    #[arg(long)]
+    beams: Option<usize>,
+    /// Beam search: finished captions are scored sum_logprobs / len^p (default: the checkpoint's, else 1).
+    #[arg(long, allow_negative_numbers = true)]
+    length_penalty: Option<f32>,
+    /// Sample with this temperature; 0 = greedy (default: the checkpoint's).
+    #[arg(long, allow_negative_numbers = true)]
+    temperature: Option<f64>,
     /// Sample from the k most likely tokens only.
     #[arg(long)]
     top_k: Option<usize>,
     /// Sample from the smallest set of tokens whose probability reaches p, in (0, 1].
     #[arg(long, allow_negative_numbers = true)]
     top_p: Option<f64>,
-    /// Penalise tokens already generated (1 = off).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    repetition_penalty: f32,
+    /// Penalise tokens already generated; 1 = off (default: the checkpoint's).
+    #[arg(long, allow_negative_numbers = true)]
+    repetition_penalty: Option<f32>,
+    /// Never repeat an n-gram of this size; 0 = off (default: the checkpoint's).
+    #[arg(long)]
+    no_repeat_ngram_size: Option<usize>,
     /// Seed of sampling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -81,55 +87,100 @@ struct Args {
 /// A usage or model problem: exit code 2.
 struct Fatal(anyhow::Error);
 
+/// The checkpoint's generation defaults with the flags applied over them.
 fn generation_config(args: &Args, captioner: &Captioner) -> anyhow::Result<GenerationConfig> {
+    let base = &captioner.model.generation;
     let dec = &captioner.model.config.decoder;
     let room = dec.max_position_embeddings - 1;
-    let max_tokens = args.max_tokens.unwrap_or(room);
-    if max_tokens > room {
-        bail!(
-            "--max-tokens {max_tokens}: the model reads at most {} positions, so at most {room} new tokens",
+    let max_tokens = match args.max_tokens {
+        Some(n) if n > room => bail!(
+            "--max-tokens {n}: the model reads at most {} positions, so at most {room} new tokens",
             dec.max_position_embeddings
-        );
+        ),
+        Some(n) => n,
+        None => base.max_new_tokens.min(room),
+    };
+    if let Some(t) = args.temperature.filter(|t| *t < 0.0 || !t.is_finite()) {
+        bail!("--temperature {t}: must be a finite number >= 0");
     }
-    let sampling = args.temperature != 0.0 || args.top_k.is_some() || args.top_p.is_some();
-    if args.beams != 1 && sampling {
-        bail!(
-            "--beams {} cannot be combined with sampling (--temperature/--top-k/--top-p)",
-            args.beams
-        );
-    }
-    if args.temperature < 0.0 || !args.temperature.is_finite() {
-        bail!(
-            "--temperature {}: must be a finite number >= 0",
-            args.temperature
-        );
-    }
-    let strategy = if args.beams == 0 {
-        bail!("--beams 0: must be at least 1");
-    } else if args.beams > 1 {
-        Strategy::Beam {
-            num_beams: args.beams,
-            length_penalty: 1.0,
-            early_stopping: EarlyStopping::False,
+    let sampling =
+        args.temperature.is_some_and(|t| t != 0.0) || args.top_k.is_some() || args.top_p.is_some();
+    let strategy = match (args.beams, sampling) {
+        (Some(0), _) => bail!("--beams 0: must be at least 1"),
+        (Some(b), true) if b > 1 => {
+            bail!("--beams {b} cannot be combined with sampling (--temperature/--top-k/--top-p)")
         }
-    } else if sampling {
-        Strategy::Sample {
-            temperature: if args.temperature == 0.0 {
-                1.0
-            } else {
-                args.temperature
+        (_, true) => {
+            let (t, k, p) = match &base.strategy {
+                Strategy::Sample {
+                    temperature,
+                    top_k,
+                    top_p,
+                    ..
+                } => (*temperature, *top_k, *top_p),
+                _ => (1.0, None, None),
+            };
+            Strategy::Sample {
+                temperature: args.temperature.unwrap_or(t),
+                top_k: args.top_k.or(k),
+                top_p: args.top_p.or(p),
+                seed: args.seed,
+            }
+        }
+        (_, false) if args.temperature == Some(0.0) && args.beams.is_none() => Strategy::Greedy,
+        (Some(1), false) => Strategy::Greedy,
+        (Some(b), false) => match &base.strategy {
+            Strategy::Beam {
+                length_penalty,
+                early_stopping,
+                ..
+            } => Strategy::Beam {
+                num_beams: b,
+                length_penalty: *length_penalty,
+                early_stopping: *early_stopping,
             },
-            top_k: args.top_k,
-            top_p: args.top_p,
-            seed: args.seed,
-        }
-    } else {
-        Strategy::Greedy
+            _ => Strategy::beam(b),
+        },
+        (None, false) => match &base.strategy {
+            Strategy::Sample {
+                temperature,
+                top_k,
+                top_p,
+                ..
+            } => Strategy::Sample {
+                temperature: *temperature,
+                top_k: *top_k,
+                top_p: *top_p,
+                seed: args.seed,
+            },
+            other => other.clone(),
+        },
+    };
+    let strategy = match (strategy, args.length_penalty) {
+        (
+            Strategy::Beam {
+                num_beams,
+                early_stopping,
+                ..
+            },
+            Some(lp),
+        ) => Strategy::Beam {
+            num_beams,
+            length_penalty: lp,
+            early_stopping,
+        },
+        (s, _) => s,
     };
     let cfg = GenerationConfig {
-        min_new_tokens: args.min_tokens,
-        repetition_penalty: args.repetition_penalty,
-        ..captioner.greedy_config(max_tokens)
+        max_new_tokens: max_tokens,
+        min_new_tokens: args
+            .min_tokens
+            .unwrap_or(base.min_new_tokens.min(max_tokens)),
+        repetition_penalty: args.repetition_penalty.unwrap_or(base.repetition_penalty),
+        no_repeat_ngram_size: args
+            .no_repeat_ngram_size
+            .unwrap_or(base.no_repeat_ngram_size),
+        ..base.clone()
     }
     .with_strategy(strategy);
     cfg.validate()
@@ -147,6 +198,7 @@ fn flag_name(msg: &str) -> String {
         ("top_k", "--top-k"),
         ("top_p", "--top-p"),
         ("repetition_penalty", "--repetition-penalty"),
+        ("length_penalty", "--length-penalty"),
     ];
     let mut out = msg.to_string();
     for (field, flag) in pairs {
@@ -229,10 +281,9 @@ fn write_maps(
     img: &DynamicImage,
     c: &Caption,
 ) -> anyhow::Result<()> {
-    let Some(vision) = &captioner.model.config.vision else {
+    let Some(spec) = &captioner.model.pixels else {
         bail!("the model has no vision encoder");
     };
-    let spec = vision.pixel_spec();
     let size = spec.image_size as u32;
     let shown = image::imageops::resize(
         &img.to_rgb8(),

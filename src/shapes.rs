@@ -91,6 +91,8 @@ pub fn captioner_config(hidden: usize, layers: usize, patch_size: usize) -> VlCo
             layer_norm_eps: 1e-5,
             image_mean: [0.5; 3],
             image_std: [0.5; 3],
+            hidden_act: Activation::Gelu,
+            output_size: None,
         })),
     }
 }

@@ -243,3 +243,44 @@ fn any_common_format_mode_and_size_is_captioned() {
         files.len()
     );
 }
+
+/// The CLI on the transformers fixtures, with the checkpoint's own
+/// generation defaults: `--json` token_ids equal transformers' `generate()`
+/// ids (after the start token, through the first EOS).
+#[test]
+fn hf_checkpoints_caption_as_transformers() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf");
+    for kind in ["equal", "narrow"] {
+        let dir = root.join(kind);
+        let expected: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("expected.json")).expect("expected.json"),
+        )
+        .expect("json");
+        let out = run(&["--model", s(&dir), "--json", s(&dir.join("image.png"))]);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{kind}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        assert_eq!(line["token_ids"], expected["defaults"], "{kind}");
+        assert_eq!(line["caption"], expected["defaults_text"], "{kind}");
+        // Flags override the checkpoint: --beams 1 is plain greedy decoding
+        // (for `narrow`, still with its no_repeat_ngram_size 3).
+        let out = run(&[
+            "--model",
+            s(&dir),
+            "--json",
+            "--beams",
+            "1",
+            "--no-repeat-ngram-size",
+            "0",
+            "--max-tokens",
+            "20",
+            s(&dir.join("image.png")),
+        ]);
+        let line: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        assert_eq!(line["token_ids"], expected["greedy"], "{kind} --beams 1");
+    }
+}

@@ -118,12 +118,14 @@ impl SimpleBackend for CheckedSafetensors {
     }
 }
 
-/// Memory-maps safetensors files into a checked [`VarBuilder`].
+/// Memory-maps safetensors files into a checked [`VarBuilder`]. Errors
+/// name `label` (e.g. a shard index), or the first file.
 ///
 /// The files are mapped read-only; they must not be modified while the
 /// model is alive.
 pub fn mmap_weights(
     files: &[PathBuf],
+    label: Option<&Path>,
     dtype: DType,
     device: &Device,
 ) -> Result<VarBuilder<'static>> {
@@ -147,7 +149,7 @@ pub fn mmap_weights(
     })?;
     let backend = CheckedSafetensors {
         inner,
-        path: first.clone(),
+        path: label.map_or_else(|| first.clone(), Path::to_path_buf),
     };
     Ok(VarBuilder::from_backend(
         Box::new(backend),
@@ -203,6 +205,15 @@ pub fn load_tokenizer(path: &Path, vocab_size: usize) -> Result<tokenizers::Toke
         path: path.to_path_buf(),
         reason: format!("not a valid tokenizer: {e}"),
     })?;
+    check_tokenizer(tok, path, vocab_size)
+}
+
+/// Checks that a tokenizer read from `path` covers `vocab_size` ids.
+pub fn check_tokenizer(
+    tok: tokenizers::Tokenizer,
+    path: &Path,
+    vocab_size: usize,
+) -> Result<tokenizers::Tokenizer> {
     let n = tok.get_vocab_size(true);
     if n < vocab_size {
         return Err(DecoderError::Tokenizer {
@@ -223,4 +234,20 @@ pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
         path: path.to_path_buf(),
         source,
     })
+}
+
+/// Adds the file to a config error's reason: `config: field: reason (in
+/// path)`.
+pub fn in_file(path: &Path) -> impl Fn(DecoderError) -> DecoderError + '_ {
+    move |e| match e {
+        DecoderError::Config { field, reason } => DecoderError::Config {
+            field,
+            reason: format!("{reason} (in {})", path.display()),
+        },
+        DecoderError::Argument { arg, reason } => DecoderError::Config {
+            field: arg,
+            reason: format!("{reason} (in {})", path.display()),
+        },
+        other => other,
+    }
 }

@@ -40,6 +40,7 @@ pub mod config;
 pub mod dir;
 pub mod error;
 pub mod generate;
+pub mod hf;
 pub mod init;
 pub mod mock_vit;
 pub mod model;
@@ -56,5 +57,5 @@ pub use generate::{
 };
 pub use mock_vit::{MockVit, MockVitConfig};
 pub use model::{DecodeState, ForwardMasks, ImageContext, VisionLanguageDecoder};
-pub use pretrained::{VisionConfig, VisionEncoder, VlConfig, VlModel};
-pub use vit::{Vit, VitConfig};
+pub use pretrained::{ModelFormat, VisionConfig, VisionEncoder, VlConfig, VlModel};
+pub use vit::{Vit, VitBlock, VitConfig};

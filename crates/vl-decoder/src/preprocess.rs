@@ -7,17 +7,79 @@ use candle_core::{Device, Tensor};
 use image::imageops::FilterType;
 use image::{DynamicImage, ImageReader, Limits};
 
-use crate::error::{DecoderError, Result};
+use crate::error::{arg_err, DecoderError, Result};
 
-/// What the encoder expects of its pixels.
+/// How an image is resized to the encoder's input size (transformers'
+/// `resample`, PIL's filter numbers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Resample {
+    /// PIL `NEAREST` (0).
+    Nearest,
+    /// PIL `BILINEAR` (2): a triangle filter, widened when shrinking.
+    #[default]
+    Bilinear,
+    /// PIL `BICUBIC` (3): Catmull-Rom.
+    Bicubic,
+    /// PIL `LANCZOS` (1): Lanczos with a window of 3.
+    Lanczos,
+}
+
+impl Resample {
+    /// The filter of PIL's number for it (transformers' `resample`), `None`
+    /// for numbers without an equivalent here (BOX 4, HAMMING 5).
+    pub fn from_pil(code: u32) -> Option<Self> {
+        match code {
+            0 => Some(Self::Nearest),
+            1 => Some(Self::Lanczos),
+            2 => Some(Self::Bilinear),
+            3 => Some(Self::Bicubic),
+            _ => None,
+        }
+    }
+
+    fn filter(self) -> FilterType {
+        match self {
+            Self::Nearest => FilterType::Nearest,
+            Self::Bilinear => FilterType::Triangle,
+            Self::Bicubic => FilterType::CatmullRom,
+            Self::Lanczos => FilterType::Lanczos3,
+        }
+    }
+}
+
+/// What the encoder expects of its pixels: transformers' image processor
+/// steps (resize, rescale, normalise), in that order.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PixelSpec {
     /// Height and width after resizing.
     pub image_size: usize,
-    /// Per-channel mean of pixels scaled to [0, 1].
+    /// Per-channel mean of rescaled pixels.
     pub mean: [f32; 3],
     /// Per-channel std.
     pub std: [f32; 3],
+    /// Pixel values (0..=255) are multiplied by this first (1/255 scales to
+    /// [0, 1]; 1.0 is transformers' `do_rescale = false`).
+    pub rescale_factor: f32,
+    /// The resize filter.
+    pub resample: Resample,
+    /// Whether images of another size are resized; when false, they must
+    /// already be `image_size` square.
+    pub resize: bool,
+}
+
+impl PixelSpec {
+    /// Resize with a bilinear filter, scale to [0, 1], normalise by `mean`
+    /// and `std`.
+    pub fn new(image_size: usize, mean: [f32; 3], std: [f32; 3]) -> Self {
+        Self {
+            image_size,
+            mean,
+            std,
+            rescale_factor: 1.0 / 255.0,
+            resample: Resample::Bilinear,
+            resize: true,
+        }
+    }
 }
 
 /// The largest width or height accepted, in pixels; a larger header is
@@ -34,15 +96,34 @@ fn image_err(path: &Path, reason: impl Into<String>) -> DecoderError {
     }
 }
 
-/// Reads and decodes an image file, guessing the format from its content,
-/// with limits on size and memory.
+/// Reads and decodes an image file with [`decode_image`]. Files larger than
+/// [`MAX_IMAGE_ALLOC`] are refused without being read to the end.
 pub fn load_image(path: &Path) -> Result<DynamicImage> {
-    let mut reader = ImageReader::open(path)
-        .map_err(|e| image_err(path, format!("cannot open: {e}")))?
-        .with_guessed_format()
+    use std::io::Read;
+    let file =
+        std::fs::File::open(path).map_err(|e| image_err(path, format!("cannot open: {e}")))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_IMAGE_ALLOC + 1)
+        .read_to_end(&mut bytes)
         .map_err(|e| image_err(path, format!("cannot read: {e}")))?;
+    if bytes.len() as u64 > MAX_IMAGE_ALLOC {
+        return Err(image_err(
+            path,
+            format!("is larger than {MAX_IMAGE_ALLOC} bytes"),
+        ));
+    }
+    decode_image(&bytes, path)
+}
+
+/// Decodes an image from its bytes, guessing the format from its content,
+/// with limits on size ([`MAX_IMAGE_SIDE`]) and memory ([`MAX_IMAGE_ALLOC`]).
+/// `name` is the file the bytes came from, named in errors.
+pub fn decode_image(bytes: &[u8], name: &Path) -> Result<DynamicImage> {
+    let mut reader = ImageReader::new(std::io::Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| image_err(name, format!("cannot read: {e}")))?;
     if reader.format().is_none() {
-        return Err(image_err(path, "not an image (unknown format)"));
+        return Err(image_err(name, "not an image (unknown format)"));
     }
     let mut limits = Limits::default();
     limits.max_image_width = Some(MAX_IMAGE_SIDE);
@@ -51,10 +132,10 @@ pub fn load_image(path: &Path) -> Result<DynamicImage> {
     reader.limits(limits);
     let img = reader
         .decode()
-        .map_err(|e| image_err(path, format!("cannot decode: {e}")))?;
+        .map_err(|e| image_err(name, format!("cannot decode: {e}")))?;
     if img.width() == 0 || img.height() == 0 {
         return Err(image_err(
-            path,
+            name,
             format!("has no pixels ({}x{})", img.width(), img.height()),
         ));
     }
@@ -62,9 +143,9 @@ pub fn load_image(path: &Path) -> Result<DynamicImage> {
 }
 
 /// Converts an image to the encoder's input: RGB (alpha dropped, gray
-/// replicated, 16-bit scaled to 8), resized to `image_size` square with a
-/// triangle filter when its size differs, scaled to [0, 1], normalised by
-/// the config's mean and std.
+/// replicated, 16-bit scaled to 8), resized to `image_size` square with the
+/// spec's filter when its size differs, multiplied by `rescale_factor`,
+/// normalised by the spec's mean and std.
 ///
 /// # Shapes
 /// Returns `(3, image_size, image_size)` f32.
@@ -73,14 +154,23 @@ pub fn preprocess(img: &DynamicImage, cfg: &PixelSpec, device: &Device) -> Resul
     let rgb = img.to_rgb8();
     let rgb = if rgb.dimensions() == (s, s) {
         rgb
+    } else if cfg.resize {
+        image::imageops::resize(&rgb, s, s, cfg.resample.filter())
     } else {
-        image::imageops::resize(&rgb, s, s, FilterType::Triangle)
+        return arg_err(
+            "image",
+            format!(
+                "is {}x{}, but the model takes {s}x{s} and its preprocessor does not resize",
+                rgb.width(),
+                rgb.height()
+            ),
+        );
     };
     let n = (s * s) as usize;
     let mut data = vec![0f32; 3 * n];
     for (i, px) in rgb.pixels().enumerate() {
         for c in 0..3 {
-            data[c * n + i] = (px[c] as f32 / 255.0 - cfg.mean[c]) / cfg.std[c];
+            data[c * n + i] = (px[c] as f32 * cfg.rescale_factor - cfg.mean[c]) / cfg.std[c];
         }
     }
     Ok(Tensor::from_vec(

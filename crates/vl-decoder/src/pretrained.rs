@@ -14,10 +14,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::DecoderConfig;
 use crate::dir::{
-    load_tokenizer, mmap_weights, read_json, save_varmap, weights_error, CONFIG_FILE,
+    in_file, load_tokenizer, mmap_weights, read_json, save_varmap, weights_error, CONFIG_FILE,
     TOKENIZER_FILE, WEIGHTS_FILE,
 };
 use crate::error::{arg_err, config_err, DecoderError, Result};
+use crate::generate::GenerationConfig;
 use crate::mock_vit::{MockVit, MockVitConfig};
 use crate::model::VisionLanguageDecoder;
 use crate::preprocess::{preprocess_batch, PixelSpec};
@@ -41,7 +42,7 @@ impl VisionConfig {
     pub fn hidden_size(&self) -> usize {
         match self {
             Self::MockVit(c) => c.hidden_size,
-            Self::Vit(c) => c.hidden_size,
+            Self::Vit(c) => c.output_width(),
         }
     }
 
@@ -49,11 +50,7 @@ impl VisionConfig {
     /// normalised by mean 0.5 and std 0.5).
     pub fn pixel_spec(&self) -> PixelSpec {
         match self {
-            Self::MockVit(c) => PixelSpec {
-                image_size: c.image_size,
-                mean: [0.5; 3],
-                std: [0.5; 3],
-            },
+            Self::MockVit(c) => PixelSpec::new(c.image_size, [0.5; 3], [0.5; 3]),
             Self::Vit(c) => c.pixel_spec(),
         }
     }
@@ -132,6 +129,16 @@ impl VisionEncoder {
     }
 }
 
+/// The layout of a model directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelFormat {
+    /// vl's own: see the module documentation.
+    Vl,
+    /// A transformers `VisionEncoderDecoderModel` (ViT + GPT-2): see
+    /// [`crate::hf`].
+    VisionEncoderDecoder,
+}
+
 /// A loaded model directory.
 #[derive(Debug)]
 pub struct VlModel {
@@ -145,11 +152,20 @@ pub struct VlModel {
     pub vision: Option<VisionEncoder>,
     /// The tokenizer.
     pub tokenizer: tokenizers::Tokenizer,
+    /// What the vision encoder expects of its pixels, if there is one.
+    pub pixels: Option<PixelSpec>,
+    /// The checkpoint's generation defaults (for vl directories: greedy,
+    /// as many tokens as the positions allow).
+    pub generation: GenerationConfig,
+    /// The directory's layout.
+    pub format: ModelFormat,
 }
 
 impl VlModel {
-    /// Loads `dir` onto `device` in `dtype`. Errors name the file and, for
-    /// weights, the tensor with the expected and found shape.
+    /// Loads `dir` onto `device` in `dtype`: a vl model directory, or a
+    /// transformers vision-encoder-decoder checkpoint ([`crate::hf`]),
+    /// told apart by `config.json`'s `model_type`. Errors name the file
+    /// and, for weights, the tensor with the expected and found shape.
     pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
         if !dir.is_dir() {
             return Err(DecoderError::Io {
@@ -157,18 +173,15 @@ impl VlModel {
                 source: std::io::Error::new(std::io::ErrorKind::NotFound, "not a model directory"),
             });
         }
+        if crate::hf::is_hf_checkpoint(dir) {
+            return crate::hf::load(dir, dtype, device);
+        }
         let config_path = dir.join(CONFIG_FILE);
         let config: VlConfig = read_json(&config_path)?;
-        config.validate().map_err(|e| match e {
-            DecoderError::Config { field, reason } => DecoderError::Config {
-                field,
-                reason: format!("{reason} (in {})", config_path.display()),
-            },
-            other => other,
-        })?;
+        config.validate().map_err(in_file(&config_path))?;
         let tokenizer = load_tokenizer(&dir.join(TOKENIZER_FILE), config.decoder.vocab_size)?;
         let weights = dir.join(WEIGHTS_FILE);
-        let vb = mmap_weights(std::slice::from_ref(&weights), dtype, device)?;
+        let vb = mmap_weights(std::slice::from_ref(&weights), None, dtype, device)?;
         let decoder = VisionLanguageDecoder::load(vb.pp("decoder"), &config.decoder)
             .map_err(|e| weights_error(&weights, e))?;
         let vision = match &config.vision {
@@ -177,8 +190,13 @@ impl VlModel {
                 VisionEncoder::load(vb.pp("vision"), v).map_err(|e| weights_error(&weights, e))?,
             ),
         };
+        let generation =
+            GenerationConfig::greedy(&config.decoder, config.decoder.max_position_embeddings - 1);
         Ok(Self {
             path: dir.to_path_buf(),
+            pixels: config.vision.as_ref().map(VisionConfig::pixel_spec),
+            generation,
+            format: ModelFormat::Vl,
             config,
             decoder,
             vision,
@@ -191,13 +209,13 @@ impl VlModel {
     /// # Shapes
     /// Returns `(images.len(), tokens, memory_dim)`.
     pub fn encode_images(&self, images: &[&image::DynamicImage]) -> Result<Tensor> {
-        let (Some(vision), Some(cfg)) = (&self.vision, &self.config.vision) else {
+        let (Some(vision), Some(spec)) = (&self.vision, &self.pixels) else {
             return arg_err(
                 "images",
                 format!("the model in {} has no vision encoder", self.path.display()),
             );
         };
-        let pixels = preprocess_batch(images, &cfg.pixel_spec(), self.decoder.device())?;
+        let pixels = preprocess_batch(images, spec, self.decoder.device())?;
         vision.forward(&pixels.to_dtype(self.decoder.dtype())?)
     }
 

@@ -46,16 +46,25 @@ pub struct VitConfig {
     /// Per-channel std dividing them (default 0.5).
     #[serde(default = "default_half")]
     pub image_std: [f32; 3],
+    /// Feed-forward activation (default `gelu`, the erf form, as ViT).
+    #[serde(default)]
+    pub hidden_act: Activation,
+    /// When set, a linear layer `output_proj` maps the tokens to this width
+    /// (transformers' `enc_to_dec_proj`, for a decoder wider or narrower
+    /// than the encoder).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_size: Option<usize>,
 }
 
 impl VitConfig {
     /// What the encoder expects of its pixels.
     pub fn pixel_spec(&self) -> crate::preprocess::PixelSpec {
-        crate::preprocess::PixelSpec {
-            image_size: self.image_size,
-            mean: self.image_mean,
-            std: self.image_std,
-        }
+        crate::preprocess::PixelSpec::new(self.image_size, self.image_mean, self.image_std)
+    }
+
+    /// The width of the encoder's output tokens.
+    pub fn output_width(&self) -> usize {
+        self.output_size.unwrap_or(self.hidden_size)
     }
 
     /// Patches per image.
@@ -80,6 +89,7 @@ impl VitConfig {
             ("vision.num_hidden_layers", self.num_hidden_layers),
             ("vision.num_attention_heads", self.num_attention_heads),
             ("vision.intermediate_size", self.intermediate_size),
+            ("vision.output_size", self.output_size.unwrap_or(1)),
         ] {
             if v == 0 {
                 return config_err(field, "must be positive, got 0");
@@ -110,16 +120,38 @@ impl VitConfig {
 /// One pre-LN encoder block: `x += attn(attn_norm(x))` (bidirectional),
 /// `x += ffn(ffn_norm(x))`.
 #[derive(Debug, Clone)]
-struct VitBlock {
+pub struct VitBlock {
     attn_norm: LayerNorm,
     /// Self-attention as cross-attention of the tokens over themselves.
     attn: CrossAttention,
     ffn_norm: LayerNorm,
     up: Linear,
     down: Linear,
+    act: Activation,
 }
 
 impl VitBlock {
+    /// Builds a block from existing parts (checkpoint converters): `attn` is
+    /// the tokens' attention over themselves (query and memory widths
+    /// equal), `up`/`down` the feed-forward layer.
+    pub fn from_parts(
+        attn_norm: LayerNorm,
+        attn: CrossAttention,
+        ffn_norm: LayerNorm,
+        up: Linear,
+        down: Linear,
+        act: Activation,
+    ) -> Self {
+        Self {
+            attn_norm,
+            attn,
+            ffn_norm,
+            up,
+            down,
+            act,
+        }
+    }
+
     fn load(vb: VarBuilder, cfg: &VitConfig) -> Result<Self> {
         let eps = cfg.layer_norm_eps;
         let d = cfg.hidden_size;
@@ -132,13 +164,16 @@ impl VitBlock {
             ffn_norm: LayerNorm::load(d, eps, vb.pp("ffn_norm"))?,
             up: candle_nn::linear(d, cfg.intermediate_size, vb.pp("ffn").pp("up"))?,
             down: candle_nn::linear(cfg.intermediate_size, d, vb.pp("ffn").pp("down"))?,
+            act: cfg.hidden_act,
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.attn_norm.forward(x)?;
         let x = (x + self.attn.forward(&h, &h, None)?)?;
-        let h = Activation::Gelu.forward(&self.up.forward(&self.ffn_norm.forward(&x)?)?)?;
+        let h = self
+            .act
+            .forward(&self.up.forward(&self.ffn_norm.forward(&x)?)?)?;
         Ok((&x + self.down.forward(&h)?)?)
     }
 }
@@ -148,7 +183,8 @@ impl VitBlock {
 /// Weights: `patch_embed (hidden, channels * patch * patch)` with bias
 /// (a convolution of stride = kernel = patch, flattened channel-major),
 /// `cls (1, 1, hidden)`, `positions (1, 1 + patches, hidden)`,
-/// `blocks.{i}.*`, `final_norm`.
+/// `blocks.{i}.*`, `final_norm`, and `output_proj` when `output_size` is
+/// set.
 #[derive(Debug, Clone)]
 pub struct Vit {
     patch_embed: Linear,
@@ -156,6 +192,7 @@ pub struct Vit {
     positions: Tensor,
     blocks: Vec<VitBlock>,
     final_norm: LayerNorm,
+    output_proj: Option<Linear>,
     cfg: VitConfig,
 }
 
@@ -177,6 +214,68 @@ impl Vit {
                 .map(|i| VitBlock::load(vb.pp("blocks").pp(i), cfg))
                 .collect::<Result<Vec<_>>>()?,
             final_norm: LayerNorm::load(d, cfg.layer_norm_eps, vb.pp("final_norm"))?,
+            output_proj: match cfg.output_size {
+                Some(out) => Some(candle_nn::linear(d, out, vb.pp("output_proj"))?),
+                None => None,
+            },
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// Builds the encoder from existing parts (checkpoint converters).
+    /// `patch_embed` maps `channels * patch * patch` flattened channel-major
+    /// to `hidden`; `output_proj` is present exactly when
+    /// `cfg.output_size` is set.
+    ///
+    /// # Shapes
+    /// `cls: (1, 1, hidden)`, `positions: (1, 1 + patches, hidden)`.
+    pub fn from_parts(
+        patch_embed: Linear,
+        cls: Tensor,
+        positions: Tensor,
+        blocks: Vec<VitBlock>,
+        final_norm: LayerNorm,
+        output_proj: Option<Linear>,
+        cfg: &VitConfig,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let d = cfg.hidden_size;
+        if cls.dims() != [1, 1, d] {
+            return arg_err(
+                "cls",
+                format!("expected shape (1, 1, {d}), got {:?}", cls.dims()),
+            );
+        }
+        let n = 1 + cfg.num_patches();
+        if positions.dims() != [1, n, d] {
+            return arg_err(
+                "positions",
+                format!("expected shape (1, {n}, {d}), got {:?}", positions.dims()),
+            );
+        }
+        if blocks.len() != cfg.num_hidden_layers {
+            return arg_err(
+                "blocks",
+                format!(
+                    "expected {} blocks, got {}",
+                    cfg.num_hidden_layers,
+                    blocks.len()
+                ),
+            );
+        }
+        if output_proj.is_some() != cfg.output_size.is_some() {
+            return arg_err(
+                "output_proj",
+                "must be given exactly when the config sets output_size",
+            );
+        }
+        Ok(Self {
+            patch_embed,
+            cls,
+            positions,
+            blocks,
+            final_norm,
+            output_proj,
             cfg: cfg.clone(),
         })
     }
@@ -190,8 +289,22 @@ impl Vit {
     ///
     /// # Shapes
     /// `pixels: (batch, channels, image_size, image_size)`, normalised →
-    /// `(batch, 1 + patches, hidden)`.
+    /// `(batch, 1 + patches, output_width)`.
     pub fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
+        let x = self.last_hidden_state(pixels)?;
+        match &self.output_proj {
+            Some(proj) => Ok(proj.forward(&x)?),
+            None => Ok(x),
+        }
+    }
+
+    /// The encoder's tokens after the final norm, before `output_proj`
+    /// (transformers' `last_hidden_state`).
+    ///
+    /// # Shapes
+    /// `pixels: (batch, channels, image_size, image_size)`, normalised →
+    /// `(batch, 1 + patches, hidden)`.
+    pub fn last_hidden_state(&self, pixels: &Tensor) -> Result<Tensor> {
         let c = &self.cfg;
         let dims = pixels.dims();
         if dims.len() != 4 || dims[1..] != [c.num_channels, c.image_size, c.image_size] {

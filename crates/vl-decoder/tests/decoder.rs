@@ -378,6 +378,8 @@ fn every_parameter_receives_a_gradient() -> anyhow::Result<()> {
         layer_norm_eps: 1e-5,
         image_mean: [0.5; 3],
         image_std: [0.5; 3],
+        hidden_act: vl_decoder::Activation::Gelu,
+        output_size: None,
     };
     let vars = VarMap::new();
     let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);

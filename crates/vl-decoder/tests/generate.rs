@@ -152,6 +152,7 @@ fn validate_names_the_field() -> Result<()> {
             "repetition_penalty",
             GenerationConfig {
                 repetition_penalty: 0.0,
+                no_repeat_ngram_size: 0,
                 ..base.clone()
             },
         ),
@@ -159,6 +160,7 @@ fn validate_names_the_field() -> Result<()> {
             "repetition_penalty",
             GenerationConfig {
                 repetition_penalty: -1.0,
+                no_repeat_ngram_size: 0,
                 ..base.clone()
             },
         ),

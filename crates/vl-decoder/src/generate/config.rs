@@ -92,6 +92,10 @@ pub struct GenerationConfig {
     /// it) has its score divided by this when positive, multiplied when
     /// not. 1.0 = off; must be positive.
     pub repetition_penalty: f32,
+    /// transformers' `no_repeat_ngram_size`: no n-gram of this size occurs
+    /// twice in a row's sequence (start token included, as transformers'
+    /// `input_ids` holds it). 0 = off.
+    pub no_repeat_ngram_size: usize,
     /// How the next token is chosen.
     pub strategy: Strategy,
 }
@@ -107,6 +111,7 @@ impl GenerationConfig {
             eos_token_ids: vec![cfg.eos_token_id],
             pad_token_id: cfg.pad_token_id,
             repetition_penalty: 1.0,
+            no_repeat_ngram_size: 0,
             strategy: Strategy::Greedy,
         }
     }
@@ -186,7 +191,7 @@ impl GenerationConfig {
     }
 
     /// Checks the token ids against a vocabulary of `vocab` tokens.
-    pub(crate) fn check_ids(&self, vocab: usize) -> Result<()> {
+    pub fn check_ids(&self, vocab: usize) -> Result<()> {
         let ids = [
             ("start_token_id", self.start_token_id),
             ("pad_token_id", self.pad_token_id),

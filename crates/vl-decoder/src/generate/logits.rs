@@ -1,5 +1,6 @@
 //! Score processing shared by every strategy (transformers' logits
-//! processors, in their order: repetition penalty, then `min_new_tokens`),
+//! processors, in their order: repetition penalty, no repeated n-grams,
+//! then `min_new_tokens`),
 //! and the token choice of greedy decoding and sampling.
 
 use candle_core::{Device, Tensor};
@@ -8,7 +9,8 @@ use candle_transformers::generation::{LogitsProcessor, Sampling};
 use super::config::{GenerationConfig, Strategy, MIN_SAMPLING_TEMPERATURE};
 use crate::error::Result;
 
-/// Applies the repetition penalty and the `min_new_tokens` EOS suppression
+/// Applies the repetition penalty, the n-gram ban and the `min_new_tokens`
+/// EOS suppression
 /// to one row's scores (logits for greedy and sampling, log-probabilities
 /// for beam search, as in transformers).
 ///
@@ -31,9 +33,37 @@ pub(crate) fn process(scores: &mut [f32], generated: &[u32], cfg: &GenerationCon
             }
         }
     }
+    if cfg.no_repeat_ngram_size > 0 {
+        ban_repeated_ngrams(
+            scores,
+            cfg.start_token_id,
+            generated,
+            cfg.no_repeat_ngram_size,
+        );
+    }
     if generated.len() < cfg.min_new_tokens {
         for &eos in &cfg.eos_token_ids {
             if let Some(s) = scores.get_mut(eos as usize) {
+                *s = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
+/// transformers' `NoRepeatNGramLogitsProcessor` over `[start] + generated`:
+/// every token that would complete an `n`-gram already in the sequence gets
+/// `-inf`.
+fn ban_repeated_ngrams(scores: &mut [f32], start: u32, generated: &[u32], n: usize) {
+    let seq: Vec<u32> = std::iter::once(start)
+        .chain(generated.iter().copied())
+        .collect();
+    if seq.len() + 1 < n {
+        return;
+    }
+    let prefix = &seq[seq.len() + 1 - n..];
+    for window in seq.windows(n) {
+        if &window[..n - 1] == prefix {
+            if let Some(s) = scores.get_mut(window[n - 1] as usize) {
                 *s = f32::NEG_INFINITY;
             }
         }
@@ -163,6 +193,7 @@ mod tests {
             eos_token_ids: vec![3],
             pad_token_id: 0,
             repetition_penalty: 2.0,
+            no_repeat_ngram_size: 0,
             strategy: Strategy::Greedy,
         };
         let mut s = [4.0, -1.0, 1.0, 5.0];
@@ -172,5 +203,24 @@ mod tests {
         process(&mut s, &[1], &cfg);
         assert_eq!(s[3], f32::NEG_INFINITY);
         assert_eq!(argmax(&[1.0, 2.0, 2.0]), 1);
+    }
+
+    #[test]
+    fn repeated_ngrams_are_banned() {
+        // [start 0] 1 2 3 1 2: the trigram (1, 2, 3) is taken, so 3 is banned;
+        // the bigram ban (n = 2) after "2" also bans 3, after "1" bans 2.
+        let mut s = [0.0f32; 5];
+        ban_repeated_ngrams(&mut s, 0, &[1, 2, 3, 1, 2], 3);
+        assert_eq!(s, [0.0, 0.0, 0.0, f32::NEG_INFINITY, 0.0]);
+        let mut s = [0.0f32; 5];
+        ban_repeated_ngrams(&mut s, 0, &[1, 2, 3, 1], 2);
+        assert_eq!(s, [0.0, 0.0, f32::NEG_INFINITY, 0.0, 0.0]);
+        // Too short to repeat anything; the start token counts.
+        let mut s = [0.0f32; 5];
+        ban_repeated_ngrams(&mut s, 0, &[1], 3);
+        assert_eq!(s, [0.0; 5]);
+        let mut s = [0.0f32; 5];
+        ban_repeated_ngrams(&mut s, 4, &[4], 2);
+        assert_eq!(s[4], f32::NEG_INFINITY);
     }
 }

@@ -1,0 +1,595 @@
+//! The JSON files of a transformers `VisionEncoderDecoderModel` directory,
+//! and their translation into vl's configurations.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::config::{Activation, DecoderConfig};
+use crate::error::{config_err, Result};
+use crate::generate::{EarlyStopping, GenerationConfig, Strategy};
+use crate::preprocess::{PixelSpec, Resample};
+use crate::vit::VitConfig;
+
+/// The `model_type` of a transformers vision-encoder-decoder checkpoint.
+pub const MODEL_TYPE: &str = "vision-encoder-decoder";
+
+fn vit_eps() -> f64 {
+    1e-12
+}
+fn gpt2_eps() -> f64 {
+    1e-5
+}
+fn default_true() -> bool {
+    true
+}
+fn gelu() -> Activation {
+    Activation::Gelu
+}
+fn gelu_new() -> Activation {
+    Activation::GeluTanh
+}
+fn size_224() -> usize {
+    224
+}
+fn patch_16() -> usize {
+    16
+}
+fn channels_3() -> usize {
+    3
+}
+
+/// `config.json`'s `encoder`: a transformers `ViTConfig`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct HfVitConfig {
+    /// Must be `"vit"`.
+    pub model_type: String,
+    /// Token width.
+    pub hidden_size: usize,
+    /// Encoder layers.
+    pub num_hidden_layers: usize,
+    /// Attention heads.
+    pub num_attention_heads: usize,
+    /// Feed-forward width.
+    pub intermediate_size: usize,
+    /// Feed-forward activation (default `gelu`).
+    #[serde(default = "gelu")]
+    pub hidden_act: Activation,
+    /// Layer-norm epsilon (default 1e-12).
+    #[serde(default = "vit_eps")]
+    pub layer_norm_eps: f64,
+    /// Input size (default 224).
+    #[serde(default = "size_224")]
+    pub image_size: usize,
+    /// Patch size (default 16).
+    #[serde(default = "patch_16")]
+    pub patch_size: usize,
+    /// Input channels (default 3).
+    #[serde(default = "channels_3")]
+    pub num_channels: usize,
+    /// Whether query, key and value have biases (default true).
+    #[serde(default = "default_true")]
+    pub qkv_bias: bool,
+}
+
+/// `config.json`'s `decoder`: a transformers `GPT2Config` with
+/// cross-attention.
+#[derive(Debug, Clone, Deserialize)]
+pub struct HfGpt2Config {
+    /// Must be `"gpt2"`.
+    pub model_type: String,
+    /// Tokens in the vocabulary.
+    pub vocab_size: usize,
+    /// Width.
+    pub n_embd: usize,
+    /// Blocks.
+    pub n_layer: usize,
+    /// Heads.
+    pub n_head: usize,
+    /// Positions.
+    pub n_positions: usize,
+    /// Feed-forward width; `null` means `4 * n_embd`.
+    #[serde(default)]
+    pub n_inner: Option<usize>,
+    /// Feed-forward activation (default `gelu_new`).
+    #[serde(default = "gelu_new")]
+    pub activation_function: Activation,
+    /// Layer-norm epsilon (default 1e-5).
+    #[serde(default = "gpt2_eps")]
+    pub layer_norm_epsilon: f64,
+    /// Must be true: the blocks must have cross-attention.
+    #[serde(default)]
+    pub add_cross_attention: bool,
+    /// Scores divided by `sqrt(head_dim)`; must be true (default).
+    #[serde(default = "default_true")]
+    pub scale_attn_weights: bool,
+    /// Scores also divided by the layer number; must be false (default).
+    #[serde(default)]
+    pub scale_attn_by_inverse_layer_idx: bool,
+    /// Width of the encoder states the cross-attention reads; GPT-2 reads
+    /// `n_embd`, so this must be unset or equal.
+    #[serde(default)]
+    pub cross_attention_hidden_size: Option<usize>,
+    /// Whether `lm_head` is `wte` (default true).
+    #[serde(default = "default_true")]
+    pub tie_word_embeddings: bool,
+    /// Every other key: generation settings of older checkpoints.
+    #[serde(flatten)]
+    pub rest: BTreeMap<String, Value>,
+}
+
+/// `config.json` of a vision-encoder-decoder checkpoint.
+#[derive(Debug, Clone, Deserialize)]
+pub struct HfConfig {
+    /// Must be `"vision-encoder-decoder"`.
+    pub model_type: String,
+    /// The image encoder.
+    pub encoder: HfVitConfig,
+    /// The text decoder.
+    pub decoder: HfGpt2Config,
+    /// Every other key: generation settings of older checkpoints.
+    #[serde(flatten)]
+    pub rest: BTreeMap<String, Value>,
+}
+
+impl HfConfig {
+    /// Rejects what vl cannot run, naming the field.
+    pub fn validate(&self) -> Result<()> {
+        if self.model_type != MODEL_TYPE {
+            return config_err(
+                "model_type",
+                format!("expected {MODEL_TYPE:?}, got {:?}", self.model_type),
+            );
+        }
+        if self.encoder.model_type != "vit" {
+            return config_err(
+                "encoder.model_type",
+                format!(
+                    "only \"vit\" encoders are supported, got {:?}",
+                    self.encoder.model_type
+                ),
+            );
+        }
+        let d = &self.decoder;
+        if d.model_type != "gpt2" {
+            return config_err(
+                "decoder.model_type",
+                format!(
+                    "only \"gpt2\" decoders are supported, got {:?}",
+                    d.model_type
+                ),
+            );
+        }
+        if !d.add_cross_attention {
+            return config_err(
+                "decoder.add_cross_attention",
+                "must be true: the decoder has no cross-attention to read the image with",
+            );
+        }
+        if !d.scale_attn_weights || d.scale_attn_by_inverse_layer_idx {
+            return config_err(
+                "decoder.scale_attn_weights",
+                "only scores scaled by 1/sqrt(head_dim) are supported \
+                 (scale_attn_weights true, scale_attn_by_inverse_layer_idx false)",
+            );
+        }
+        if let Some(w) = d.cross_attention_hidden_size.filter(|&w| w != d.n_embd) {
+            return config_err(
+                "decoder.cross_attention_hidden_size",
+                format!(
+                    "GPT-2 cross-attention reads width n_embd {}, got {w}",
+                    d.n_embd
+                ),
+            );
+        }
+        self.vit_config(&PixelSpec::new(self.encoder.image_size, [0.5; 3], [0.5; 3]))
+            .validate()?;
+        Ok(())
+    }
+
+    /// Whether the encoder's tokens go through `enc_to_dec_proj`.
+    pub fn projects_encoder(&self) -> bool {
+        self.encoder.hidden_size != self.decoder.n_embd
+    }
+
+    /// The encoder as a vl [`VitConfig`], its normalisation from `pixels`.
+    pub fn vit_config(&self, pixels: &PixelSpec) -> VitConfig {
+        let e = &self.encoder;
+        VitConfig {
+            image_size: e.image_size,
+            patch_size: e.patch_size,
+            num_channels: e.num_channels,
+            hidden_size: e.hidden_size,
+            num_hidden_layers: e.num_hidden_layers,
+            num_attention_heads: e.num_attention_heads,
+            intermediate_size: e.intermediate_size,
+            layer_norm_eps: e.layer_norm_eps,
+            image_mean: pixels.mean,
+            image_std: pixels.std,
+            hidden_act: e.hidden_act,
+            output_size: self.projects_encoder().then_some(self.decoder.n_embd),
+        }
+    }
+
+    /// The decoder as a vl [`DecoderConfig`], with the special tokens of
+    /// `generation`.
+    pub fn decoder_config(&self, generation: &GenerationConfig) -> DecoderConfig {
+        let d = &self.decoder;
+        let eos = generation
+            .eos_token_ids
+            .first()
+            .copied()
+            .unwrap_or(generation.start_token_id);
+        DecoderConfig {
+            vocab_size: d.vocab_size,
+            hidden_size: d.n_embd,
+            num_attention_heads: d.n_head,
+            num_key_value_heads: None,
+            num_hidden_layers: d.n_layer,
+            intermediate_size: d.n_inner.unwrap_or(4 * d.n_embd),
+            max_position_embeddings: d.n_positions,
+            memory_dim: d.n_embd,
+            hidden_act: d.activation_function,
+            layer_norm_eps: d.layer_norm_epsilon,
+            tie_word_embeddings: d.tie_word_embeddings,
+            cross_attention_every: 1,
+            gated_cross_attention: false,
+            attention_bias: true,
+            bos_token_id: generation.start_token_id,
+            eos_token_id: eos,
+            pad_token_id: generation.pad_token_id,
+        }
+    }
+}
+
+/// `size` of an image processor: `{"height", "width"}`,
+/// `{"shortest_edge"}` or a bare number.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum HfSize {
+    /// A square side.
+    Side(usize),
+    /// Height and width.
+    HeightWidth {
+        /// Height.
+        height: usize,
+        /// Width.
+        width: usize,
+    },
+    /// Resize so the shorter side is this (then crop), not what ViT does.
+    ShortestEdge {
+        /// The shorter side.
+        shortest_edge: usize,
+    },
+}
+
+fn resample_bilinear() -> u32 {
+    2
+}
+fn rescale_255() -> f64 {
+    1.0 / 255.0
+}
+fn half3() -> [f32; 3] {
+    [0.5; 3]
+}
+
+/// `preprocessor_config.json`: a transformers `ViTImageProcessor` (or the
+/// older `ViTFeatureExtractor`), with its defaults.
+#[derive(Debug, Clone, Deserialize)]
+pub struct HfPreprocessorConfig {
+    /// Resize to `size` (default true).
+    #[serde(default = "default_true")]
+    pub do_resize: bool,
+    /// The size to resize to (default the encoder's `image_size`).
+    #[serde(default)]
+    pub size: Option<HfSize>,
+    /// PIL's filter number (default 2, bilinear).
+    #[serde(default = "resample_bilinear")]
+    pub resample: u32,
+    /// Multiply pixels by `rescale_factor` (default true).
+    #[serde(default = "default_true")]
+    pub do_rescale: bool,
+    /// Default 1/255.
+    #[serde(default = "rescale_255")]
+    pub rescale_factor: f64,
+    /// Normalise by mean and std (default true).
+    #[serde(default = "default_true")]
+    pub do_normalize: bool,
+    /// Default 0.5 per channel.
+    #[serde(default = "half3")]
+    pub image_mean: [f32; 3],
+    /// Default 0.5 per channel.
+    #[serde(default = "half3")]
+    pub image_std: [f32; 3],
+}
+
+impl Default for HfPreprocessorConfig {
+    fn default() -> Self {
+        Self {
+            do_resize: true,
+            size: None,
+            resample: resample_bilinear(),
+            do_rescale: true,
+            rescale_factor: rescale_255(),
+            do_normalize: true,
+            image_mean: half3(),
+            image_std: half3(),
+        }
+    }
+}
+
+impl HfPreprocessorConfig {
+    /// The pixel spec for an encoder of input size `image_size`.
+    pub fn pixel_spec(&self, image_size: usize) -> Result<PixelSpec> {
+        if self.do_resize {
+            let side = match &self.size {
+                None => image_size,
+                Some(HfSize::Side(s)) => *s,
+                Some(HfSize::HeightWidth { height, width }) if height == width => *height,
+                Some(HfSize::HeightWidth { height, width }) => {
+                    return config_err(
+                        "size",
+                        format!("{height}x{width} is not square; the ViT takes {image_size}x{image_size}"),
+                    )
+                }
+                Some(HfSize::ShortestEdge { shortest_edge }) => {
+                    return config_err(
+                        "size",
+                        format!("shortest_edge {shortest_edge} resizing is not supported; the ViT takes {image_size}x{image_size}"),
+                    )
+                }
+            };
+            if side != image_size {
+                return config_err(
+                    "size",
+                    format!("resizes to {side}, but the encoder's image_size is {image_size}"),
+                );
+            }
+        }
+        let Some(resample) = Resample::from_pil(self.resample) else {
+            return config_err(
+                "resample",
+                format!(
+                    "PIL filter {} is not supported (0 nearest, 1 lanczos, 2 bilinear, 3 bicubic)",
+                    self.resample
+                ),
+            );
+        };
+        let (mean, std) = if self.do_normalize {
+            (self.image_mean, self.image_std)
+        } else {
+            ([0.0; 3], [1.0; 3])
+        };
+        if let Some(s) = std.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
+            return config_err("image_std", format!("must be positive, got {s}"));
+        }
+        Ok(PixelSpec {
+            image_size,
+            mean,
+            std,
+            rescale_factor: if self.do_rescale {
+                self.rescale_factor as f32
+            } else {
+                1.0
+            },
+            resample,
+            resize: self.do_resize,
+        })
+    }
+}
+
+/// Generation settings read from `generation_config.json`, or from
+/// `config.json` (top level first, then `decoder`) in older checkpoints —
+/// the precedence of transformers' `GenerationConfig.from_model_config`.
+#[derive(Debug, Clone, Default)]
+pub struct HfGeneration {
+    values: BTreeMap<String, Value>,
+}
+
+/// Generation settings that vl does not implement; a checkpoint that sets
+/// one is still loaded, with a warning.
+pub const UNSUPPORTED_GENERATION: &[&str] = &[
+    "num_beam_groups",
+    "diversity_penalty",
+    "bad_words_ids",
+    "force_words_ids",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "encoder_no_repeat_ngram_size",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "exponential_decay_length_penalty",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "min_p",
+];
+
+impl HfGeneration {
+    /// From a `generation_config.json`'s object.
+    pub fn from_file(values: BTreeMap<String, Value>) -> Self {
+        Self { values }
+    }
+
+    /// From `config.json`: its top-level keys, then the decoder's for keys
+    /// the top level lacks or leaves `null`.
+    pub fn from_model_config(cfg: &HfConfig) -> Self {
+        let mut values: BTreeMap<String, Value> = cfg
+            .rest
+            .iter()
+            .filter(|(_, v)| !v.is_null())
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (k, v) in &cfg.decoder.rest {
+            if !v.is_null() && !values.contains_key(k) {
+                values.insert(k.clone(), v.clone());
+            }
+        }
+        Self { values }
+    }
+
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.values.get(key).filter(|v| !v.is_null())
+    }
+
+    fn uint(&self, key: &'static str) -> Result<Option<u64>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(n) => Ok(Some(n)),
+                None => config_err(key, format!("expected a non-negative integer, got {v}")),
+            },
+        }
+    }
+
+    fn float(&self, key: &'static str) -> Result<Option<f64>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) => Ok(Some(x)),
+                None => config_err(key, format!("expected a number, got {v}")),
+            },
+        }
+    }
+
+    fn flag(&self, key: &'static str) -> Result<Option<bool>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => config_err(key, format!("expected true or false, got {v}")),
+        }
+    }
+
+    fn id(&self, key: &'static str) -> Result<Option<u32>> {
+        match self.uint(key)? {
+            None => Ok(None),
+            Some(n) => u32::try_from(n)
+                .map(Some)
+                .or_else(|_| config_err(key, format!("{n} is not a token id"))),
+        }
+    }
+
+    /// `eos_token_id`: one id or a list.
+    fn eos_ids(&self) -> Result<Vec<u32>> {
+        match self.get("eos_token_id") {
+            None => Ok(Vec::new()),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_u64().and_then(|n| u32::try_from(n).ok()).map_or_else(
+                        || config_err("eos_token_id", format!("{v} is not a token id")),
+                        Ok,
+                    )
+                })
+                .collect(),
+            Some(_) => Ok(self.id("eos_token_id")?.into_iter().collect()),
+        }
+    }
+
+    /// The settings that vl ignores, with their values, for a warning.
+    pub fn unsupported(&self) -> Vec<String> {
+        UNSUPPORTED_GENERATION
+            .iter()
+            .filter_map(|k| {
+                let v = self.get(k)?;
+                let inert = matches!(v, Value::Array(a) if a.is_empty())
+                    || v.as_f64() == Some(0.0) && *k != "typical_p"
+                    || (*k == "num_beam_groups" && v.as_u64() == Some(1))
+                    || (*k == "typical_p" && v.as_f64() == Some(1.0));
+                (!inert).then(|| format!("{k}={v}"))
+            })
+            .collect()
+    }
+
+    /// The generation defaults, as transformers' `generate()` resolves
+    /// them for an encoder-decoder model: the start token is
+    /// `decoder_start_token_id`, else `bos_token_id`; `max_length` counts
+    /// the start token; padding falls back to the first EOS id; sampling
+    /// defaults to `top_k` 50.
+    pub fn to_generation_config(&self) -> Result<GenerationConfig> {
+        let Some(start) = self
+            .id("decoder_start_token_id")?
+            .or(self.id("bos_token_id")?)
+        else {
+            return config_err(
+                "decoder_start_token_id",
+                "missing, and no bos_token_id to fall back on",
+            );
+        };
+        let eos_token_ids = self.eos_ids()?;
+        let pad = self
+            .id("pad_token_id")?
+            .or(eos_token_ids.first().copied())
+            .unwrap_or(start);
+        let max_new_tokens = match (self.uint("max_new_tokens")?, self.uint("max_length")?) {
+            (Some(n), _) => n as usize,
+            (None, Some(l)) => (l as usize).saturating_sub(1),
+            (None, None) => 19,
+        };
+        if max_new_tokens == 0 {
+            return config_err(
+                "max_length",
+                "leaves no room for a token after the start token",
+            );
+        }
+        let min_new_tokens = match (self.uint("min_new_tokens")?, self.uint("min_length")?) {
+            (Some(n), _) => n as usize,
+            (None, Some(l)) => (l as usize).saturating_sub(1),
+            (None, None) => 0,
+        }
+        .min(max_new_tokens);
+        let num_beams = self.uint("num_beams")?.unwrap_or(1) as usize;
+        let do_sample = self.flag("do_sample")?.unwrap_or(false);
+        let strategy = if num_beams > 1 {
+            let early_stopping = match self.get("early_stopping") {
+                None | Some(Value::Bool(false)) => EarlyStopping::False,
+                Some(Value::Bool(true)) => EarlyStopping::True,
+                Some(Value::String(s)) if s == "never" => EarlyStopping::Never,
+                Some(v) => {
+                    return config_err(
+                        "early_stopping",
+                        format!("expected true, false or \"never\", got {v}"),
+                    )
+                }
+            };
+            Strategy::Beam {
+                num_beams,
+                length_penalty: self.float("length_penalty")?.unwrap_or(1.0) as f32,
+                early_stopping,
+            }
+        } else if do_sample {
+            Strategy::Sample {
+                temperature: self.float("temperature")?.unwrap_or(1.0),
+                top_k: match self.uint("top_k")? {
+                    Some(0) => None,
+                    Some(k) => Some(k as usize),
+                    None => Some(50),
+                },
+                top_p: self.float("top_p")?,
+                seed: 0,
+            }
+        } else {
+            Strategy::Greedy
+        };
+        let cfg = GenerationConfig {
+            max_new_tokens,
+            min_new_tokens,
+            start_token_id: start,
+            eos_token_ids,
+            pad_token_id: pad,
+            repetition_penalty: self.float("repetition_penalty")?.unwrap_or(1.0) as f32,
+            no_repeat_ngram_size: self.uint("no_repeat_ngram_size")?.unwrap_or(0) as usize,
+            strategy,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Whether the settings ask for sampling with beams (transformers'
+    /// beam sampling), which vl runs as plain beam search.
+    pub fn beam_sampling(&self) -> bool {
+        self.get("do_sample").and_then(Value::as_bool) == Some(true)
+            && self.get("num_beams").and_then(Value::as_u64).unwrap_or(1) > 1
+    }
+}

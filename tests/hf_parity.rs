@@ -1,0 +1,268 @@
+//! Parity with transformers on the committed vision-encoder-decoder
+//! fixtures (`scripts/hf_fixtures.py` writes them): preprocessing, the
+//! encoder's last hidden state, teacher-forced logits, and the ids of
+//! greedy, 3-beam and checkpoint-default generation.
+#![allow(missing_docs)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor, D};
+use serde::Deserialize;
+use vl::vl_decoder::preprocess::{load_image, preprocess};
+use vl::vl_decoder::{
+    generate, EarlyStopping, ForwardMasks, GenerationConfig, ModelFormat, Strategy, VisionEncoder,
+    VlModel,
+};
+
+/// f32 parity bound of the issue: max abs diff of hidden states and logits.
+const TOL: f32 = 1e-4;
+/// Pixels: one rounding of `(x / 255 - mean) / std` apart at most.
+const PIXEL_TOL: f32 = 1e-5;
+
+#[derive(Deserialize)]
+struct Expected {
+    greedy: Vec<u32>,
+    beam3: Vec<u32>,
+    defaults: Vec<u32>,
+    defaults_text: String,
+}
+
+fn fixture(kind: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(kind)
+}
+
+struct Fixture {
+    model: VlModel,
+    tensors: HashMap<String, Tensor>,
+    expected: Expected,
+    dir: PathBuf,
+}
+
+fn load(kind: &str) -> anyhow::Result<Fixture> {
+    let dir = fixture(kind);
+    let model = VlModel::load(&dir, DType::F32, &Device::Cpu)?;
+    let tensors = candle_core::safetensors::load(dir.join("expected.safetensors"), &Device::Cpu)?;
+    let expected = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json"))?)?;
+    Ok(Fixture {
+        model,
+        tensors,
+        expected,
+        dir,
+    })
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
+    assert_eq!(a.dims(), b.dims());
+    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+}
+
+fn vit(model: &VlModel) -> &vl::vl_decoder::Vit {
+    match &model.vision {
+        Some(VisionEncoder::Vit(v)) => v,
+        other => panic!("expected a ViT, got {other:?}"),
+    }
+}
+
+fn run_parity(kind: &str) -> anyhow::Result<()> {
+    let f = load(kind)?;
+    assert_eq!(f.model.format, ModelFormat::VisionEncoderDecoder);
+    let want_pixels = &f.tensors["pixel_values"];
+
+    // Preprocessing of the PNG as transformers' ViTImageProcessor.
+    let img = load_image(&f.dir.join("image.png"))?;
+    let spec = f.model.pixels.expect("pixel spec");
+    let pixels = preprocess(&img, &spec, &Device::Cpu)?.unsqueeze(0)?;
+    let d = max_abs_diff(&pixels, want_pixels)?;
+    assert!(d <= PIXEL_TOL, "{kind}: pixel values differ by {d}");
+
+    // The encoder's last hidden state (before enc_to_dec_proj).
+    let hidden = vit(&f.model).last_hidden_state(want_pixels)?;
+    let d = max_abs_diff(&hidden, &f.tensors["encoder_last_hidden_state"])?;
+    assert!(d <= TOL, "{kind}: encoder hidden state differs by {d}");
+
+    // Teacher-forced logits, in one pass and step by step.
+    let memory = f
+        .model
+        .vision
+        .as_ref()
+        .expect("vision")
+        .forward(want_pixels)?;
+    let ids = f.tensors["decoder_input_ids"].to_dtype(DType::U32)?;
+    let logits = f
+        .model
+        .decoder
+        .forward(&ids, Some(&memory), ForwardMasks::default())?;
+    let want = &f.tensors["logits"];
+    let d = max_abs_diff(&logits, want)?;
+    assert!(d <= TOL, "{kind}: teacher-forced logits differ by {d}");
+    let ctx = f.model.decoder.image_context(&memory, None)?;
+    let mut state = f.model.decoder.start(&ctx, 1)?;
+    let stepped = f.model.decoder.step(&mut state, &ids)?;
+    let d = max_abs_diff(&stepped, want)?;
+    assert!(d <= TOL, "{kind}: cached logits differ by {d}");
+    assert_eq!(
+        logits.argmax(D::Minus1)?.to_vec2::<u32>()?,
+        want.argmax(D::Minus1)?.to_vec2::<u32>()?
+    );
+
+    // Generation: greedy and 3 beams for 20 new tokens, and the
+    // checkpoint's own defaults.
+    let plain = GenerationConfig {
+        max_new_tokens: 20,
+        min_new_tokens: 0,
+        no_repeat_ngram_size: 0,
+        repetition_penalty: 1.0,
+        ..f.model.generation.clone()
+    };
+    let run = |cfg: &GenerationConfig| -> anyhow::Result<Vec<u32>> {
+        let out = generate(&f.model.decoder, &ctx, cfg, &mut |_| {})?;
+        Ok(out[0].tokens.clone())
+    };
+    let greedy = run(&plain.clone().with_strategy(Strategy::Greedy))?;
+    assert_eq!(greedy, f.expected.greedy, "{kind}: greedy ids");
+    let beam = run(&plain.clone().with_strategy(Strategy::Beam {
+        num_beams: 3,
+        length_penalty: 1.0,
+        early_stopping: EarlyStopping::False,
+    }))?;
+    assert_eq!(beam, f.expected.beam3, "{kind}: 3-beam ids");
+    let defaults = run(&f.model.generation)?;
+    assert_eq!(
+        defaults, f.expected.defaults,
+        "{kind}: default-settings ids"
+    );
+    let text = f.model.tokenizer.decode(&defaults, true).expect("decode");
+    assert_eq!(text, f.expected.defaults_text, "{kind}: decoded text");
+    Ok(())
+}
+
+#[test]
+fn equal_widths_match_transformers() -> anyhow::Result<()> {
+    run_parity("equal")
+}
+
+#[test]
+fn narrower_encoder_matches_transformers() -> anyhow::Result<()> {
+    run_parity("narrow")
+}
+
+#[test]
+fn generation_defaults_come_from_the_checkpoint() -> anyhow::Result<()> {
+    // generation_config.json: 3 beams, early stopping, max_length 21.
+    let equal = VlModel::load(&fixture("equal"), DType::F32, &Device::Cpu)?;
+    assert_eq!(equal.generation.max_new_tokens, 20);
+    assert_eq!(
+        equal.generation.strategy,
+        Strategy::Beam {
+            num_beams: 3,
+            length_penalty: 1.0,
+            early_stopping: EarlyStopping::True
+        }
+    );
+    // config.json only (older layout): greedy, no_repeat_ngram_size 3.
+    let narrow = VlModel::load(&fixture("narrow"), DType::F32, &Device::Cpu)?;
+    assert_eq!(narrow.generation.strategy, Strategy::Greedy);
+    assert_eq!(narrow.generation.no_repeat_ngram_size, 3);
+    assert_eq!(narrow.generation.max_new_tokens, 20);
+    assert_eq!(narrow.generation.eos_token_ids, vec![0]);
+    Ok(())
+}
+
+/// Copies a fixture into a temporary directory to break it.
+fn copy_fixture(kind: &str) -> anyhow::Result<tempfile::TempDir> {
+    let tmp = tempfile::tempdir()?;
+    for entry in std::fs::read_dir(fixture(kind))? {
+        let entry = entry?;
+        std::fs::copy(entry.path(), tmp.path().join(entry.file_name()))?;
+    }
+    Ok(tmp)
+}
+
+fn load_err(dir: &Path) -> String {
+    format!(
+        "{:#}",
+        VlModel::load(dir, DType::F32, &Device::Cpu).expect_err("must fail")
+    )
+}
+
+#[test]
+fn pickle_only_checkpoints_are_refused() -> anyhow::Result<()> {
+    let tmp = copy_fixture("equal")?;
+    std::fs::rename(
+        tmp.path().join("model.safetensors"),
+        tmp.path().join("pytorch_model.bin"),
+    )?;
+    let err = load_err(tmp.path());
+    assert!(
+        err.contains("pytorch_model.bin") && err.contains("safetensors"),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn shards_outside_the_directory_are_refused() -> anyhow::Result<()> {
+    let tmp = copy_fixture("narrow")?;
+    let index_path = tmp.path().join("model.safetensors.index.json");
+    let index = std::fs::read_to_string(&index_path)?;
+    let bad = index.replacen(
+        "\"model-00001-of-00011.safetensors\"",
+        "\"../model-00001-of-00011.safetensors\"",
+        1,
+    );
+    std::fs::write(&index_path, bad)?;
+    let err = load_err(tmp.path());
+    assert!(
+        err.contains("model.safetensors.index.json") && err.contains("plain file name"),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_missing_tensor_is_named() -> anyhow::Result<()> {
+    let tmp = copy_fixture("equal")?;
+    let path = tmp.path().join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu)?;
+    tensors.remove("decoder.transformer.h.1.crossattention.q_attn.weight");
+    candle_core::safetensors::save(&tensors, &path)?;
+    let err = load_err(tmp.path());
+    assert!(
+        err.contains("model.safetensors")
+            && err.contains("decoder.transformer.h.1.crossattention.q_attn.weight"),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn config_errors_name_the_field_and_file() -> anyhow::Result<()> {
+    let tmp = copy_fixture("equal")?;
+    let path = tmp.path().join("config.json");
+    let cfg = std::fs::read_to_string(&path)?;
+    std::fs::write(
+        &path,
+        cfg.replace(
+            "\"add_cross_attention\": true",
+            "\"add_cross_attention\": false",
+        ),
+    )?;
+    let err = load_err(tmp.path());
+    assert!(
+        err.contains("decoder.add_cross_attention") && err.contains("config.json"),
+        "{err}"
+    );
+    std::fs::write(
+        &path,
+        cfg.replace("\"model_type\": \"vit\"", "\"model_type\": \"deit\""),
+    )?;
+    let err = load_err(tmp.path());
+    assert!(
+        err.contains("encoder.model_type") && err.contains("deit"),
+        "{err}"
+    );
+    Ok(())
+}
