@@ -10,6 +10,7 @@
 //! every other one still captioned); 2 usage error or the model could not
 //! be loaded.
 
+use std::collections::HashSet;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -34,12 +35,20 @@ struct Args {
     /// Images, or directories whose every image is captioned.
     #[arg(required = true)]
     inputs: Vec<PathBuf>,
-    /// The model directory.
+    /// The model directory: vl's own, or a transformers ViT + GPT-2
+    /// vision-encoder-decoder checkpoint.
     #[arg(long, default_value = "models/shapes-captioner")]
     model: PathBuf,
+    /// Fetch the model ORG/NAME from the Hugging Face Hub instead (needs the `hub` feature).
+    #[arg(long, conflicts_with = "model")]
+    model_id: Option<String>,
     /// One JSON object per image per line: {"image", "caption", "token_ids"} or {"image", "error"}.
     #[arg(long)]
     json: bool,
+    /// Also append each image's JSON line to FILE, flushed as it finishes; images already
+    /// in FILE (from an interrupted run) are skipped, so each appears exactly once.
+    #[arg(long, value_name = "FILE")]
+    output: Option<PathBuf>,
     /// Most tokens generated per image (default: the checkpoint's, else as many as the model's positions allow).
     #[arg(long)]
     max_tokens: Option<usize>,
@@ -234,17 +243,94 @@ fn expand(inputs: &[PathBuf]) -> Vec<PathBuf> {
     out
 }
 
+/// The results file of `--output`: JSON lines, appended and flushed one
+/// image at a time.
+struct ResultsFile {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl ResultsFile {
+    /// Opens (or creates) `path` for appending and returns the images it
+    /// already holds. A last line cut short by a kill is removed first;
+    /// any other line that is not a result is an error, and nothing is
+    /// appended to such a file.
+    fn open(path: &Path) -> anyhow::Result<(Self, HashSet<String>)> {
+        let name = || path.display().to_string();
+        let mut done = HashSet::new();
+        let mut keep = 0u64;
+        match std::fs::read(path) {
+            Ok(bytes) => {
+                let complete = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+                for (n, line) in bytes[..complete].split(|&b| b == b'\n').enumerate() {
+                    if line.iter().all(u8::is_ascii_whitespace) {
+                        continue;
+                    }
+                    let image = serde_json::from_slice::<serde_json::Value>(line)
+                        .ok()
+                        .and_then(|v| v.get("image")?.as_str().map(String::from));
+                    match image {
+                        Some(image) => {
+                            done.insert(image);
+                        }
+                        None => bail!(
+                            "{}: line {} is not a result line ({{\"image\": ...}}); not appending to it",
+                            name(),
+                            n + 1
+                        ),
+                    }
+                }
+                if complete < bytes.len() {
+                    tracing::warn!(
+                        "{}: dropping an unfinished last line ({} bytes) from an interrupted run",
+                        name(),
+                        bytes.len() - complete
+                    );
+                }
+                keep = complete as u64;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("--output {}", name())),
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .with_context(|| format!("--output {}", name()))?;
+        file.set_len(keep)
+            .with_context(|| format!("--output {}", name()))?;
+        let mut file = file;
+        std::io::Seek::seek(&mut file, std::io::SeekFrom::End(0))
+            .with_context(|| format!("--output {}", name()))?;
+        Ok((
+            Self {
+                path: path.to_path_buf(),
+                file,
+            },
+            done,
+        ))
+    }
+
+    fn append(&mut self, line: &serde_json::Value) -> anyhow::Result<()> {
+        writeln!(self.file, "{line}")
+            .and_then(|()| self.file.flush())
+            .with_context(|| format!("{}", self.path.display()))
+    }
+}
+
 struct Output {
     json: bool,
     several: bool,
     failed: usize,
+    file: Option<ResultsFile>,
 }
 
 impl Output {
     fn ok(&mut self, path: &Path, c: &Caption) -> anyhow::Result<()> {
+        let line = serde_json::json!({"image": path.display().to_string(), "caption": c.text, "token_ids": c.token_ids});
         let mut out = std::io::stdout().lock();
         if self.json {
-            let line = serde_json::json!({"image": path.display().to_string(), "caption": c.text, "token_ids": c.token_ids});
             writeln!(out, "{line}")?;
         } else if self.several {
             writeln!(out, "{}: {}", path.display(), c.text)?;
@@ -252,17 +338,23 @@ impl Output {
             writeln!(out, "{}", c.text)?;
         }
         out.flush()?;
+        if let Some(f) = &mut self.file {
+            f.append(&line)?;
+        }
         Ok(())
     }
 
     fn err(&mut self, path: &Path, e: &anyhow::Error) -> anyhow::Result<()> {
         self.failed += 1;
         let msg = format!("{e:#}");
+        let line = serde_json::json!({"image": path.display().to_string(), "error": msg});
         if self.json {
-            let line = serde_json::json!({"image": path.display().to_string(), "error": msg});
             let mut out = std::io::stdout().lock();
             writeln!(out, "{line}")?;
             out.flush()?;
+        }
+        if let Some(f) = &mut self.file {
+            f.append(&line)?;
         }
         let shown = path.display().to_string();
         if msg.starts_with(&shown) {
@@ -318,18 +410,50 @@ fn sanitize(word: &str) -> String {
         .collect()
 }
 
+/// The model directory: `--model`, or `--model-id` fetched from the Hub.
+fn model_dir(args: &Args) -> anyhow::Result<PathBuf> {
+    match &args.model_id {
+        None => Ok(args.model.clone()),
+        #[cfg(feature = "hub")]
+        Some(id) => vl::hub::fetch(id),
+        #[cfg(not(feature = "hub"))]
+        Some(id) => bail!(
+            "--model-id {id}: this build has no Hub support; rebuild with `--features hub`, \
+             or download the checkpoint and pass --model DIR"
+        ),
+    }
+}
+
 fn run(args: &Args) -> Result<usize, Fatal> {
     let device = parse_device(&args.device).map_err(|e| Fatal(anyhow::anyhow!("--device {e}")))?;
     let dtype = parse_dtype(&args.dtype).map_err(|e| Fatal(anyhow::anyhow!("--dtype {e}")))?;
     if args.batch_size == 0 {
         return Err(Fatal(anyhow::anyhow!("--batch-size 0: must be at least 1")));
     }
-    let captioner = Captioner::load(&args.model, dtype, &device)
-        .with_context(|| format!("cannot load the model {}", args.model.display()))
+    let model_dir = model_dir(args).map_err(Fatal)?;
+    let captioner = Captioner::load(&model_dir, dtype, &device)
+        .with_context(|| format!("cannot load the model {}", model_dir.display()))
         .map_err(Fatal)?;
     let gen = generation_config(args, &captioner).map_err(Fatal)?;
-    let inputs = expand(&args.inputs);
-    tracing::info!(images = inputs.len(), model = %args.model.display(), "captioning");
+    let mut inputs = expand(&args.inputs);
+    let file = match &args.output {
+        None => None,
+        Some(path) => {
+            let (file, mut done) = ResultsFile::open(path).map_err(Fatal)?;
+            let before = inputs.len();
+            // Skip what the file holds, and list each image once.
+            inputs.retain(|p| done.insert(p.display().to_string()));
+            if inputs.len() < before {
+                tracing::info!(
+                    skipped = before - inputs.len(),
+                    "images already in {}",
+                    path.display()
+                );
+            }
+            Some(file)
+        }
+    };
+    tracing::info!(images = inputs.len(), model = %model_dir.display(), "captioning");
     let bar = if inputs.len() > 1 && std::io::stderr().is_terminal() {
         ProgressBar::with_draw_target(Some(inputs.len() as u64), ProgressDrawTarget::stderr())
     } else {
@@ -339,39 +463,51 @@ fn run(args: &Args) -> Result<usize, Fatal> {
         json: args.json,
         several: inputs.len() > 1,
         failed: 0,
+        file,
     };
     let io = |e: anyhow::Error| Fatal(e.context("cannot write the results"));
     for chunk in inputs.chunks(args.batch_size) {
-        let mut good: Vec<(&PathBuf, DynamicImage)> = Vec::new();
+        // Each image is read and preprocessed on its own, so one bad file
+        // costs only itself.
+        let mut good: Vec<(&PathBuf, DynamicImage, candle_core::Tensor)> = Vec::new();
         for path in chunk {
-            match load_image(path) {
-                Ok(img) => good.push((path, img)),
-                Err(e) => bar.suspend(|| out.err(path, &e.into())).map_err(io)?,
+            let loaded = load_image(path)
+                .map_err(anyhow::Error::from)
+                .and_then(|img| Ok((captioner.pixels(&img)?, img)));
+            match loaded {
+                Ok((pixels, img)) => good.push((path, img, pixels)),
+                Err(e) => bar.suspend(|| out.err(path, &e)).map_err(io)?,
             }
         }
-        let images: Vec<&DynamicImage> = good.iter().map(|(_, i)| i).collect();
-        let captions = if images.is_empty() {
-            Ok(Vec::new())
+        let pixels: Vec<candle_core::Tensor> = good.iter().map(|(_, _, p)| p.clone()).collect();
+        let captions: Vec<anyhow::Result<Caption>> = if pixels.is_empty() {
+            Vec::new()
         } else {
-            captioner.caption(&images, &gen, &mut |_| {})
-        };
-        match captions {
-            Ok(captions) => {
-                for ((path, img), c) in good.iter().zip(&captions) {
-                    let mut result = Ok(());
-                    if let Some(dir) = &args.attention_map {
-                        result = write_maps(&captioner, dir, path, img, c).context("attention map");
-                    }
-                    match result {
-                        Ok(()) => bar.suspend(|| out.ok(path, c)).map_err(io)?,
-                        Err(e) => bar.suspend(|| out.err(path, &e)).map_err(io)?,
-                    }
-                }
+            match captioner.caption_pixels(&pixels, &gen, &mut |_| {}) {
+                Ok(c) => c.into_iter().map(Ok).collect(),
+                // A failed batch is retried image by image.
+                Err(_) if pixels.len() > 1 => pixels
+                    .iter()
+                    .map(|p| {
+                        captioner
+                            .caption_pixels(std::slice::from_ref(p), &gen, &mut |_| {})?
+                            .pop()
+                            .context("no caption")
+                    })
+                    .collect(),
+                Err(e) => vec![Err(e)],
             }
-            Err(e) => {
-                for (path, _) in &good {
-                    bar.suspend(|| out.err(path, &e)).map_err(io)?;
+        };
+        for ((path, img, _), c) in good.iter().zip(captions) {
+            let c = c.and_then(|c| {
+                if let Some(dir) = &args.attention_map {
+                    write_maps(&captioner, dir, path, img, &c).context("attention map")?;
                 }
+                Ok(c)
+            });
+            match c {
+                Ok(c) => bar.suspend(|| out.ok(path, &c)).map_err(io)?,
+                Err(e) => bar.suspend(|| out.err(path, &e)).map_err(io)?,
             }
         }
         bar.inc(chunk.len() as u64);

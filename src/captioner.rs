@@ -6,6 +6,7 @@ use std::path::Path;
 use anyhow::{anyhow, Context};
 use candle_core::{DType, Device, Tensor, D};
 use image::DynamicImage;
+use vl_decoder::preprocess::preprocess;
 use vl_decoder::{generate, GenerationConfig, TokenEvent, VlModel};
 
 /// One image's caption.
@@ -45,7 +46,31 @@ impl Captioner {
         cfg: &GenerationConfig,
         on_token: &mut dyn FnMut(TokenEvent),
     ) -> anyhow::Result<Vec<Caption>> {
-        let memory = self.model.encode_images(images)?;
+        let pixels = images
+            .iter()
+            .map(|img| self.pixels(img))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        self.caption_pixels(&pixels, cfg, on_token)
+    }
+
+    /// One image as the encoder's input, so that a batch can be assembled
+    /// from the images that preprocess without error.
+    ///
+    /// # Shapes
+    /// Returns `(3, image_size, image_size)` f32.
+    pub fn pixels(&self, image: &DynamicImage) -> anyhow::Result<Tensor> {
+        let spec = self.model.pixel_spec()?;
+        Ok(preprocess(image, spec, self.model.decoder.device())?)
+    }
+
+    /// Captions preprocessed images (from [`Captioner::pixels`]).
+    pub fn caption_pixels(
+        &self,
+        pixels: &[Tensor],
+        cfg: &GenerationConfig,
+        on_token: &mut dyn FnMut(TokenEvent),
+    ) -> anyhow::Result<Vec<Caption>> {
+        let memory = self.model.encode_pixels(&Tensor::stack(pixels, 0)?)?;
         let ctx = self.model.decoder.image_context(&memory, None)?;
         let generated = generate(&self.model.decoder, &ctx, cfg, on_token)?;
         generated

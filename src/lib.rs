@@ -9,6 +9,8 @@ pub use vl_shapes;
 
 pub mod captioner;
 pub mod heatmap;
+#[cfg(feature = "hub")]
+pub mod hub;
 pub mod shapes;
 
 /// The README's Rust examples, compiled and run as doc tests.

@@ -3,58 +3,11 @@
 //! directory.
 #![allow(missing_docs)]
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-use candle_core::{DType, Device};
-use candle_nn::{VarBuilder, VarMap};
-use vl::shapes;
-use vl::vl_decoder::init::seeded_init;
-use vl::vl_decoder::{VisionEncoder, VisionLanguageDecoder, VlModel};
-
-/// The built `caption` example: `cargo test` builds examples next to the
-/// test binaries' `deps` directory.
-fn caption_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("test exe");
-    let dir = exe.parent().and_then(Path::parent).expect("target dir");
-    dir.join("examples")
-        .join(format!("caption{}", std::env::consts::EXE_SUFFIX))
-}
-
-fn tiny_model(dir: &Path) {
-    let cfg = shapes::captioner_config(16, 1, 8);
-    let vars = VarMap::new();
-    let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
-    VisionLanguageDecoder::load(vb.pp("decoder"), &cfg.decoder).expect("decoder");
-    VisionEncoder::load(vb.pp("vision"), cfg.vision.as_ref().expect("vision")).expect("vision");
-    seeded_init(&vars, 0).expect("init");
-    VlModel::save(dir, &cfg, &vars, &shapes::tokenizer().expect("tokenizer")).expect("save");
-}
-
-fn images(dir: &Path, n: u64) -> Vec<PathBuf> {
-    std::fs::create_dir_all(dir).expect("mkdir");
-    (0..n)
-        .map(|i| {
-            let p = dir.join(format!("img{i}.png"));
-            vl::vl_shapes::dataset_scene(99, i)
-                .render()
-                .save(&p)
-                .expect("png");
-            p
-        })
-        .collect()
-}
-
-fn run(args: &[&str]) -> Output {
-    Command::new(caption_bin())
-        .args(args)
-        .output()
-        .expect("run caption")
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
+use common::{images, run, s, tiny_model};
 
 #[test]
 fn json_lines_and_exit_codes() {
@@ -283,4 +236,16 @@ fn hf_checkpoints_caption_as_transformers() {
         let line: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
         assert_eq!(line["token_ids"], expected["greedy"], "{kind} --beams 1");
     }
+}
+
+#[cfg(not(feature = "hub"))]
+#[test]
+fn model_id_without_the_hub_feature_says_how_to_get_it() {
+    let out = run(&["--model-id", "org/name", "image.png"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--features hub") && err.lines().count() == 1,
+        "{err}"
+    );
 }

@@ -209,13 +209,33 @@ impl VlModel {
     /// # Shapes
     /// Returns `(images.len(), tokens, memory_dim)`.
     pub fn encode_images(&self, images: &[&image::DynamicImage]) -> Result<Tensor> {
-        let (Some(vision), Some(spec)) = (&self.vision, &self.pixels) else {
+        let pixels = preprocess_batch(images, self.pixel_spec()?, self.decoder.device())?;
+        self.encode_pixels(&pixels)
+    }
+
+    /// What the vision encoder expects of its pixels; an error when the
+    /// model has no vision encoder.
+    pub fn pixel_spec(&self) -> Result<&PixelSpec> {
+        match (&self.vision, &self.pixels) {
+            (Some(_), Some(spec)) => Ok(spec),
+            _ => arg_err(
+                "images",
+                format!("the model in {} has no vision encoder", self.path.display()),
+            ),
+        }
+    }
+
+    /// Image tokens of preprocessed pixels (see [`crate::preprocess`]).
+    ///
+    /// # Shapes
+    /// `pixels: (images, 3, size, size)` → `(images, tokens, memory_dim)`.
+    pub fn encode_pixels(&self, pixels: &Tensor) -> Result<Tensor> {
+        let Some(vision) = &self.vision else {
             return arg_err(
                 "images",
                 format!("the model in {} has no vision encoder", self.path.display()),
             );
         };
-        let pixels = preprocess_batch(images, spec, self.decoder.device())?;
         vision.forward(&pixels.to_dtype(self.decoder.dtype())?)
     }
 
