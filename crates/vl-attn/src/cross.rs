@@ -1,15 +1,15 @@
 //! Cross-attention: queries from one sequence, keys and values from
 //! another (the memory), with no causal mask.
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Tensor};
 use candle_nn::{Linear, Module, VarBuilder};
 
 use crate::error::{check_dtype_device, AttnError, Result};
 use crate::kernel::{self, Backend};
+use crate::linear::Proj;
 use crate::mask::Mask;
-use crate::proj::{
-    check_input, check_linear, merge_heads, silence_unattending, split_heads, HeadLayout,
-};
+use crate::proj::{check_input, merge_heads, silence_unattending, split_heads, HeadLayout};
 
 /// The sizes of a [`CrossAttention`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,13 +138,14 @@ impl CrossKv {
 ///
 /// Weights: `q_proj (inner, query_dim)`, `k_proj`, `v_proj (kv_inner,
 /// memory_dim)`, `o_proj (out_dim, inner)`, each with a bias when
-/// configured, where `kv_inner = num_kv_heads * head_dim`.
+/// configured, where `kv_inner = num_kv_heads * head_dim`. The projections
+/// are dense or, after [`CrossAttention::quantize`], quantized.
 #[derive(Debug, Clone)]
 pub struct CrossAttention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
+    q_proj: Proj,
+    k_proj: Proj,
+    v_proj: Proj,
+    o_proj: Proj,
     heads: HeadLayout,
     cfg: CrossAttentionConfig,
     backend: Backend,
@@ -181,6 +182,24 @@ impl CrossAttention {
         o_proj: Linear,
         cfg: &CrossAttentionConfig,
     ) -> Result<Self> {
+        Self::from_projs(
+            q_proj.into(),
+            k_proj.into(),
+            v_proj.into(),
+            o_proj.into(),
+            cfg,
+        )
+    }
+
+    /// As [`CrossAttention::from_parts`], from dense or quantized
+    /// projections.
+    pub fn from_projs(
+        q_proj: Proj,
+        k_proj: Proj,
+        v_proj: Proj,
+        o_proj: Proj,
+        cfg: &CrossAttentionConfig,
+    ) -> Result<Self> {
         cfg.validate()?;
         let heads = HeadLayout::new(
             "CrossAttention",
@@ -189,13 +208,13 @@ impl CrossAttention {
             cfg.num_kv_heads,
         )?;
         let kv_inner = heads.kv_inner();
-        for (name, l, out, inp) in [
+        for (name, p, out, inp) in [
             ("q_proj", &q_proj, cfg.inner_dim, cfg.query_dim),
             ("k_proj", &k_proj, kv_inner, cfg.memory_dim),
             ("v_proj", &v_proj, kv_inner, cfg.memory_dim),
             ("o_proj", &o_proj, cfg.out_dim, cfg.inner_dim),
         ] {
-            check_linear(name, l, out, inp)?;
+            p.check(name, out, inp)?;
         }
         Ok(Self {
             q_proj,
@@ -206,6 +225,29 @@ impl CrossAttention {
             cfg: cfg.clone(),
             backend: Backend::default(),
         })
+    }
+
+    /// A copy with the four projections quantized to `format` (e.g.
+    /// [`GgmlDType::Q8_0`]); activations keep their dtype.
+    ///
+    /// # Errors
+    /// [`AttnError::Quantize`] naming the first projection (`q_proj`,
+    /// `k_proj`, `v_proj`, `o_proj`) whose input width (`query_dim`,
+    /// `memory_dim`, `inner_dim`) is not a multiple of the format's block
+    /// size (32 for `q8_0`, 256 for `q4k`).
+    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
+        Ok(Self {
+            q_proj: self.q_proj.quantize("q_proj", format)?,
+            k_proj: self.k_proj.quantize("k_proj", format)?,
+            v_proj: self.v_proj.quantize("v_proj", format)?,
+            o_proj: self.o_proj.quantize("o_proj", format)?,
+            ..self.clone()
+        })
+    }
+
+    /// The quantized format of the projections, `None` when dense.
+    pub fn quantization(&self) -> Option<GgmlDType> {
+        self.q_proj.quantization()
     }
 
     /// Chooses the attention implementation (the default is [`Backend::Auto`]).
@@ -220,7 +262,7 @@ impl CrossAttention {
     }
 
     fn dtype(&self) -> DType {
-        self.q_proj.weight().dtype()
+        self.q_proj.dtype()
     }
 
     /// Projects the memory into keys and values, once per memory.
@@ -235,7 +277,7 @@ impl CrossAttention {
             memory,
             "the weights",
             self.dtype(),
-            self.q_proj.weight().device(),
+            self.q_proj.device(),
         )?;
         let hl = &self.heads;
         // (b, t, kv_inner) -> (b, kv_heads, t, head_dim)
@@ -268,7 +310,7 @@ impl CrossAttention {
             queries,
             "the weights",
             self.dtype(),
-            self.q_proj.weight().device(),
+            self.q_proj.device(),
         )?;
         if b % kv.batch().max(1) != 0 || kv.batch() == 0 {
             return Err(AttnError::Shape {

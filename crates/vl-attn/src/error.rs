@@ -58,9 +58,51 @@ pub enum AttnError {
         /// What is wrong, with the values involved.
         reason: String,
     },
+    /// A weight cannot be quantized to the asked format: its input width is
+    /// not a multiple of the format's block size.
+    #[error(
+        "{layer}: cannot quantize weight ({out_dim}, {in_dim}) to {format}: \
+         input width {in_dim} is not a multiple of the block size {block}"
+    )]
+    Quantize {
+        /// The layer's path, e.g. `"blocks.1.cross_attn.k_proj"`.
+        layer: String,
+        /// The quantized format, e.g. `"Q4K"`.
+        format: String,
+        /// The weight's output width.
+        out_dim: usize,
+        /// The weight's input width.
+        in_dim: usize,
+        /// The format's block size.
+        block: usize,
+    },
     /// An error from candle itself.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+}
+
+impl AttnError {
+    /// Prefixes the layer path of a [`AttnError::Quantize`] with `scope`
+    /// (`"k_proj"` within `"cross_attn"` becomes `"cross_attn.k_proj"`);
+    /// other errors are returned unchanged.
+    pub fn within(self, scope: &str) -> Self {
+        match self {
+            Self::Quantize {
+                layer,
+                format,
+                out_dim,
+                in_dim,
+                block,
+            } => Self::Quantize {
+                layer: format!("{scope}.{layer}"),
+                format,
+                out_dim,
+                in_dim,
+                block,
+            },
+            other => other,
+        }
+    }
 }
 
 /// The result type of vl-attn.

@@ -10,6 +10,8 @@
 //! - [`mask`]: every mask, with one polarity — `1` = may attend.
 //! - [`kernel`]: the reference and the fused attention paths; a query row
 //!   with nothing to attend to yields zeros, never NaN.
+//! - [`Proj`]: the projections, dense or quantized (`q8_0`, `q4k`) through
+//!   `quantize` on either attention.
 //! - [`TanhGate`] (Flamingo's gated cross-attention) and [`QueryPool`]
 //!   (learned queries that summarise a memory).
 //!
@@ -43,6 +45,7 @@ pub mod cross;
 pub mod error;
 pub mod gate;
 pub mod kernel;
+pub mod linear;
 pub mod mask;
 pub mod pool;
 mod proj;
@@ -53,6 +56,7 @@ pub use cross::{CrossAttention, CrossAttentionConfig, CrossKv};
 pub use error::{AttnError, Result};
 pub use gate::TanhGate;
 pub use kernel::Backend;
+pub use linear::Proj;
 pub use mask::Mask;
 pub use pool::QueryPool;
 pub use self_attn::{CausalSelfAttention, SelfAttentionConfig};

@@ -98,20 +98,3 @@ pub(crate) fn silence_unattending(out: Tensor, mask: Option<&Mask>) -> Result<Te
         Some(m) => Ok(out.broadcast_mul(&m.any_key(out.dtype())?)?),
     }
 }
-
-/// Checks that a projection's weight is `(out, inp)`, naming it otherwise.
-pub(crate) fn check_linear(
-    name: &'static str,
-    l: &candle_nn::Linear,
-    out: usize,
-    inp: usize,
-) -> Result<()> {
-    if l.weight().dims() != [out, inp] {
-        return Err(AttnError::Shape {
-            arg: name,
-            expected: format!("({out}, {inp})"),
-            actual: l.weight().dims().to_vec(),
-        });
-    }
-    Ok(())
-}

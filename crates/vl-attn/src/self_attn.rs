@@ -1,15 +1,15 @@
 //! Causal self-attention with a text key/value cache.
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Tensor};
 use candle_nn::{Linear, Module, VarBuilder};
 
 use crate::cache::KvCache;
 use crate::error::{check_dtype_device, Result};
 use crate::kernel::{self, Backend};
+use crate::linear::Proj;
 use crate::mask::{self, Mask};
-use crate::proj::{
-    check_input, check_linear, merge_heads, silence_unattending, split_heads, HeadLayout,
-};
+use crate::proj::{check_input, merge_heads, silence_unattending, split_heads, HeadLayout};
 
 /// The sizes of a [`CausalSelfAttention`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,13 +51,15 @@ impl SelfAttentionConfig {
 /// num_heads`).
 ///
 /// Weights: `q_proj (hidden, hidden)`, `k_proj`, `v_proj (kv_inner,
-/// hidden)`, `o_proj (hidden, hidden)`, with biases when configured.
+/// hidden)`, `o_proj (hidden, hidden)`, with biases when configured. The
+/// projections are dense or, after [`CausalSelfAttention::quantize`],
+/// quantized.
 #[derive(Debug, Clone)]
 pub struct CausalSelfAttention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
+    q_proj: Proj,
+    k_proj: Proj,
+    v_proj: Proj,
+    o_proj: Proj,
     heads: HeadLayout,
     cfg: SelfAttentionConfig,
     backend: Backend,
@@ -92,6 +94,24 @@ impl CausalSelfAttention {
         o_proj: Linear,
         cfg: &SelfAttentionConfig,
     ) -> Result<Self> {
+        Self::from_projs(
+            q_proj.into(),
+            k_proj.into(),
+            v_proj.into(),
+            o_proj.into(),
+            cfg,
+        )
+    }
+
+    /// As [`CausalSelfAttention::from_parts`], from dense or quantized
+    /// projections.
+    pub fn from_projs(
+        q_proj: Proj,
+        k_proj: Proj,
+        v_proj: Proj,
+        o_proj: Proj,
+        cfg: &SelfAttentionConfig,
+    ) -> Result<Self> {
         cfg.validate()?;
         let heads = HeadLayout::new(
             "CausalSelfAttention",
@@ -99,13 +119,13 @@ impl CausalSelfAttention {
             cfg.num_heads,
             cfg.num_kv_heads,
         )?;
-        for (name, l, out) in [
+        for (name, p, out) in [
             ("q_proj", &q_proj, cfg.hidden),
             ("k_proj", &k_proj, heads.kv_inner()),
             ("v_proj", &v_proj, heads.kv_inner()),
             ("o_proj", &o_proj, cfg.hidden),
         ] {
-            check_linear(name, l, out, cfg.hidden)?;
+            p.check(name, out, cfg.hidden)?;
         }
         Ok(Self {
             q_proj,
@@ -116,6 +136,27 @@ impl CausalSelfAttention {
             cfg: cfg.clone(),
             backend: Backend::default(),
         })
+    }
+
+    /// A copy with the four projections quantized to `format` (e.g.
+    /// [`GgmlDType::Q8_0`]); activations keep their dtype.
+    ///
+    /// # Errors
+    /// [`crate::AttnError::Quantize`] naming `q_proj` when `hidden` is not a
+    /// multiple of the format's block size (32 for `q8_0`, 256 for `q4k`).
+    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
+        Ok(Self {
+            q_proj: self.q_proj.quantize("q_proj", format)?,
+            k_proj: self.k_proj.quantize("k_proj", format)?,
+            v_proj: self.v_proj.quantize("v_proj", format)?,
+            o_proj: self.o_proj.quantize("o_proj", format)?,
+            ..self.clone()
+        })
+    }
+
+    /// The quantized format of the projections, `None` when dense.
+    pub fn quantization(&self) -> Option<GgmlDType> {
+        self.q_proj.quantization()
     }
 
     /// Chooses the attention implementation (the default is [`Backend::Auto`]).
@@ -130,7 +171,7 @@ impl CausalSelfAttention {
     }
 
     fn dtype(&self) -> DType {
-        self.q_proj.weight().dtype()
+        self.q_proj.dtype()
     }
 
     /// An empty cache sized for `capacity` tokens.
@@ -140,13 +181,7 @@ impl CausalSelfAttention {
 
     fn project(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor, usize, usize)> {
         let (b, t) = check_input("x", x, self.cfg.hidden, "hidden")?;
-        check_dtype_device(
-            "x",
-            x,
-            "the weights",
-            self.dtype(),
-            self.q_proj.weight().device(),
-        )?;
+        check_dtype_device("x", x, "the weights", self.dtype(), self.q_proj.device())?;
         let hl = &self.heads;
         // each (b, heads, t, head_dim)
         let q = split_heads(&self.q_proj.forward(x)?, b, t, hl.num_heads, hl.head_dim)?;

@@ -9,10 +9,11 @@
 //! Blocks without cross-attention (when `cross_attention_every > 1`) skip
 //! the middle line.
 
+use candle_core::quantized::GgmlDType;
 use candle_core::Tensor;
 use candle_nn::{Linear, Module, VarBuilder};
 use vl_attn::{
-    CausalSelfAttention, CrossAttention, CrossAttentionConfig, CrossKv, KvCache, Mask,
+    CausalSelfAttention, CrossAttention, CrossAttentionConfig, CrossKv, KvCache, Mask, Proj,
     SelfAttentionConfig, TanhGate,
 };
 
@@ -20,11 +21,12 @@ use crate::config::{Activation, DecoderConfig};
 use crate::error::Result;
 use crate::norm::LayerNorm;
 
-/// The position-wise feed-forward layer `down(act(up(x)))`.
+/// The position-wise feed-forward layer `down(act(up(x)))`, dense or
+/// quantized.
 #[derive(Debug, Clone)]
 pub struct FeedForward {
-    up: Linear,
-    down: Linear,
+    up: Proj,
+    down: Proj,
     act: Activation,
 }
 
@@ -32,16 +34,35 @@ impl FeedForward {
     /// Loads `up (intermediate, hidden)` and `down (hidden, intermediate)`
     /// with biases.
     pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<Self> {
-        Ok(Self {
-            up: candle_nn::linear(cfg.hidden_size, cfg.intermediate_size, vb.pp("up"))?,
-            down: candle_nn::linear(cfg.intermediate_size, cfg.hidden_size, vb.pp("down"))?,
-            act: cfg.hidden_act,
-        })
+        Ok(Self::from_parts(
+            candle_nn::linear(cfg.hidden_size, cfg.intermediate_size, vb.pp("up"))?,
+            candle_nn::linear(cfg.intermediate_size, cfg.hidden_size, vb.pp("down"))?,
+            cfg.hidden_act,
+        ))
     }
 
     /// Builds from existing layers.
     pub fn from_parts(up: Linear, down: Linear, act: Activation) -> Self {
+        Self::from_projs(up.into(), down.into(), act)
+    }
+
+    /// Builds from existing dense or quantized projections.
+    pub fn from_projs(up: Proj, down: Proj, act: Activation) -> Self {
         Self { up, down, act }
+    }
+
+    /// A copy with `up` and `down` quantized to `format`.
+    ///
+    /// # Errors
+    /// [`vl_attn::AttnError::Quantize`] naming `up` (or `down`) when
+    /// `hidden` (or `intermediate`) is not a multiple of the format's block
+    /// size.
+    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
+        Ok(Self {
+            up: self.up.quantize("up", format)?,
+            down: self.down.quantize("down", format)?,
+            act: self.act,
+        })
     }
 
     /// # Shapes
@@ -158,6 +179,36 @@ impl DecoderBlock {
             ffn_norm,
             ffn,
         }
+    }
+
+    /// A copy with every projection (self-attention, cross-attention,
+    /// feed-forward) quantized to `format`; norms and gates stay dense.
+    ///
+    /// # Errors
+    /// [`vl_attn::AttnError::Quantize`] naming the first projection that
+    /// cannot be quantized, e.g. `cross_attn.k_proj`.
+    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
+        // In block order, so that the first failing layer is named.
+        let self_attn = self
+            .self_attn
+            .quantize(format)
+            .map_err(|e| e.within("self_attn"))?;
+        let cross = match &self.cross {
+            None => None,
+            Some(c) => Some(CrossBranch {
+                cross_attn: c
+                    .cross_attn
+                    .quantize(format)
+                    .map_err(|e| e.within("cross_attn"))?,
+                ..c.clone()
+            }),
+        };
+        Ok(Self {
+            self_attn,
+            cross,
+            ffn: self.ffn.quantize(format).map_err(|e| e.within("ffn"))?,
+            ..self.clone()
+        })
     }
 
     /// The cross-attention branch, if the block has one.

@@ -82,6 +82,17 @@ pub enum DecoderError {
     Candle(#[from] candle_core::Error),
 }
 
+impl DecoderError {
+    /// Prefixes the layer path of a quantization error with `scope` (see
+    /// [`vl_attn::AttnError::within`]); other errors are unchanged.
+    pub fn within(self, scope: &str) -> Self {
+        match self {
+            Self::Attn(e) => Self::Attn(e.within(scope)),
+            other => other,
+        }
+    }
+}
+
 /// The result type of vl-decoder.
 pub type Result<T> = std::result::Result<T, DecoderError>;
 

@@ -47,6 +47,7 @@ pub mod model;
 pub mod norm;
 pub mod preprocess;
 pub mod pretrained;
+pub mod quantize;
 pub mod vit;
 
 pub use block::{DecoderBlock, FeedForward};
@@ -58,4 +59,5 @@ pub use generate::{
 pub use mock_vit::{MockVit, MockVitConfig};
 pub use model::{DecodeState, ForwardMasks, ImageContext, VisionLanguageDecoder};
 pub use pretrained::{ModelFormat, VisionConfig, VisionEncoder, VlConfig, VlModel};
+pub use quantize::Quantization;
 pub use vit::{Vit, VitBlock, VitConfig};

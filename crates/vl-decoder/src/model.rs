@@ -2,11 +2,12 @@
 //! blocks → final norm → LM head; and its incremental use, an image context
 //! built once per image and a decode state with the text caches.
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Embedding, Linear, Module, VarBuilder};
 
 use crate::norm::LayerNorm;
-use vl_attn::{CrossKv, KvCache, Mask};
+use vl_attn::{CrossKv, KvCache, Mask, Proj};
 
 use crate::block::{layer_norm, BlockInputs, DecoderBlock, ImageInput};
 use crate::config::DecoderConfig;
@@ -149,7 +150,8 @@ pub struct VisionLanguageDecoder {
     embed_positions: Embedding,
     blocks: Vec<DecoderBlock>,
     final_norm: LayerNorm,
-    lm_head: Linear,
+    /// Dense, or quantized by [`VisionLanguageDecoder::quantize`].
+    lm_head: Proj,
     /// `0..max_position_embeddings` as u32, built once, narrowed per step.
     positions: Tensor,
     cfg: DecoderConfig,
@@ -203,10 +205,43 @@ impl VisionLanguageDecoder {
             embed_positions,
             blocks,
             final_norm,
-            lm_head,
+            lm_head: lm_head.into(),
             positions,
             cfg: cfg.clone(),
         })
+    }
+
+    /// A copy with every linear layer quantized to `format` (e.g.
+    /// [`GgmlDType::Q8_0`], [`GgmlDType::Q4K`]): the projections of every
+    /// block and the LM head. Embeddings, norms and gates stay dense; a head
+    /// tied to the token embedding gets a quantized copy while the embedding
+    /// table stays dense. Activations keep the model's dtype.
+    ///
+    /// # Errors
+    /// [`vl_attn::AttnError::Quantize`] naming the first layer whose input
+    /// width is not a multiple of the format's block size (32 for `q8_0`,
+    /// 256 for `q4k`), e.g. `blocks.0.cross_attn.k_proj` for a
+    /// `memory_dim` of 48.
+    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
+        let blocks = self
+            .blocks
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                b.quantize(format)
+                    .map_err(|e| e.within(&format!("blocks.{i}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            blocks,
+            lm_head: self.lm_head.quantize("lm_head", format)?,
+            ..self.clone()
+        })
+    }
+
+    /// The quantized format of the linear layers, `None` when dense.
+    pub fn quantization(&self) -> Option<GgmlDType> {
+        self.lm_head.quantization()
     }
 
     /// The configuration.
