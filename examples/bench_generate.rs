@@ -1,0 +1,219 @@
+//! Times captioning with a model directory and prints one JSON line of
+//! medians: encode, decode per token, end to end, batch throughput, the
+//! image and text caches, peak memory.
+//!
+//! `cargo run --release --example bench_generate -- --model DIR [--dtype bf16] [--quantize q8_0]`
+//!
+//! Decoding is greedy and never stops early (no EOS), so every run decodes
+//! exactly `--new-tokens` tokens. `scripts/bench_vs_torch.py` runs this next
+//! to transformers on the same checkpoint and prints the ratios.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use candle_core::{DType, Device, Tensor, D};
+use clap::Parser;
+use vl::vl_decoder::dir::{parse_device, parse_dtype};
+use vl::vl_decoder::{ImageContext, Quantization, VisionLanguageDecoder, VlModel};
+
+/// Time captioning with a model directory.
+#[derive(Parser, Debug)]
+#[command(about)]
+struct Args {
+    /// The model directory (vl's own or a transformers ViT + GPT-2 checkpoint).
+    #[arg(long)]
+    model: PathBuf,
+    /// f32, f16 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Decoder linear layers in 8-bit (q8_0) or 4-bit (q4k) blocks; none = as loaded.
+    #[arg(long, default_value = "none")]
+    quantize: Quantization,
+    /// cpu, cuda[:N] or metal[:N].
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Tokens decoded per caption.
+    #[arg(long, default_value_t = 16)]
+    new_tokens: usize,
+    /// Images of the throughput run.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Timed repetitions (the median is reported), after one warm-up.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Cached text length of the long-context measurement.
+    #[arg(long, default_value_t = 200)]
+    long_position: usize,
+    /// Skip the slow measurements (no image cache, long context, batch).
+    #[arg(long)]
+    quick: bool,
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+fn time<T>(f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<(f64, T)> {
+    let t = Instant::now();
+    let out = f()?;
+    Ok((t.elapsed().as_secs_f64() * 1e3, out))
+}
+
+/// Repeats `f` (once untimed) and returns the median of its milliseconds.
+fn bench(repeats: usize, mut f: impl FnMut() -> anyhow::Result<f64>) -> anyhow::Result<f64> {
+    f()?;
+    let runs = (0..repeats.max(1))
+        .map(|_| f())
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(median(runs))
+}
+
+/// Greedy decoding of `n` tokens after the start token; returns the mean
+/// milliseconds per token of those `n` steps. With `recompute`, every step
+/// also re-projects the image's keys and values, as a decoder without an
+/// image cache would.
+fn decode(
+    dec: &VisionLanguageDecoder,
+    ctx: &ImageContext,
+    memory: &Tensor,
+    n: usize,
+    recompute: bool,
+) -> anyhow::Result<f64> {
+    let rows = ctx.images();
+    let mut state = dec.start(ctx, 1)?;
+    let mut logits = dec.step_last(&mut state, &first_tokens(dec, rows)?)?;
+    let t = Instant::now();
+    for _ in 0..n {
+        let next = logits.argmax(D::Minus1)?.unsqueeze(1)?;
+        if recompute {
+            std::hint::black_box(dec.image_context(memory, None)?);
+        }
+        logits = dec.step_last(&mut state, &next)?;
+    }
+    logits.to_vec2::<f32>()?;
+    Ok(t.elapsed().as_secs_f64() * 1e3 / n as f64)
+}
+
+fn first_tokens(dec: &VisionLanguageDecoder, rows: usize) -> anyhow::Result<Tensor> {
+    let start = dec.config().bos_token_id;
+    Ok(Tensor::from_vec(vec![start; rows], (rows, 1), dec.device())?)
+}
+
+fn peak_rss_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+fn weights_mb(dir: &std::path::Path) -> f64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len() as f64 / (1024.0 * 1024.0))
+        .sum()
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let device: Device = parse_device(&args.device)?;
+    let dtype: DType = parse_dtype(&args.dtype)?;
+    let (load_ms, mut model) = time(|| {
+        VlModel::load(&args.model, dtype, &device)
+            .with_context(|| format!("cannot load {}", args.model.display()))
+    })?;
+    if let Some(format) = args.quantize.ggml_dtype() {
+        model.decoder = model.decoder.quantize(format)?;
+    }
+    let spec = *model.pixel_spec()?;
+    let side = spec.image_size;
+    // A fixed, non-constant test image at the input size.
+    let pixels = Tensor::arange(0f32, (3 * side * side) as f32, &device)?
+        .affine(1.0 / (3 * side * side) as f64, -0.5)?
+        .reshape((1, 3, side, side))?;
+    let dec = &model.decoder;
+
+    let encode_ms = bench(args.repeats, || {
+        let (ms, m) = time(|| Ok(model.encode_pixels(&pixels)?))?;
+        m.flatten_all()?.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        Ok(ms)
+    })?;
+    let memory = model.encode_pixels(&pixels)?;
+    let ctx = dec.image_context(&memory, None)?;
+    let ms_per_token = bench(args.repeats, || {
+        decode(dec, &ctx, &memory, args.new_tokens, false)
+    })?;
+    let e2e_ms = bench(args.repeats, || {
+        let t = Instant::now();
+        let memory = model.encode_pixels(&pixels)?;
+        let ctx = dec.image_context(&memory, None)?;
+        decode(dec, &ctx, &memory, args.new_tokens, false)?;
+        Ok(t.elapsed().as_secs_f64() * 1e3)
+    })?;
+    let mut json = serde_json::json!({
+        "model": args.model.display().to_string(),
+        "dtype": args.dtype,
+        "quantize": args.quantize.name(),
+        "device": args.device,
+        "new_tokens": args.new_tokens,
+        "load_ms": load_ms,
+        "encode_ms": encode_ms,
+        "ms_per_token": ms_per_token,
+        "e2e_ms": e2e_ms,
+    });
+    if !args.quick {
+        let no_cache = bench(args.repeats.min(3), || {
+            decode(dec, &ctx, &memory, args.new_tokens.min(8), true)
+        })?;
+        // The text cache: ms/token with `long_position` tokens cached vs 10.
+        let at = |pos: usize| -> anyhow::Result<f64> {
+            bench(args.repeats.min(3), || {
+                let mut state = dec.start(&ctx, 1)?;
+                let prefill = Tensor::from_vec(
+                    vec![dec.config().bos_token_id; pos],
+                    (1, pos),
+                    dec.device(),
+                )?;
+                let mut logits = dec.step_last(&mut state, &prefill)?;
+                let t = Instant::now();
+                let n = 8;
+                for _ in 0..n {
+                    let next = logits.argmax(D::Minus1)?.unsqueeze(1)?;
+                    logits = dec.step_last(&mut state, &next)?;
+                }
+                logits.to_vec2::<f32>()?;
+                Ok(t.elapsed().as_secs_f64() * 1e3 / n as f64)
+            })
+        };
+        let short = at(10)?;
+        let long = at(args.long_position)?;
+        let batch_pixels = pixels.repeat((args.batch, 1, 1, 1))?;
+        let batch_ms = bench(args.repeats.min(3), || {
+            let t = Instant::now();
+            let memory = model.encode_pixels(&batch_pixels)?;
+            let ctx = dec.image_context(&memory, None)?;
+            decode(dec, &ctx, &memory, args.new_tokens, false)?;
+            Ok(t.elapsed().as_secs_f64() * 1e3)
+        })?;
+        json["no_image_cache_ms_per_token"] = no_cache.into();
+        json["image_cache_speedup"] = (no_cache / ms_per_token).into();
+        json["ms_per_token_at_10"] = short.into();
+        json[format!("ms_per_token_at_{}", args.long_position)] = long.into();
+        json["long_over_short"] = (long / short).into();
+        json["batch"] = args.batch.into();
+        json["images_per_s"] = (args.batch as f64 * 1e3 / batch_ms).into();
+    }
+    let weights = weights_mb(&args.model);
+    json["weights_mb"] = weights.into();
+    if let Some(rss) = peak_rss_mb() {
+        json["peak_rss_mb"] = rss.into();
+        json["rss_over_weights"] = (rss / weights).into();
+    }
+    println!("{json}");
+    Ok(())
+}
