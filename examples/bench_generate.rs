@@ -45,6 +45,9 @@ struct Args {
     /// Cached text length of the long-context measurement.
     #[arg(long, default_value_t = 200)]
     long_position: usize,
+    /// Positions of the teacher-forced top-1 agreement check (with --quantize).
+    #[arg(long, default_value_t = 256)]
+    agreement_tokens: usize,
     /// Skip the slow measurements (no image cache, long context, batch).
     #[arg(long)]
     quick: bool,
@@ -98,7 +101,11 @@ fn decode(
 
 fn first_tokens(dec: &VisionLanguageDecoder, rows: usize) -> anyhow::Result<Tensor> {
     let start = dec.config().bos_token_id;
-    Ok(Tensor::from_vec(vec![start; rows], (rows, 1), dec.device())?)
+    Ok(Tensor::from_vec(
+        vec![start; rows],
+        (rows, 1),
+        dec.device(),
+    )?)
 }
 
 fn peak_rss_mb() -> Option<f64> {
@@ -127,20 +134,41 @@ fn main() -> anyhow::Result<()> {
         VlModel::load(&args.model, dtype, &device)
             .with_context(|| format!("cannot load {}", args.model.display()))
     })?;
-    if let Some(format) = args.quantize.ggml_dtype() {
-        model.decoder = model.decoder.quantize(format)?;
-    }
     let spec = *model.pixel_spec()?;
     let side = spec.image_size;
     // A fixed, non-constant test image at the input size.
     let pixels = Tensor::arange(0f32, (3 * side * side) as f32, &device)?
         .affine(1.0 / (3 * side * side) as f64, -0.5)?
         .reshape((1, 3, side, side))?;
+    let mut agreement = None;
+    if let Some(format) = args.quantize.ggml_dtype() {
+        // Teacher-forced top-1 agreement with the weights as loaded, over
+        // a fixed pseudo-random token sequence.
+        let memory = model.encode_pixels(&pixels)?;
+        let cfg = model.decoder.config();
+        let n = args.agreement_tokens.min(cfg.max_position_embeddings);
+        let ids: Vec<u32> = (0..n as u64)
+            .map(|i| ((i.wrapping_mul(2_654_435_761) >> 7) % cfg.vocab_size as u64) as u32)
+            .collect();
+        let tokens = Tensor::from_vec(ids, (1, n), &device)?;
+        let top1 = |dec: &VisionLanguageDecoder| -> anyhow::Result<Vec<u32>> {
+            let logits = dec.forward(&tokens, Some(&memory), Default::default())?;
+            Ok(logits.argmax(D::Minus1)?.squeeze(0)?.to_vec1::<u32>()?)
+        };
+        let dense = top1(&model.decoder)?;
+        model.decoder = model.decoder.quantize(format)?;
+        let quant = top1(&model.decoder)?;
+        let same = dense.iter().zip(&quant).filter(|(a, b)| a == b).count();
+        agreement = Some(same as f64 / n as f64);
+    }
     let dec = &model.decoder;
 
     let encode_ms = bench(args.repeats, || {
         let (ms, m) = time(|| Ok(model.encode_pixels(&pixels)?))?;
-        m.flatten_all()?.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        m.flatten_all()?
+            .sum_all()?
+            .to_dtype(DType::F32)?
+            .to_scalar::<f32>()?;
         Ok(ms)
     })?;
     let memory = model.encode_pixels(&pixels)?;
@@ -166,6 +194,9 @@ fn main() -> anyhow::Result<()> {
         "ms_per_token": ms_per_token,
         "e2e_ms": e2e_ms,
     });
+    if let Some(a) = agreement {
+        json["top1_agreement"] = a.into();
+    }
     if !args.quick {
         let no_cache = bench(args.repeats.min(3), || {
             decode(dec, &ctx, &memory, args.new_tokens.min(8), true)
@@ -174,11 +205,8 @@ fn main() -> anyhow::Result<()> {
         let at = |pos: usize| -> anyhow::Result<f64> {
             bench(args.repeats.min(3), || {
                 let mut state = dec.start(&ctx, 1)?;
-                let prefill = Tensor::from_vec(
-                    vec![dec.config().bos_token_id; pos],
-                    (1, pos),
-                    dec.device(),
-                )?;
+                let prefill =
+                    Tensor::from_vec(vec![dec.config().bos_token_id; pos], (1, pos), dec.device())?;
                 let mut logits = dec.step_last(&mut state, &prefill)?;
                 let t = Instant::now();
                 let n = 8;

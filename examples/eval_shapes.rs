@@ -10,11 +10,13 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context;
 use candle_core::{DType, Device};
 use clap::Parser;
 use image::DynamicImage;
 use vl::captioner::Captioner;
 use vl::vl_decoder::dir::{parse_device, parse_dtype};
+use vl::vl_decoder::Quantization;
 use vl::vl_shapes::{dataset_scene, score};
 
 /// Measure scene accuracy on fresh scenes.
@@ -38,13 +40,19 @@ struct Args {
     /// f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// Decoder linear layers in 8-bit (q8_0) or 4-bit (q4k) blocks at load; none = as stored.
+    #[arg(long, default_value = "none")]
+    quantize: Quantization,
 }
 
 fn run() -> anyhow::Result<()> {
     let args = Args::parse();
     let device: Device = parse_device(&args.device)?;
     let dtype: DType = parse_dtype(&args.dtype)?;
-    let captioner = Captioner::load(&args.model, dtype, &device)?;
+    let mut captioner = Captioner::load(&args.model, dtype, &device)?;
+    captioner
+        .quantize(args.quantize)
+        .with_context(|| format!("--quantize {}", args.quantize))?;
     let max_tokens = captioner.model.config.decoder.max_position_embeddings - 1;
     let gen = captioner.greedy_config(max_tokens);
     let mut correct = 0u64;

@@ -7,7 +7,7 @@ use anyhow::{anyhow, Context};
 use candle_core::{DType, Device, Tensor, D};
 use image::DynamicImage;
 use vl_decoder::preprocess::preprocess;
-use vl_decoder::{generate, GenerationConfig, TokenEvent, VlModel};
+use vl_decoder::{generate, GenerationConfig, Quantization, TokenEvent, VlModel};
 
 /// One image's caption.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,6 +32,15 @@ impl Captioner {
         Ok(Self {
             model: VlModel::load(dir, dtype, device)?,
         })
+    }
+
+    /// Quantizes the decoder's linear layers (and LM head) to `q`; the
+    /// vision encoder stays as loaded. `Quantization::None` changes nothing.
+    pub fn quantize(&mut self, q: Quantization) -> anyhow::Result<()> {
+        if let Some(format) = q.ggml_dtype() {
+            self.model.decoder = self.model.decoder.quantize(format)?;
+        }
+        Ok(())
     }
 
     /// Greedy decoding with the model's special tokens, up to `max_new_tokens`.

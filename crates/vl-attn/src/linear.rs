@@ -158,7 +158,24 @@ impl Proj {
                 (w, bias.clone())
             }
         };
-        let q = QTensor::quantize(&weight.to_dtype(DType::F32)?.contiguous()?, format)?;
+        // candle's `QTensor::quantize` reads the whole storage from its start
+        // and ignores the view's layout: a weight narrowed out of a larger
+        // one (a split fused projection) would quantize the wrong rows — only
+        // a debug assertion catches it. Copy such a view into its own buffer.
+        let weight = weight.to_dtype(DType::F32)?;
+        let weight = if weight.is_contiguous()
+            && weight.layout().start_offset() == 0
+            && weight.elem_count() == storage_len(&weight)
+        {
+            weight
+        } else {
+            Tensor::from_vec(
+                weight.flatten_all()?.to_vec1::<f32>()?,
+                weight.shape(),
+                weight.device(),
+            )?
+        };
+        let q = QTensor::quantize(&weight, format)?;
         Ok(Self {
             inner: Inner::Quantized {
                 weight: QMatMul::from_arc(Arc::new(q))?,
@@ -193,6 +210,19 @@ impl Module for Proj {
     }
 }
 
+/// Elements in `t`'s whole storage (not just its view).
+fn storage_len(t: &Tensor) -> usize {
+    let (storage, _) = t.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cpu(cpu) => match cpu {
+            candle_core::CpuStorage::F32(v) => v.len(),
+            _ => usize::MAX,
+        },
+        // Device storages: always copy.
+        _ => usize::MAX,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,6 +238,24 @@ mod tests {
     fn layer(out: usize, inp: usize, dev: &Device) -> Result<Linear> {
         let w = (Tensor::randn(0f32, 1., (out, inp), dev)? / (inp as f64).sqrt())?;
         Ok(Linear::new(w, Some(Tensor::randn(0f32, 1., out, dev)?)))
+    }
+
+    /// A weight narrowed out of a fused one (a view with an offset, as the
+    /// split of GPT-2's `c_attn`) quantizes its own rows, not the start of
+    /// the shared buffer.
+    #[test]
+    fn narrowed_weights_quantize_their_own_rows() -> Result<()> {
+        let dev = Device::Cpu;
+        let fused = Tensor::randn(0f32, 1., (96, 32), &dev)?;
+        let x = Tensor::randn(0f32, 1., (1, 2, 32), &dev)?;
+        for part in 0..3 {
+            let w = fused.narrow(0, 32 * part, 32)?.contiguous()?;
+            let dense = Proj::from(Linear::new(w, None));
+            let q = dense.quantize("k_proj", GgmlDType::Q8_0)?;
+            let err = rel_err(&q.forward(&x)?, &dense.forward(&x)?)?;
+            assert!(err < 0.015, "part {part}: relative error {err}");
+        }
+        Ok(())
     }
 
     /// q8_0 keeps the output within 1.5% (relative L2; seen 0.6-0.7%), q4k
