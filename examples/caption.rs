@@ -211,9 +211,7 @@ fn flag_name(msg: &str) -> String {
     ];
     let mut out = msg.to_string();
     for (field, flag) in pairs {
-        if out.starts_with(field) {
-            out = format!("{flag}{}", &out[field.len()..]);
-        }
+        out = out.replace(field, flag);
     }
     out
 }
@@ -346,7 +344,7 @@ impl Output {
 
     fn err(&mut self, path: &Path, e: &anyhow::Error) -> anyhow::Result<()> {
         self.failed += 1;
-        let msg = format!("{e:#}");
+        let msg = one_line(e);
         let line = serde_json::json!({"image": path.display().to_string(), "error": msg});
         if self.json {
             let mut out = std::io::stdout().lock();
@@ -425,8 +423,8 @@ fn model_dir(args: &Args) -> anyhow::Result<PathBuf> {
 }
 
 fn run(args: &Args) -> Result<usize, Fatal> {
-    let device = parse_device(&args.device).map_err(|e| Fatal(anyhow::anyhow!("--device {e}")))?;
-    let dtype = parse_dtype(&args.dtype).map_err(|e| Fatal(anyhow::anyhow!("--dtype {e}")))?;
+    let device = parse_device(&args.device).map_err(|e| Fatal(anyhow::anyhow!("--{e}")))?;
+    let dtype = parse_dtype(&args.dtype).map_err(|e| Fatal(anyhow::anyhow!("--{e}")))?;
     if args.batch_size == 0 {
         return Err(Fatal(anyhow::anyhow!("--batch-size 0: must be at least 1")));
     }
@@ -535,8 +533,26 @@ fn main() -> ExitCode {
         Ok(0) => ExitCode::SUCCESS,
         Ok(_) => ExitCode::from(1),
         Err(Fatal(e)) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", one_line(&e));
             ExitCode::from(2)
         }
     }
+}
+
+/// The error and its causes on one line, `a: b: c`, leaving out a cause
+/// whose text the line already ends with (a file error of vl-decoder shows
+/// its source itself).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.ends_with(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
 }

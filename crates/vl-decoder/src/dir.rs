@@ -4,7 +4,7 @@
 //! Every error names the file, and for weights the tensor with the expected
 //! and the found shape or dtype.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use candle_core::safetensors::MmapedSafetensors;
@@ -118,6 +118,107 @@ impl SimpleBackend for CheckedSafetensors {
     }
 }
 
+/// The largest safetensors header read, in bytes (the safetensors crate's
+/// own limit).
+const MAX_SAFETENSORS_HEADER: u64 = 100_000_000;
+
+/// Checks that `path` is a file whose safetensors header fits in it, whose
+/// tensors' byte ranges fit their dtype and shape, and whose data is all
+/// there, so that a damaged file is reported with what its header promises
+/// and what the file holds. Returns the reason.
+fn check_safetensors_layout(path: &Path) -> std::result::Result<(), String> {
+    use serde::Deserialize;
+    use std::io::Read;
+    if path.is_dir() {
+        return Err("is a directory, expected a safetensors file".into());
+    }
+    if !path.is_file() {
+        return Err("no such file".into());
+    }
+    let mut file = std::fs::File::open(path).map_err(|e| format!("cannot open: {e}"))?;
+    let len = file
+        .metadata()
+        .map_err(|e| format!("cannot read: {e}"))?
+        .len();
+    let mut n = [0u8; 8];
+    if len < 8 {
+        return Err(format!(
+            "is {len} bytes, too short for the 8-byte header length of a safetensors file"
+        ));
+    }
+    file.read_exact(&mut n)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    let n = u64::from_le_bytes(n);
+    if n > len - 8 {
+        return Err(format!(
+            "truncated or not safetensors: the header length says {n} bytes, but only {} bytes follow it",
+            len - 8
+        ));
+    }
+    if n > MAX_SAFETENSORS_HEADER {
+        return Err(format!(
+            "the header length {n} is larger than the {MAX_SAFETENSORS_HEADER} bytes a safetensors header may have"
+        ));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    let header: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|e| {
+            format!("not a valid safetensors file: the {n}-byte header is not a JSON object: {e}")
+        })?;
+    let mut data_end = 0;
+    for (name, t) in &header {
+        let Ok(t) = TensorInfo::deserialize(t) else {
+            continue;
+        };
+        let [start, end] = t.data_offsets;
+        data_end = data_end.max(end);
+        let Some(size) = safetensors_dtype_size(&t.dtype) else {
+            continue;
+        };
+        let Some(expected) = t.shape.iter().try_fold(size, |n, d| n.checked_mul(*d)) else {
+            continue;
+        };
+        if end.checked_sub(start) != Some(expected) {
+            return Err(format!(
+                "tensor `{name}` of dtype {} and shape {:?} needs {expected} bytes, \
+                 its data_offsets [{start}, {end}] hold {}",
+                t.dtype,
+                t.shape,
+                i128::from(end) - i128::from(start)
+            ));
+        }
+    }
+    let expected = (8 + n).saturating_add(data_end);
+    if expected > len {
+        return Err(format!(
+            "truncated: the header describes {expected} bytes, the file has {len}"
+        ));
+    }
+    Ok(())
+}
+
+/// A tensor's entry in a safetensors header.
+#[derive(serde::Deserialize)]
+struct TensorInfo {
+    dtype: String,
+    shape: Vec<u64>,
+    data_offsets: [u64; 2],
+}
+
+/// Bytes per element of a safetensors dtype; `None` for sub-byte or unknown
+/// ones.
+fn safetensors_dtype_size(dtype: &str) -> Option<u64> {
+    Some(match dtype {
+        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" => 1,
+        "U16" | "I16" | "F16" | "BF16" => 2,
+        "U32" | "I32" | "F32" => 4,
+        "U64" | "I64" | "F64" => 8,
+        _ => return None,
+    })
+}
+
 /// Memory-maps safetensors files into a checked [`VarBuilder`]. Errors
 /// name `label` (e.g. a shard index), or the first file.
 ///
@@ -133,19 +234,24 @@ pub fn mmap_weights(
         return arg_err("weights", "no safetensors file given");
     };
     for f in files {
-        if !f.is_file() {
-            return Err(DecoderError::Weights {
-                path: f.clone(),
-                reason: "no such file".into(),
-            });
-        }
+        check_safetensors_layout(f).map_err(|reason| DecoderError::Weights {
+            path: f.clone(),
+            reason,
+        })?;
     }
     // SAFETY: the files are mapped read-only and the mapping is owned by the
     // backend; like every memory-mapped loader, this assumes nothing
     // truncates the files while they are mapped.
-    let inner = unsafe { MmapedSafetensors::multi(files) }.map_err(|e| DecoderError::Weights {
-        path: first.clone(),
-        reason: format!("not a valid safetensors file: {e}"),
+    let inner = unsafe { MmapedSafetensors::multi(files) }.map_err(|e| {
+        // candle names the file as `path: "…"`; the error names it once.
+        let (path, e) = match e {
+            candle_core::Error::WithPath { inner, path } => (path, *inner),
+            e => (first.clone(), e),
+        };
+        DecoderError::Weights {
+            path,
+            reason: format!("not a valid safetensors file: {e}"),
+        }
     })?;
     let backend = CheckedSafetensors {
         inner,
@@ -198,7 +304,11 @@ pub fn load_tokenizer(path: &Path, vocab_size: usize) -> Result<tokenizers::Toke
     if !path.is_file() {
         return Err(DecoderError::Tokenizer {
             path: path.to_path_buf(),
-            reason: "no such file".into(),
+            reason: if path.is_dir() {
+                "is a directory, expected a tokenizer file".into()
+            } else {
+                "no such file".into()
+            },
         });
     }
     let tok = tokenizers::Tokenizer::from_file(path).map_err(|e| DecoderError::Tokenizer {

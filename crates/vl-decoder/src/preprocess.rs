@@ -96,6 +96,18 @@ fn image_err(path: &Path, reason: impl Into<String>) -> DecoderError {
     }
 }
 
+/// The width and height in a PNG's `IHDR` chunk, read without a decoder:
+/// for reporting a header the decoder refuses.
+fn png_header_size(bytes: &[u8]) -> Option<(u32, u32)> {
+    let ihdr = bytes.strip_prefix(b"\x89PNG\r\n\x1a\n")?.get(4..16)?;
+    let (kind, size) = ihdr.split_at(4);
+    let (w, h) = size.split_at(4);
+    (kind == b"IHDR").then_some((
+        u32::from_be_bytes(w.try_into().ok()?),
+        u32::from_be_bytes(h.try_into().ok()?),
+    ))
+}
+
 /// Reads and decodes an image file with [`decode_image`]. Files larger than
 /// [`MAX_IMAGE_ALLOC`] are refused without being read to the end.
 pub fn load_image(path: &Path) -> Result<DynamicImage> {
@@ -122,8 +134,32 @@ pub fn decode_image(bytes: &[u8], name: &Path) -> Result<DynamicImage> {
     let mut reader = ImageReader::new(std::io::Cursor::new(bytes))
         .with_guessed_format()
         .map_err(|e| image_err(name, format!("cannot read: {e}")))?;
-    if reader.format().is_none() {
+    let Some(format) = reader.format() else {
         return Err(image_err(name, "not an image (unknown format)"));
+    };
+    // The header's size first, so that an impossible one is reported with
+    // its numbers rather than as a decoder's limit or format error.
+    let (width, height) = ImageReader::with_format(std::io::Cursor::new(bytes), format)
+        .into_dimensions()
+        .map_err(|e| match png_header_size(bytes) {
+            Some((w, h)) if w == 0 || h == 0 => {
+                image_err(name, format!("has no pixels (its header says {w}x{h})"))
+            }
+            _ => image_err(name, format!("cannot decode: {e}")),
+        })?;
+    if width == 0 || height == 0 {
+        return Err(image_err(
+            name,
+            format!("has no pixels (its header says {width}x{height})"),
+        ));
+    }
+    if width > MAX_IMAGE_SIDE || height > MAX_IMAGE_SIDE {
+        return Err(image_err(
+            name,
+            format!(
+                "is {width}x{height}, larger than the {MAX_IMAGE_SIDE} pixels per side accepted"
+            ),
+        ));
     }
     let mut limits = Limits::default();
     limits.max_image_width = Some(MAX_IMAGE_SIDE);
