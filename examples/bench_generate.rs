@@ -141,6 +141,7 @@ fn main() -> anyhow::Result<()> {
         .affine(1.0 / (3 * side * side) as f64, -0.5)?
         .reshape((1, 3, side, side))?;
     let mut agreement = None;
+    let mut margin = None;
     if let Some(format) = args.quantize.ggml_dtype() {
         // Teacher-forced top-1 agreement with the weights as loaded, over
         // a fixed pseudo-random token sequence.
@@ -155,6 +156,25 @@ fn main() -> anyhow::Result<()> {
             let logits = dec.forward(&tokens, Some(&memory), Default::default())?;
             Ok(logits.argmax(D::Minus1)?.squeeze(0)?.to_vec1::<u32>()?)
         };
+        // How decided the dense model's choices are: the median gap between
+        // its two largest logits, in units of the logits' std.
+        let logits = model
+            .decoder
+            .forward(&tokens, Some(&memory), Default::default())?
+            .squeeze(0)?
+            .to_dtype(DType::F32)?
+            .to_vec2::<f32>()?;
+        let gaps: Vec<f64> = logits
+            .iter()
+            .map(|row| {
+                let mut sorted = row.clone();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                let mean = row.iter().sum::<f32>() / row.len() as f32;
+                let var = row.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / row.len() as f32;
+                f64::from((sorted[0] - sorted[1]) / var.sqrt())
+            })
+            .collect();
+        margin = Some(median(gaps));
         let dense = top1(&model.decoder)?;
         model.decoder = model.decoder.quantize(format)?;
         let quant = top1(&model.decoder)?;
@@ -196,6 +216,9 @@ fn main() -> anyhow::Result<()> {
     });
     if let Some(a) = agreement {
         json["top1_agreement"] = a.into();
+    }
+    if let Some(m) = margin {
+        json["dense_top1_margin_in_std"] = m.into();
     }
     if !args.quick {
         let no_cache = bench(args.repeats.min(3), || {

@@ -23,7 +23,7 @@ use vl::captioner::{Caption, Captioner};
 use vl::heatmap;
 use vl::vl_decoder::dir::{parse_device, parse_dtype};
 use vl::vl_decoder::preprocess::load_image;
-use vl::vl_decoder::{GenerationConfig, Strategy};
+use vl::vl_decoder::{GenerationConfig, Quantization, Strategy};
 
 /// File extensions taken from a directory.
 const IMAGE_EXTENSIONS: &[&str] = &["png", "jpg", "jpeg", "gif", "bmp", "tif", "tiff", "webp"];
@@ -88,6 +88,9 @@ struct Args {
     /// f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// Decoder linear layers in 8-bit (q8_0) or 4-bit (q4k) blocks at load; none = as stored.
+    #[arg(long, default_value = "none")]
+    quantize: Quantization,
     /// Write, per image, one heatmap PNG per word and a grid of all words here.
     #[arg(long)]
     attention_map: Option<PathBuf>,
@@ -429,8 +432,12 @@ fn run(args: &Args) -> Result<usize, Fatal> {
         return Err(Fatal(anyhow::anyhow!("--batch-size 0: must be at least 1")));
     }
     let model_dir = model_dir(args).map_err(Fatal)?;
-    let captioner = Captioner::load(&model_dir, dtype, &device)
+    let mut captioner = Captioner::load(&model_dir, dtype, &device)
         .with_context(|| format!("cannot load the model {}", model_dir.display()))
+        .map_err(Fatal)?;
+    captioner
+        .quantize(args.quantize)
+        .with_context(|| format!("--quantize {}", args.quantize))
         .map_err(Fatal)?;
     let gen = generation_config(args, &captioner).map_err(Fatal)?;
     let mut inputs = expand(&args.inputs);

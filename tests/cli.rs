@@ -249,3 +249,37 @@ fn model_id_without_the_hub_feature_says_how_to_get_it() {
         "{err}"
     );
 }
+
+#[test]
+fn quantize_flag() {
+    // A 32-wide checkpoint quantizes to q8_0 blocks of 32 and captions.
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/equal");
+    let out = run(&[
+        "--model",
+        s(&dir),
+        "--quantize",
+        "q8_0",
+        "--json",
+        s(&dir.join("image.png")),
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // q4k needs widths in multiples of 256: a clear one-line error, exit 2.
+    let out = run(&[
+        "--model",
+        s(&dir),
+        "--quantize",
+        "q4k",
+        s(&dir.join("image.png")),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--quantize q4k") && err.contains("256") && err.lines().count() == 1,
+        "{err}"
+    );
+}

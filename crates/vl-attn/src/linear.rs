@@ -214,11 +214,8 @@ impl Module for Proj {
 fn storage_len(t: &Tensor) -> usize {
     let (storage, _) = t.storage_and_layout();
     match &*storage {
-        candle_core::Storage::Cpu(cpu) => match cpu {
-            candle_core::CpuStorage::F32(v) => v.len(),
-            _ => usize::MAX,
-        },
-        // Device storages: always copy.
+        candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => v.len(),
+        // Other dtypes and device storages: always copy.
         _ => usize::MAX,
     }
 }

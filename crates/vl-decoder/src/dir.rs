@@ -1,4 +1,5 @@
-//! Model directories: `config.json` + `model.safetensors` (memory-mapped) +
+//! Model directories: `config.json` + `model.safetensors` (read tensor by
+//! tensor) +
 //! `tokenizer.json`, and the device and dtype to load them on.
 //!
 //! Every error names the file, and for weights the tensor with the expected
@@ -6,8 +7,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
-use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{VarBuilder, VarMap};
@@ -64,16 +65,105 @@ pub fn parse_dtype(name: &str) -> Result<DType> {
     }
 }
 
-/// A safetensors backend that checks each tensor's presence, shape and
-/// dtype before loading it, and names the file in every error.
+/// One safetensors file, read tensor by tensor.
+struct SafetensorsFile {
+    file: Mutex<std::fs::File>,
+    /// Where the tensor data starts (after the length and the header).
+    data_start: u64,
+}
+
+/// A tensor's place among the files.
+struct Entry {
+    file: usize,
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    offsets: (usize, usize),
+}
+
+/// A safetensors backend that reads each tensor from its file when asked
+/// (no memory map, so the process holds one copy of the weights, not the
+/// copy plus the mapped file), checks its presence, shape and dtype before
+/// reading it, and names the file in every error.
 struct CheckedSafetensors {
-    inner: MmapedSafetensors,
+    files: Vec<SafetensorsFile>,
+    entries: HashMap<String, Entry>,
     path: PathBuf,
 }
 
 impl CheckedSafetensors {
     fn err(&self, reason: String) -> candle_core::Error {
         candle_core::Error::Msg(format!("{}: {reason}", self.path.display()))
+    }
+
+    fn open(files: &[PathBuf], label: PathBuf) -> Result<Self> {
+        use std::io::Read;
+        let mut opened = Vec::with_capacity(files.len());
+        let mut entries = HashMap::new();
+        for (i, path) in files.iter().enumerate() {
+            let err = |reason: String| DecoderError::Weights {
+                path: path.clone(),
+                reason,
+            };
+            check_safetensors_layout(path).map_err(err)?;
+            let mut file =
+                std::fs::File::open(path).map_err(|e| err(format!("cannot open: {e}")))?;
+            let mut n = [0u8; 8];
+            file.read_exact(&mut n)
+                .map_err(|e| err(format!("cannot read: {e}")))?;
+            let n = u64::from_le_bytes(n);
+            let mut header = vec![0u8; n as usize];
+            file.read_exact(&mut header)
+                .map_err(|e| err(format!("cannot read: {e}")))?;
+            let metadata: safetensors::tensor::Metadata = serde_json::from_slice(&header)
+                .map_err(|e| err(format!("not a valid safetensors file: {e}")))?;
+            for (name, info) in metadata.tensors() {
+                let entry = Entry {
+                    file: i,
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    offsets: info.data_offsets,
+                };
+                if entries.insert(name.clone(), entry).is_some() {
+                    return Err(err(format!("tensor `{name}` is in more than one file")));
+                }
+            }
+            opened.push(SafetensorsFile {
+                file: Mutex::new(file),
+                data_start: 8 + n,
+            });
+        }
+        Ok(Self {
+            files: opened,
+            entries,
+            path: label,
+        })
+    }
+
+    fn read(&self, name: &str, e: &Entry) -> candle_core::Result<Tensor> {
+        use std::io::{Read, Seek, SeekFrom};
+        let dtype = match e.dtype {
+            safetensors::Dtype::F32 => DType::F32,
+            safetensors::Dtype::F16 => DType::F16,
+            safetensors::Dtype::BF16 => DType::BF16,
+            safetensors::Dtype::F64 => DType::F64,
+            other => {
+                return Err(self.err(format!(
+                    "tensor `{name}` has dtype {other:?}, expected a float (f32, f16, bf16)"
+                )))
+            }
+        };
+        let f = &self.files[e.file];
+        let mut bytes = vec![0u8; e.offsets.1 - e.offsets.0];
+        {
+            let mut file = f
+                .file
+                .lock()
+                .map_err(|_| self.err("the file's lock is poisoned".into()))?;
+            file.seek(SeekFrom::Start(f.data_start + e.offsets.0 as u64))
+                .and_then(|_| file.read_exact(&mut bytes))
+                .map_err(|err| self.err(format!("cannot read tensor `{name}`: {err}")))?;
+        }
+        Tensor::from_raw_buffer(&bytes, dtype, &e.shape, &Device::Cpu)
     }
 }
 
@@ -86,35 +176,32 @@ impl SimpleBackend for CheckedSafetensors {
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
-        let view = self.inner.get(name).map_err(|_| {
+        let e = self.entries.get(name).ok_or_else(|| {
             self.err(format!(
                 "missing tensor `{name}` (expected shape {:?})",
                 s.dims()
             ))
         })?;
-        if view.shape() != s.dims() {
+        if e.shape != s.dims() {
             return Err(self.err(format!(
                 "tensor `{name}` has shape {:?}, expected {:?}",
-                view.shape(),
+                e.shape,
                 s.dims()
             )));
         }
-        use safetensors::Dtype as D;
-        if !matches!(view.dtype(), D::F32 | D::F16 | D::BF16 | D::F64) {
-            return Err(self.err(format!(
-                "tensor `{name}` has dtype {:?}, expected a float (f32, f16, bf16)",
-                view.dtype()
-            )));
-        }
-        self.inner.load(name, dev)?.to_dtype(dtype)
+        self.read(name, e)?.to_device(dev)?.to_dtype(dtype)
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        self.inner.load(name, dev)?.to_dtype(dtype)
+        let e = self
+            .entries
+            .get(name)
+            .ok_or_else(|| self.err(format!("missing tensor `{name}`")))?;
+        self.read(name, e)?.to_device(dev)?.to_dtype(dtype)
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
-        self.inner.get(name).is_ok()
+        self.entries.contains_key(name)
     }
 }
 
@@ -219,12 +306,10 @@ fn safetensors_dtype_size(dtype: &str) -> Option<u64> {
     })
 }
 
-/// Memory-maps safetensors files into a checked [`VarBuilder`]. Errors
-/// name `label` (e.g. a shard index), or the first file.
-///
-/// The files are mapped read-only; they must not be modified while the
-/// model is alive.
-pub fn mmap_weights(
+/// Opens safetensors files as a checked [`VarBuilder`]: headers are read
+/// and checked now, each tensor is read from its file when the model asks
+/// for it. Errors name `label` (e.g. a shard index), or the first file.
+pub fn open_weights(
     files: &[PathBuf],
     label: Option<&Path>,
     dtype: DType,
@@ -233,30 +318,10 @@ pub fn mmap_weights(
     let Some(first) = files.first() else {
         return arg_err("weights", "no safetensors file given");
     };
-    for f in files {
-        check_safetensors_layout(f).map_err(|reason| DecoderError::Weights {
-            path: f.clone(),
-            reason,
-        })?;
-    }
-    // SAFETY: the files are mapped read-only and the mapping is owned by the
-    // backend; like every memory-mapped loader, this assumes nothing
-    // truncates the files while they are mapped.
-    let inner = unsafe { MmapedSafetensors::multi(files) }.map_err(|e| {
-        // candle names the file as `path: "…"`; the error names it once.
-        let (path, e) = match e {
-            candle_core::Error::WithPath { inner, path } => (path, *inner),
-            e => (first.clone(), e),
-        };
-        DecoderError::Weights {
-            path,
-            reason: format!("not a valid safetensors file: {e}"),
-        }
-    })?;
-    let backend = CheckedSafetensors {
-        inner,
-        path: label.map_or_else(|| first.clone(), Path::to_path_buf),
-    };
+    let backend = CheckedSafetensors::open(
+        files,
+        label.map_or_else(|| first.clone(), Path::to_path_buf),
+    )?;
     Ok(VarBuilder::from_backend(
         Box::new(backend),
         dtype,
@@ -311,10 +376,18 @@ pub fn load_tokenizer(path: &Path, vocab_size: usize) -> Result<tokenizers::Toke
             },
         });
     }
-    let tok = tokenizers::Tokenizer::from_file(path).map_err(|e| DecoderError::Tokenizer {
+    let err = |reason: String| DecoderError::Tokenizer {
         path: path.to_path_buf(),
-        reason: format!("not a valid tokenizer: {e}"),
-    })?;
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read: {e}")))?;
+    // JSON first: tokenizers 0.23 panics, rather than failing, on some
+    // invalid JSON inside a tokenizer (its `decoder` field).
+    serde_json::from_str::<serde_json::Value>(&text)
+        .map_err(|e| err(format!("not a valid tokenizer: not JSON: {e}")))?;
+    let tok = text
+        .parse::<tokenizers::Tokenizer>()
+        .map_err(|e| err(format!("not a valid tokenizer: {e}")))?;
     check_tokenizer(tok, path, vocab_size)
 }
 
@@ -359,5 +432,22 @@ pub fn in_file(path: &Path) -> impl Fn(DecoderError) -> DecoderError + '_ {
             reason: format!("{reason} (in {})", path.display()),
         },
         other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Found by the `model_dir` fuzz target: invalid JSON in a tokenizer's
+    /// `decoder` field made tokenizers panic instead of failing.
+    #[test]
+    fn invalid_json_in_a_tokenizer_is_an_error() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join(TOKENIZER_FILE);
+        std::fs::write(&path, r#"{"version":"1.0","decoder":Wull}"#)?;
+        let err = load_tokenizer(&path, 1).unwrap_err().to_string();
+        assert!(err.contains("not JSON"), "{err}");
+        Ok(())
     }
 }

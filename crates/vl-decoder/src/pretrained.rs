@@ -3,7 +3,7 @@
 //! - `config.json`: `{"model_type": "vl", "decoder": {…DecoderConfig…},
 //!   "vision": {"kind": "mock_vit", …} | null}`
 //! - `model.safetensors`: the decoder's tensors under `decoder.`, the vision
-//!   encoder's (if it has any) under `vision.`; memory-mapped at load
+//!   encoder's (if it has any) under `vision.`; read tensor by tensor at load
 //! - `tokenizer.json`: a tokenizers-crate tokenizer covering every id
 
 use std::path::{Path, PathBuf};
@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::DecoderConfig;
 use crate::dir::{
-    in_file, load_tokenizer, mmap_weights, read_json, save_varmap, weights_error, CONFIG_FILE,
+    in_file, load_tokenizer, open_weights, read_json, save_varmap, weights_error, CONFIG_FILE,
     TOKENIZER_FILE, WEIGHTS_FILE,
 };
 use crate::error::{arg_err, config_err, DecoderError, Result};
@@ -181,7 +181,7 @@ impl VlModel {
         config.validate().map_err(in_file(&config_path))?;
         let tokenizer = load_tokenizer(&dir.join(TOKENIZER_FILE), config.decoder.vocab_size)?;
         let weights = dir.join(WEIGHTS_FILE);
-        let vb = mmap_weights(std::slice::from_ref(&weights), None, dtype, device)?;
+        let vb = open_weights(std::slice::from_ref(&weights), None, dtype, device)?;
         let decoder = VisionLanguageDecoder::load(vb.pp("decoder"), &config.decoder)
             .map_err(|e| weights_error(&weights, e))?;
         let vision = match &config.vision {

@@ -259,7 +259,7 @@ fn save_load_round_trip_gives_identical_logits() -> anyhow::Result<()> {
         assert_eq!(max_abs_diff(var.as_tensor(), &saved[name]), 0.0, "{name}");
     }
     // Logits agree within 1e-5: gemm's blocking depends on the alignment of
-    // the (memory-mapped) weights, so the last bits may differ.
+    // the (reloaded) weights, so the last bits may differ.
     let a = model.forward(&toks, Some(&mem), ForwardMasks::default())?;
     let b = loaded
         .decoder

@@ -32,7 +32,7 @@ use tokenizers::models::bpe::BPE;
 use tokenizers::{AddedToken, Tokenizer};
 
 use crate::dir::{
-    check_tokenizer, in_file, mmap_weights, read_json, weights_error, CONFIG_FILE, TOKENIZER_FILE,
+    check_tokenizer, in_file, open_weights, read_json, weights_error, CONFIG_FILE, TOKENIZER_FILE,
     WEIGHTS_FILE,
 };
 use crate::error::{DecoderError, Result};
@@ -250,7 +250,7 @@ pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<VlModel> {
 
     let tokenizer = load_hf_tokenizer(dir, dec_cfg.vocab_size)?;
     let (label, files) = weight_files(dir)?;
-    let vb = mmap_weights(&files, Some(&label), dtype, device)?;
+    let vb = open_weights(&files, Some(&label), dtype, device)?;
     let vit = convert::vit(vb.clone(), &cfg, &vit_cfg).map_err(|e| weights_error(&label, e))?;
     let decoder = convert::gpt2(vb, &dec_cfg).map_err(|e| weights_error(&label, e))?;
     Ok(VlModel {
