@@ -13,7 +13,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::Linear;
 use clap::Parser;
 use vl::vl_attn::kernel::{attention, Backend};
 use vl::vl_attn::{CrossAttention, CrossAttentionConfig};
@@ -64,10 +64,16 @@ fn main() -> anyhow::Result<()> {
     let hd = args.width / args.heads;
     let rss_before = peak_rss_mb();
     let mut run: Box<dyn FnMut() -> anyhow::Result<()>> = if args.module {
-        let vars = VarMap::new();
-        let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev);
-        let cfg = CrossAttentionConfig::new(args.width, args.width, args.heads);
-        let attn = CrossAttention::load(vb, &cfg)?.with_backend(backend);
+        // Plain tensors, not `Var`s: variables track gradients, which sends
+        // attention to the differentiable (materialising) reference path.
+        let d = args.width;
+        let lin = || -> anyhow::Result<Linear> {
+            let w = (Tensor::randn(0f32, 1.0, (d, d), &dev)? / (d as f64).sqrt())?;
+            Ok(Linear::new(w, Some(Tensor::zeros(d, DType::F32, &dev)?)))
+        };
+        let cfg = CrossAttentionConfig::new(d, d, args.heads);
+        let attn =
+            CrossAttention::from_parts(lin()?, lin()?, lin()?, lin()?, &cfg)?.with_backend(backend);
         let x = Tensor::randn(0f32, 1.0, (1, args.q_len, args.width), &dev)?;
         let m = Tensor::randn(0f32, 1.0, (1, args.k_len, args.width), &dev)?;
         Box::new(move || {

@@ -149,9 +149,10 @@ def main():
         results[f"torch {key}"] = run_json(py + ["--worker", "attention", "--q-len", str(q_len),
                                                 "--k-len", str(k_len), "--repeats", str(reps)], env)
         results[f"vl {key}"] = run_json([att_bin, "--q-len", str(q_len), "--k-len", str(k_len),
-                                         "--repeats", str(reps)], env)
+                                         "--backend", "auto", "--repeats", str(reps)], env)
     results[f"vl module 1024x16384"] = run_json(
-        [att_bin, "--module", "--q-len", "1024", "--k-len", "16384", "--repeats", "1"], env)
+        [att_bin, "--module", "--backend", "fused", "--q-len", "1024", "--k-len", "16384",
+         "--repeats", "1"], env)
 
     tf32, tbf = results["torch f32"], results["torch bf16"]
     rows = [("encode ms", "encode_ms"), ("decode ms/token", "ms_per_token"),
