@@ -194,6 +194,13 @@ fn reference(
         k_len,
     } = dims;
     let (r, g) = (dims.r(), dims.g());
+    // f16 queries and keys are widened first: their logits may pass f16's
+    // largest value (65504) and turn into Inf, then NaN in the softmax,
+    // where the fused path (scores in f32) stays finite. bf16 has f32's range.
+    let (q, k) = match q.dtype() {
+        DType::F16 => (q.to_dtype(DType::F32)?, k.to_dtype(DType::F32)?),
+        _ => (q.clone(), k.clone()),
+    };
     // (bq, h, tq, hd) -> (bk, r, hkv, g, tq, hd) -> (bk, hkv, r, g, tq, hd) -> (bk, hkv, r*g*tq, hd)
     let qg = (q * scale)?
         .reshape((batch_k, r, kv_heads, g, q_len, head_dim))?
@@ -438,5 +445,34 @@ impl CustomOp3 for FusedCpu {
             CpuStorage::F32(out),
             Shape::from((d.batch_q, d.heads, d.q_len, d.head_dim)),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// f16 inputs whose logits (360000) pass f16's largest value: every
+    /// path stays finite and agrees with f32.
+    #[test]
+    fn f16_logits_past_f16_range_stay_finite() -> Result<()> {
+        let dev = Device::Cpu;
+        let q = Tensor::full(300f32, (1, 1, 2, 16), &dev)?;
+        let k = Tensor::full(300f32, (1, 1, 3, 16), &dev)?;
+        let v = Tensor::arange(0f32, 48., &dev)?.reshape((1, 1, 3, 16))?;
+        let scale = 0.25;
+        let want = attention(&q, &k, &v, None, scale, Backend::Reference)?;
+        let half = |t: &Tensor| t.to_dtype(DType::F16);
+        for backend in [Backend::Reference, Backend::Fused, Backend::Auto] {
+            let got = attention(&half(&q)?, &half(&k)?, &half(&v)?, None, scale, backend)?;
+            let diff = (got.to_dtype(DType::F32)? - &want)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert!(diff <= 1e-2, "{backend:?}: {diff}");
+        }
+        Ok(())
     }
 }

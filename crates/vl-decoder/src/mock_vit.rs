@@ -9,6 +9,13 @@ use rand_distr::{Distribution, Normal};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{arg_err, config_err, Result};
+use crate::preprocess::MAX_IMAGE_SIDE;
+
+/// The most values a mock ViT generates (projection, CLS token and
+/// positions together): 64 Mi, 256 MiB in f32. The mock stands in for small
+/// encoders; a config asking for more is refused before anything is
+/// allocated.
+pub const MAX_MOCK_VIT_VALUES: usize = 1 << 26;
 
 /// The mock ViT's sizes and seed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -59,7 +66,42 @@ impl MockVitConfig {
                 "num_channels and hidden_size must be positive",
             );
         }
-        Ok(())
+        if self.image_size > MAX_IMAGE_SIDE as usize {
+            return config_err(
+                "image_size",
+                format!(
+                    "{} is larger than the largest image side accepted, {MAX_IMAGE_SIDE}",
+                    self.image_size
+                ),
+            );
+        }
+        match self.num_values() {
+            Some(n) if n <= MAX_MOCK_VIT_VALUES => Ok(()),
+            _ => config_err(
+                "hidden_size",
+                format!(
+                    "image_size {}, patch_size {}, num_channels {} and hidden_size {} need more \
+                     than the {MAX_MOCK_VIT_VALUES} values a mock ViT may generate",
+                    self.image_size, self.patch_size, self.num_channels, self.hidden_size
+                ),
+            ),
+        }
+    }
+
+    /// The values [`MockVit::new`] generates, `None` past `usize`; the
+    /// patch size must be positive.
+    fn num_values(&self) -> Option<usize> {
+        let grid = self.image_size / self.patch_size;
+        let patches = grid.checked_mul(grid)?;
+        let fan_in = self
+            .num_channels
+            .checked_mul(self.patch_size)?
+            .checked_mul(self.patch_size)?;
+        // projection (fan_in, d) + cls (d) + positions (1 + patches, d)
+        fan_in
+            .checked_add(patches)?
+            .checked_add(2)?
+            .checked_mul(self.hidden_size)
     }
 }
 
@@ -155,5 +197,35 @@ impl MockVit {
         let tokens = patches.broadcast_matmul(&self.projection)?;
         let cls = self.cls.broadcast_as((b, 1, c.hidden_size))?;
         Ok(Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.positions)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Found by the fuzz targets: a validated config whose patch count
+    /// overflowed (`config`), and a 4.5 KB model directory whose mock ViT
+    /// asked for 4 GiB of positions (`model_dir`).
+    #[test]
+    fn validate_refuses_sizes_that_overflow_or_allocate_too_much() {
+        let mut cfg = MockVitConfig::base(4, 0);
+        cfg.validate().expect("valid");
+        for (image_size, patch_size, hidden_size) in
+            [(1 << 40, 1, 4), (16_384, 1, 4), (16_384, 16_384, 1 << 40)]
+        {
+            cfg.image_size = image_size;
+            cfg.patch_size = patch_size;
+            cfg.hidden_size = hidden_size;
+            let err = cfg.validate().unwrap_err().to_string();
+            assert!(
+                err.contains("image_size") || err.contains("hidden_size"),
+                "{err}"
+            );
+            assert!(MockVit::new(&cfg, DType::F32, &Device::Cpu).is_err());
+        }
+        // The base config is far under the limit.
+        let base = MockVitConfig::base(768, 0);
+        assert!(base.num_values().expect("fits") < MAX_MOCK_VIT_VALUES / 64);
     }
 }

@@ -11,6 +11,7 @@ use vl_attn::{CrossAttention, CrossAttentionConfig};
 
 use crate::config::Activation;
 use crate::error::{arg_err, config_err, Result};
+use crate::preprocess::MAX_IMAGE_SIDE;
 
 fn default_eps() -> f64 {
     1e-5
@@ -80,6 +81,16 @@ impl VitConfig {
                 format!(
                     "{} must divide image_size {}",
                     self.patch_size, self.image_size
+                ),
+            );
+        }
+        // Also keeps patches and patch widths far from overflowing.
+        if self.image_size > MAX_IMAGE_SIDE as usize {
+            return config_err(
+                "vision.image_size",
+                format!(
+                    "{} is larger than the largest image side accepted, {MAX_IMAGE_SIDE}",
+                    self.image_size
                 ),
             );
         }
@@ -332,5 +343,29 @@ impl Vit {
             x = block.forward(&x)?;
         }
         self.final_norm.forward(&x)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Found by the `config` fuzz target: a validated config whose patch
+    /// count overflowed.
+    #[test]
+    fn validate_refuses_an_image_side_past_the_limit() {
+        let mut cfg: VitConfig = serde_json::from_str(
+            r#"{"image_size": 4, "patch_size": 2, "num_channels": 3, "hidden_size": 4,
+                "num_hidden_layers": 1, "num_attention_heads": 1, "intermediate_size": 4}"#,
+        )
+        .expect("parse");
+        cfg.validate().expect("valid");
+        cfg.image_size = 1 << 40;
+        cfg.patch_size = 1;
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("vision.image_size"), "{err}");
+        cfg.image_size = MAX_IMAGE_SIDE as usize;
+        cfg.validate().expect("the limit itself is valid");
+        assert_eq!(cfg.num_patches(), 1 << 28);
     }
 }
