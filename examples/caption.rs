@@ -220,13 +220,19 @@ fn flag_name(msg: &str) -> String {
 }
 
 /// Expands directories into their image files, sorted; files stay as given.
-fn expand(inputs: &[PathBuf]) -> Vec<PathBuf> {
+fn expand(inputs: &[PathBuf]) -> (Vec<PathBuf>, Vec<(PathBuf, anyhow::Error)>) {
     let mut out = Vec::new();
+    let mut problems = Vec::new();
     for p in inputs {
         if p.is_dir() {
-            let mut files: Vec<PathBuf> = std::fs::read_dir(p)
-                .into_iter()
-                .flatten()
+            let entries = match std::fs::read_dir(p) {
+                Ok(entries) => entries,
+                Err(e) => {
+                    problems.push((p.clone(), anyhow::anyhow!("cannot list the directory: {e}")));
+                    continue;
+                }
+            };
+            let mut files: Vec<PathBuf> = entries
                 .flatten()
                 .map(|e| e.path())
                 .filter(|f| {
@@ -235,13 +241,22 @@ fn expand(inputs: &[PathBuf]) -> Vec<PathBuf> {
                     })
                 })
                 .collect();
+            if files.is_empty() {
+                problems.push((
+                    p.clone(),
+                    anyhow::anyhow!(
+                        "a directory with no images (looked for {})",
+                        IMAGE_EXTENSIONS.join(", ")
+                    ),
+                ));
+            }
             files.sort();
             out.extend(files);
         } else {
             out.push(p.clone());
         }
     }
-    out
+    (out, problems)
 }
 
 /// The results file of `--output`: JSON lines, appended and flushed one
@@ -440,7 +455,7 @@ fn run(args: &Args) -> Result<usize, Fatal> {
         .with_context(|| format!("--quantize {}", args.quantize))
         .map_err(Fatal)?;
     let gen = generation_config(args, &captioner).map_err(Fatal)?;
-    let mut inputs = expand(&args.inputs);
+    let (mut inputs, problems) = expand(&args.inputs);
     let file = match &args.output {
         None => None,
         Some(path) => {
@@ -471,6 +486,9 @@ fn run(args: &Args) -> Result<usize, Fatal> {
         file,
     };
     let io = |e: anyhow::Error| Fatal(e.context("cannot write the results"));
+    for (path, e) in &problems {
+        out.err(path, e).map_err(io)?;
+    }
     for chunk in inputs.chunks(args.batch_size) {
         // Each image is read and preprocessed on its own, so one bad file
         // costs only itself.

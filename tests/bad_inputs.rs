@@ -6,38 +6,15 @@
 //! panic or a backtrace.
 #![allow(missing_docs)]
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{VarBuilder, VarMap};
+use common::{caption_bin, s, tiny_model};
 use vl::shapes;
-use vl::vl_decoder::init::seeded_init;
-use vl::vl_decoder::{VisionEncoder, VisionLanguageDecoder, VlModel};
-
-/// The built `caption` example: `cargo test` builds examples next to the
-/// test binaries' `deps` directory.
-fn caption_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("test exe");
-    let dir = exe.parent().and_then(Path::parent).expect("target dir");
-    dir.join("examples")
-        .join(format!("caption{}", std::env::consts::EXE_SUFFIX))
-}
-
-fn tiny_model(dir: &Path) {
-    let cfg = shapes::captioner_config(16, 1, 8);
-    let vars = VarMap::new();
-    let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
-    VisionLanguageDecoder::load(vb.pp("decoder"), &cfg.decoder).expect("decoder");
-    VisionEncoder::load(vb.pp("vision"), cfg.vision.as_ref().expect("vision")).expect("vision");
-    seeded_init(&vars, 0).expect("init");
-    VlModel::save(dir, &cfg, &vars, &shapes::tokenizer().expect("tokenizer")).expect("save");
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
 
 /// A temporary directory with a good tiny model (`model/`) and a good
 /// image (`good.png`); rows break a copy of either.
@@ -786,5 +763,22 @@ fn flag_not_a_number() {
     assert!(
         first.starts_with("error: ") && first.contains("--beams") && first.contains("'x'"),
         "{stderr}"
+    );
+}
+
+#[test]
+fn image_directory_without_images() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir_all(&empty).expect("mkdir");
+    std::fs::write(empty.join("notes.txt"), "no images here").expect("write");
+    let out = run(&["--model", s(&model), s(&empty)]);
+    assert_eq!(out.status.code(), Some(1), "row 45");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.lines().count() == 1 && err.contains("empty") && err.contains("no images"),
+        "row 45: {err}"
     );
 }
