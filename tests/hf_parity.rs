@@ -76,11 +76,13 @@ fn run_parity(kind: &str) -> anyhow::Result<()> {
     let spec = f.model.pixels.expect("pixel spec");
     let pixels = preprocess(&img, &spec, &Device::Cpu)?.unsqueeze(0)?;
     let d = max_abs_diff(&pixels, want_pixels)?;
+    eprintln!("{kind}: pixels max abs diff {d:e}");
     assert!(d <= PIXEL_TOL, "{kind}: pixel values differ by {d}");
 
     // The encoder's last hidden state (before enc_to_dec_proj).
     let hidden = vit(&f.model).last_hidden_state(want_pixels)?;
     let d = max_abs_diff(&hidden, &f.tensors["encoder_last_hidden_state"])?;
+    eprintln!("{kind}: encoder hidden state max abs diff {d:e}");
     assert!(d <= TOL, "{kind}: encoder hidden state differs by {d}");
 
     // Teacher-forced logits, in one pass and step by step.
@@ -97,11 +99,13 @@ fn run_parity(kind: &str) -> anyhow::Result<()> {
         .forward(&ids, Some(&memory), ForwardMasks::default())?;
     let want = &f.tensors["logits"];
     let d = max_abs_diff(&logits, want)?;
+    eprintln!("{kind}: teacher-forced logits max abs diff {d:e}");
     assert!(d <= TOL, "{kind}: teacher-forced logits differ by {d}");
     let ctx = f.model.decoder.image_context(&memory, None)?;
     let mut state = f.model.decoder.start(&ctx, 1)?;
     let stepped = f.model.decoder.step(&mut state, &ids)?;
     let d = max_abs_diff(&stepped, want)?;
+    eprintln!("{kind}: cached logits max abs diff {d:e}");
     assert!(d <= TOL, "{kind}: cached logits differ by {d}");
     assert_eq!(
         logits.argmax(D::Minus1)?.to_vec2::<u32>()?,
