@@ -73,20 +73,23 @@ fn bench(repeats: usize, mut f: impl FnMut() -> anyhow::Result<f64>) -> anyhow::
     Ok(median(runs))
 }
 
-/// Greedy decoding of `n` tokens after the start token; returns the mean
-/// milliseconds per token of those `n` steps. With `recompute`, every step
-/// also re-projects the image's keys and values, as a decoder without an
-/// image cache would.
+/// Greedy decoding of `n` tokens after a prefix of `prefix` start tokens
+/// (fed in one step); returns the mean milliseconds per token of those `n`
+/// steps. With `recompute`, every step also re-projects the image's keys
+/// and values, as a decoder without an image cache would.
 fn decode(
     dec: &VisionLanguageDecoder,
     ctx: &ImageContext,
     memory: &Tensor,
+    prefix: usize,
     n: usize,
     recompute: bool,
 ) -> anyhow::Result<f64> {
     let rows = ctx.images();
     let mut state = dec.start(ctx, 1)?;
-    let mut logits = dec.step_last(&mut state, &first_tokens(dec, rows)?)?;
+    let start = vec![dec.config().bos_token_id; rows * prefix];
+    let first = Tensor::from_vec(start, (rows, prefix), dec.device())?;
+    let mut logits = dec.step_last(&mut state, &first)?;
     let t = Instant::now();
     for _ in 0..n {
         let next = logits.argmax(D::Minus1)?.unsqueeze(1)?;
@@ -99,13 +102,14 @@ fn decode(
     Ok(t.elapsed().as_secs_f64() * 1e3 / n as f64)
 }
 
-fn first_tokens(dec: &VisionLanguageDecoder, rows: usize) -> anyhow::Result<Tensor> {
-    let start = dec.config().bos_token_id;
-    Ok(Tensor::from_vec(
-        vec![start; rows],
-        (rows, 1),
-        dec.device(),
-    )?)
+/// Milliseconds to caption `pixels`: encode, project the image, decode `n`
+/// tokens.
+fn caption_ms(model: &VlModel, pixels: &Tensor, n: usize) -> anyhow::Result<f64> {
+    let t = Instant::now();
+    let memory = model.encode_pixels(pixels)?;
+    let ctx = model.decoder.image_context(&memory, None)?;
+    decode(&model.decoder, &ctx, &memory, 1, n, false)?;
+    Ok(t.elapsed().as_secs_f64() * 1e3)
 }
 
 fn peak_rss_mb() -> Option<f64> {
@@ -152,19 +156,23 @@ fn main() -> anyhow::Result<()> {
             .map(|i| ((i.wrapping_mul(2_654_435_761) >> 7) % cfg.vocab_size as u64) as u32)
             .collect();
         let tokens = Tensor::from_vec(ids, (1, n), &device)?;
-        let top1 = |dec: &VisionLanguageDecoder| -> anyhow::Result<Vec<u32>> {
-            let logits = dec.forward(&tokens, Some(&memory), Default::default())?;
-            Ok(logits.argmax(D::Minus1)?.squeeze(0)?.to_vec1::<u32>()?)
+        let logits_of = |dec: &VisionLanguageDecoder| -> anyhow::Result<Vec<Vec<f32>>> {
+            Ok(dec
+                .forward(&tokens, Some(&memory), Default::default())?
+                .squeeze(0)?
+                .to_dtype(DType::F32)?
+                .to_vec2::<f32>()?)
         };
+        // The index of the largest logit; the first on ties, as argmax.
+        let top1 = |row: &[f32]| {
+            row.iter()
+                .enumerate()
+                .fold(0, |best, (i, x)| if *x > row[best] { i } else { best })
+        };
+        let dense = logits_of(&model.decoder)?;
         // How decided the dense model's choices are: the median gap between
         // its two largest logits, in units of the logits' std.
-        let logits = model
-            .decoder
-            .forward(&tokens, Some(&memory), Default::default())?
-            .squeeze(0)?
-            .to_dtype(DType::F32)?
-            .to_vec2::<f32>()?;
-        let gaps: Vec<f64> = logits
+        let gaps: Vec<f64> = dense
             .iter()
             .map(|row| {
                 let mut sorted = row.clone();
@@ -175,10 +183,13 @@ fn main() -> anyhow::Result<()> {
             })
             .collect();
         margin = Some(median(gaps));
-        let dense = top1(&model.decoder)?;
         model.decoder = model.decoder.quantize(format)?;
-        let quant = top1(&model.decoder)?;
-        let same = dense.iter().zip(&quant).filter(|(a, b)| a == b).count();
+        let quant = logits_of(&model.decoder)?;
+        let same = dense
+            .iter()
+            .zip(&quant)
+            .filter(|(a, b)| top1(a) == top1(b))
+            .count();
         agreement = Some(same as f64 / n as f64);
     }
     let dec = &model.decoder;
@@ -194,14 +205,10 @@ fn main() -> anyhow::Result<()> {
     let memory = model.encode_pixels(&pixels)?;
     let ctx = dec.image_context(&memory, None)?;
     let ms_per_token = bench(args.repeats, || {
-        decode(dec, &ctx, &memory, args.new_tokens, false)
+        decode(dec, &ctx, &memory, 1, args.new_tokens, false)
     })?;
     let e2e_ms = bench(args.repeats, || {
-        let t = Instant::now();
-        let memory = model.encode_pixels(&pixels)?;
-        let ctx = dec.image_context(&memory, None)?;
-        decode(dec, &ctx, &memory, args.new_tokens, false)?;
-        Ok(t.elapsed().as_secs_f64() * 1e3)
+        caption_ms(&model, &pixels, args.new_tokens)
     })?;
     let mut json = serde_json::json!({
         "model": args.model.display().to_string(),
@@ -221,36 +228,16 @@ fn main() -> anyhow::Result<()> {
         json["dense_top1_margin_in_std"] = m.into();
     }
     if !args.quick {
-        let no_cache = bench(args.repeats.min(3), || {
-            decode(dec, &ctx, &memory, args.new_tokens.min(8), true)
+        let reps = args.repeats.min(3);
+        let no_cache = bench(reps, || {
+            decode(dec, &ctx, &memory, 1, args.new_tokens.min(8), true)
         })?;
         // The text cache: ms/token with `long_position` tokens cached vs 10.
-        let at = |pos: usize| -> anyhow::Result<f64> {
-            bench(args.repeats.min(3), || {
-                let mut state = dec.start(&ctx, 1)?;
-                let prefill =
-                    Tensor::from_vec(vec![dec.config().bos_token_id; pos], (1, pos), dec.device())?;
-                let mut logits = dec.step_last(&mut state, &prefill)?;
-                let t = Instant::now();
-                let n = 8;
-                for _ in 0..n {
-                    let next = logits.argmax(D::Minus1)?.unsqueeze(1)?;
-                    logits = dec.step_last(&mut state, &next)?;
-                }
-                logits.to_vec2::<f32>()?;
-                Ok(t.elapsed().as_secs_f64() * 1e3 / n as f64)
-            })
-        };
+        let at = |pos: usize| bench(reps, || decode(dec, &ctx, &memory, pos, 8, false));
         let short = at(10)?;
         let long = at(args.long_position)?;
         let batch_pixels = pixels.repeat((args.batch, 1, 1, 1))?;
-        let batch_ms = bench(args.repeats.min(3), || {
-            let t = Instant::now();
-            let memory = model.encode_pixels(&batch_pixels)?;
-            let ctx = dec.image_context(&memory, None)?;
-            decode(dec, &ctx, &memory, args.new_tokens, false)?;
-            Ok(t.elapsed().as_secs_f64() * 1e3)
-        })?;
+        let batch_ms = bench(reps, || caption_ms(&model, &batch_pixels, args.new_tokens))?;
         json["no_image_cache_ms_per_token"] = no_cache.into();
         json["image_cache_speedup"] = (no_cache / ms_per_token).into();
         json["ms_per_token_at_10"] = short.into();

@@ -97,15 +97,7 @@ pub fn fetch(model_id: &str) -> anyhow::Result<PathBuf> {
     let dir = dir.context("nothing fetched")?;
     let index = dir.join("model.safetensors.index.json");
     if index.is_file() {
-        #[derive(serde::Deserialize)]
-        struct Index {
-            weight_map: std::collections::BTreeMap<String, String>,
-        }
-        let parsed: Index = serde_json::from_str(&std::fs::read_to_string(&index)?)
-            .with_context(|| format!("{}", index.display()))?;
-        let mut shards: Vec<String> = parsed.weight_map.into_values().collect();
-        shards.sort();
-        shards.dedup();
+        let shards = vl_decoder::hf::shard_names(&index)?;
         for shard in shards {
             if !has(&shard) {
                 bail!(

@@ -161,20 +161,16 @@ impl Proj {
         // candle's `QTensor::quantize` reads the whole storage from its start
         // and ignores the view's layout: a weight narrowed out of a larger
         // one (a split fused projection) would quantize the wrong rows — only
-        // a debug assertion catches it. Copy such a view into its own buffer.
-        let weight = weight.to_dtype(DType::F32)?;
-        let weight = if weight.is_contiguous()
-            && weight.layout().start_offset() == 0
-            && weight.elem_count() == storage_len(&weight)
-        {
+        // a debug assertion catches it. Quantize from a buffer of its own
+        // (one copy per layer, at load time).
+        let weight = Tensor::from_vec(
             weight
-        } else {
-            Tensor::from_vec(
-                weight.flatten_all()?.to_vec1::<f32>()?,
-                weight.shape(),
-                weight.device(),
-            )?
-        };
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?,
+            weight.shape(),
+            weight.device(),
+        )?;
         let q = QTensor::quantize(&weight, format)?;
         Ok(Self {
             inner: Inner::Quantized {
@@ -207,16 +203,6 @@ impl Module for Proj {
                 y.to_dtype(dtype)
             }
         }
-    }
-}
-
-/// Elements in `t`'s whole storage (not just its view).
-fn storage_len(t: &Tensor) -> usize {
-    let (storage, _) = t.storage_and_layout();
-    match &*storage {
-        candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => v.len(),
-        // Other dtypes and device storages: always copy.
-        _ => usize::MAX,
     }
 }
 

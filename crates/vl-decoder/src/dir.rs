@@ -96,7 +96,6 @@ impl CheckedSafetensors {
     }
 
     fn open(files: &[PathBuf], label: PathBuf) -> Result<Self> {
-        use std::io::Read;
         let mut opened = Vec::with_capacity(files.len());
         let mut entries = HashMap::new();
         for (i, path) in files.iter().enumerate() {
@@ -104,16 +103,7 @@ impl CheckedSafetensors {
                 path: path.clone(),
                 reason,
             };
-            check_safetensors_layout(path).map_err(err)?;
-            let mut file =
-                std::fs::File::open(path).map_err(|e| err(format!("cannot open: {e}")))?;
-            let mut n = [0u8; 8];
-            file.read_exact(&mut n)
-                .map_err(|e| err(format!("cannot read: {e}")))?;
-            let n = u64::from_le_bytes(n);
-            let mut header = vec![0u8; n as usize];
-            file.read_exact(&mut header)
-                .map_err(|e| err(format!("cannot read: {e}")))?;
+            let (file, n, header) = check_safetensors_layout(path).map_err(err)?;
             let metadata: safetensors::tensor::Metadata = serde_json::from_slice(&header)
                 .map_err(|e| err(format!("not a valid safetensors file: {e}")))?;
             for (name, info) in metadata.tensors() {
@@ -212,8 +202,11 @@ const MAX_SAFETENSORS_HEADER: u64 = 100_000_000;
 /// Checks that `path` is a file whose safetensors header fits in it, whose
 /// tensors' byte ranges fit their dtype and shape, and whose data is all
 /// there, so that a damaged file is reported with what its header promises
-/// and what the file holds. Returns the reason.
-fn check_safetensors_layout(path: &Path) -> std::result::Result<(), String> {
+/// and what the file holds. Returns the open file, the header's length and
+/// its bytes, or the reason.
+fn check_safetensors_layout(
+    path: &Path,
+) -> std::result::Result<(std::fs::File, u64, Vec<u8>), String> {
     use serde::Deserialize;
     use std::io::Read;
     if path.is_dir() {
@@ -250,12 +243,12 @@ fn check_safetensors_layout(path: &Path) -> std::result::Result<(), String> {
     let mut header = vec![0u8; n as usize];
     file.read_exact(&mut header)
         .map_err(|e| format!("cannot read: {e}"))?;
-    let header: BTreeMap<String, serde_json::Value> =
+    let entries: BTreeMap<String, serde_json::Value> =
         serde_json::from_slice(&header).map_err(|e| {
             format!("not a valid safetensors file: the {n}-byte header is not a JSON object: {e}")
         })?;
     let mut data_end = 0;
-    for (name, t) in &header {
+    for (name, t) in &entries {
         let Ok(t) = TensorInfo::deserialize(t) else {
             continue;
         };
@@ -283,7 +276,7 @@ fn check_safetensors_layout(path: &Path) -> std::result::Result<(), String> {
             "truncated: the header describes {expected} bytes, the file has {len}"
         ));
     }
-    Ok(())
+    Ok((file, n, header))
 }
 
 /// A tensor's entry in a safetensors header.

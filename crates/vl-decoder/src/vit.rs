@@ -217,20 +217,22 @@ impl Vit {
             mean: 0.0,
             stdev: 0.02,
         };
-        Ok(Self {
-            patch_embed: candle_nn::linear(fan_in, d, vb.pp("patch_embed"))?,
-            cls: vb.get_with_hints((1, 1, d), "cls", small)?,
-            positions: vb.get_with_hints((1, 1 + cfg.num_patches(), d), "positions", small)?,
-            blocks: (0..cfg.num_hidden_layers)
-                .map(|i| VitBlock::load(vb.pp("blocks").pp(i), cfg))
-                .collect::<Result<Vec<_>>>()?,
-            final_norm: LayerNorm::load(d, cfg.layer_norm_eps, vb.pp("final_norm"))?,
-            output_proj: match cfg.output_size {
-                Some(out) => Some(candle_nn::linear(d, out, vb.pp("output_proj"))?),
-                None => None,
-            },
-            cfg: cfg.clone(),
-        })
+        let blocks = (0..cfg.num_hidden_layers)
+            .map(|i| VitBlock::load(vb.pp("blocks").pp(i), cfg))
+            .collect::<Result<Vec<_>>>()?;
+        let output_proj = match cfg.output_size {
+            Some(out) => Some(candle_nn::linear(d, out, vb.pp("output_proj"))?),
+            None => None,
+        };
+        Self::from_parts(
+            candle_nn::linear(fan_in, d, vb.pp("patch_embed"))?,
+            vb.get_with_hints((1, 1, d), "cls", small)?,
+            vb.get_with_hints((1, 1 + cfg.num_patches(), d), "positions", small)?,
+            blocks,
+            LayerNorm::load(d, cfg.layer_norm_eps, vb.pp("final_norm"))?,
+            output_proj,
+            cfg,
+        )
     }
 
     /// Builds the encoder from existing parts (checkpoint converters).

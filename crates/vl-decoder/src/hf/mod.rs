@@ -66,6 +66,16 @@ struct Index {
     weight_map: BTreeMap<String, String>,
 }
 
+/// The shard files a `model.safetensors.index.json` lists, sorted, each
+/// once.
+pub fn shard_names(index_path: &Path) -> Result<Vec<String>> {
+    let index: Index = read_json(index_path)?;
+    let mut files: Vec<String> = index.weight_map.into_values().collect();
+    files.sort();
+    files.dedup();
+    Ok(files)
+}
+
 /// The safetensors files of `dir`, and the path that names them in errors
 /// (the file itself, or the shard index).
 pub fn weight_files(dir: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
@@ -75,10 +85,7 @@ pub fn weight_files(dir: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
     }
     let index_path = dir.join(INDEX_FILE);
     if index_path.is_file() {
-        let index: Index = read_json(&index_path)?;
-        let mut files: Vec<String> = index.weight_map.into_values().collect();
-        files.sort();
-        files.dedup();
+        let files = shard_names(&index_path)?;
         if files.is_empty() {
             return Err(DecoderError::Weights {
                 path: index_path,
