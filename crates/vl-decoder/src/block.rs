@@ -11,68 +11,15 @@
 
 use candle_core::quantized::GgmlDType;
 use candle_core::Tensor;
-use candle_nn::{Linear, Module, VarBuilder};
+use candle_nn::VarBuilder;
 use vl_attn::{
-    CausalSelfAttention, CrossAttention, CrossAttentionConfig, CrossKv, KvCache, Mask, Proj,
+    CausalSelfAttention, CrossAttention, CrossAttentionConfig, CrossKv, FeedForward, KvCache, Mask,
     SelfAttentionConfig, TanhGate,
 };
 
-use crate::config::{Activation, DecoderConfig};
+use crate::config::DecoderConfig;
 use crate::error::Result;
-use crate::norm::LayerNorm;
-
-/// The position-wise feed-forward layer `down(act(up(x)))`, dense or
-/// quantized.
-#[derive(Debug, Clone)]
-pub struct FeedForward {
-    up: Proj,
-    down: Proj,
-    act: Activation,
-}
-
-impl FeedForward {
-    /// Loads `up (intermediate, hidden)` and `down (hidden, intermediate)`
-    /// with biases.
-    pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<Self> {
-        Ok(Self::from_parts(
-            candle_nn::linear(cfg.hidden_size, cfg.intermediate_size, vb.pp("up"))?,
-            candle_nn::linear(cfg.intermediate_size, cfg.hidden_size, vb.pp("down"))?,
-            cfg.hidden_act,
-        ))
-    }
-
-    /// Builds from existing layers.
-    pub fn from_parts(up: Linear, down: Linear, act: Activation) -> Self {
-        Self::from_projs(up.into(), down.into(), act)
-    }
-
-    /// Builds from existing dense or quantized projections.
-    pub fn from_projs(up: Proj, down: Proj, act: Activation) -> Self {
-        Self { up, down, act }
-    }
-
-    /// A copy with `up` and `down` quantized to `format`.
-    ///
-    /// # Errors
-    /// [`vl_attn::AttnError::Quantize`] naming `up` (or `down`) when
-    /// `hidden` (or `intermediate`) is not a multiple of the format's block
-    /// size.
-    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
-        Ok(Self {
-            up: self.up.quantize("up", format)?,
-            down: self.down.quantize("down", format)?,
-            act: self.act,
-        })
-    }
-
-    /// # Shapes
-    /// `x: (batch, len, hidden)` → `(batch, len, hidden)`.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self
-            .down
-            .forward(&self.act.forward(&self.up.forward(x)?)?)?)
-    }
-}
+use vl_attn::LayerNorm;
 
 /// The cross-attention branch of a block.
 #[derive(Debug, Clone)]
@@ -119,7 +66,7 @@ pub struct DecoderBlock {
 }
 
 pub(crate) fn layer_norm(vb: VarBuilder, cfg: &DecoderConfig) -> Result<LayerNorm> {
-    LayerNorm::load(cfg.hidden_size, cfg.layer_norm_eps, vb)
+    Ok(LayerNorm::load(cfg.hidden_size, cfg.layer_norm_eps, vb)?)
 }
 
 impl DecoderBlock {
@@ -160,7 +107,12 @@ impl DecoderBlock {
             self_attn: CausalSelfAttention::load(vb.pp("self_attn"), &self_cfg)?,
             cross,
             ffn_norm: layer_norm(vb.pp("ffn_norm"), cfg)?,
-            ffn: FeedForward::load(vb.pp("ffn"), cfg)?,
+            ffn: FeedForward::load(
+                vb.pp("ffn"),
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                cfg.hidden_act,
+            )?,
         })
     }
 

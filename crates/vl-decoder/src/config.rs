@@ -5,40 +5,7 @@ use std::path::Path;
 
 use crate::error::{config_err, DecoderError, Result};
 
-/// The feed-forward activation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-pub enum Activation {
-    /// GELU with the exact erf (`gelu` in transformers).
-    #[default]
-    #[serde(rename = "gelu", alias = "gelu_erf")]
-    Gelu,
-    /// GELU with the tanh approximation (`gelu_new`, `gelu_pytorch_tanh`).
-    #[serde(
-        rename = "gelu_tanh",
-        alias = "gelu_new",
-        alias = "gelu_pytorch_tanh",
-        alias = "gelu_fast"
-    )]
-    GeluTanh,
-    /// `max(0, x)`.
-    #[serde(rename = "relu")]
-    Relu,
-    /// `x * sigmoid(x)`.
-    #[serde(rename = "silu", alias = "swish")]
-    Silu,
-}
-
-impl Activation {
-    /// Applies the activation.
-    pub fn forward(self, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
-        match self {
-            Self::Gelu => x.gelu_erf(),
-            Self::GeluTanh => x.gelu(),
-            Self::Relu => x.relu(),
-            Self::Silu => x.silu(),
-        }
-    }
-}
+pub use vl_attn::Activation;
 
 fn default_kv_heads() -> Option<usize> {
     None

@@ -44,13 +44,13 @@ pub mod hf;
 pub mod init;
 pub mod mock_vit;
 pub mod model;
-pub mod norm;
+
 pub mod preprocess;
 pub mod pretrained;
 pub mod quantize;
 pub mod vit;
 
-pub use block::{DecoderBlock, FeedForward};
+pub use block::DecoderBlock;
 pub use config::{Activation, DecoderConfig};
 pub use error::{DecoderError, Result};
 pub use generate::{
@@ -61,3 +61,4 @@ pub use model::{DecodeState, ForwardMasks, ImageContext, VisionLanguageDecoder};
 pub use pretrained::{ModelFormat, VisionConfig, VisionEncoder, VlConfig, VlModel};
 pub use quantize::Quantization;
 pub use vit::{Vit, VitBlock, VitConfig};
+pub use vl_attn::{FeedForward, LayerNorm};

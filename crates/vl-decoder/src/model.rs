@@ -6,7 +6,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Embedding, Linear, Module, VarBuilder};
 
-use crate::norm::LayerNorm;
+use vl_attn::LayerNorm;
 use vl_attn::{CrossKv, KvCache, Mask, Proj};
 
 use crate::block::{layer_norm, BlockInputs, DecoderBlock, ImageInput};

@@ -5,8 +5,8 @@
 use candle_core::{DType, Tensor};
 use candle_nn::{Init, Linear, Module, VarBuilder};
 
-use crate::norm::LayerNorm;
 use serde::{Deserialize, Serialize};
+use vl_attn::LayerNorm;
 use vl_attn::{CrossAttention, CrossAttentionConfig};
 
 use crate::config::Activation;
@@ -344,7 +344,7 @@ impl Vit {
         for block in &self.blocks {
             x = block.forward(&x)?;
         }
-        self.final_norm.forward(&x)
+        Ok(self.final_norm.forward(&x)?)
     }
 }
 

@@ -12,12 +12,13 @@
 use candle_nn::{Embedding, Linear, VarBuilder};
 use vl_attn::{CausalSelfAttention, CrossAttention, CrossAttentionConfig, SelfAttentionConfig};
 
-use crate::block::{CrossBranch, DecoderBlock, FeedForward};
+use crate::block::{CrossBranch, DecoderBlock};
 use crate::config::DecoderConfig;
 use crate::error::Result;
 use crate::model::VisionLanguageDecoder;
-use crate::norm::LayerNorm;
 use crate::vit::{Vit, VitBlock, VitConfig};
+use vl_attn::FeedForward;
+use vl_attn::LayerNorm;
 
 use super::config::HfConfig;
 
@@ -60,7 +61,7 @@ fn conv1d(vb: VarBuilder, inp: usize, out: usize) -> Result<Linear> {
 }
 
 fn layer_norm(vb: VarBuilder, width: usize, eps: f64) -> Result<LayerNorm> {
-    LayerNorm::load(width, eps, vb)
+    Ok(LayerNorm::load(width, eps, vb)?)
 }
 
 /// The ViT under `encoder.` (and `enc_to_dec_proj.` when the widths

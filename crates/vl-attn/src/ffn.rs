@@ -1,0 +1,103 @@
+//! The position-wise feed-forward layer and its activations, shared by the
+//! decoder and the ViT.
+
+use candle_core::quantized::GgmlDType;
+use candle_core::Tensor;
+use candle_nn::{Linear, Module, VarBuilder};
+use serde::{Deserialize, Serialize};
+
+use crate::error::Result;
+use crate::linear::Proj;
+
+/// The feed-forward activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum Activation {
+    /// GELU with the exact erf (`gelu` in transformers).
+    #[default]
+    #[serde(rename = "gelu", alias = "gelu_erf")]
+    Gelu,
+    /// GELU with the tanh approximation (`gelu_new`, `gelu_pytorch_tanh`).
+    #[serde(
+        rename = "gelu_tanh",
+        alias = "gelu_new",
+        alias = "gelu_pytorch_tanh",
+        alias = "gelu_fast"
+    )]
+    GeluTanh,
+    /// `max(0, x)`.
+    #[serde(rename = "relu")]
+    Relu,
+    /// `x * sigmoid(x)`.
+    #[serde(rename = "silu", alias = "swish")]
+    Silu,
+}
+
+impl Activation {
+    /// Applies the activation.
+    pub fn forward(self, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+        match self {
+            Self::Gelu => x.gelu_erf(),
+            Self::GeluTanh => x.gelu(),
+            Self::Relu => x.relu(),
+            Self::Silu => x.silu(),
+        }
+    }
+}
+
+/// The position-wise feed-forward layer `down(act(up(x)))`, dense or
+/// quantized.
+#[derive(Debug, Clone)]
+pub struct FeedForward {
+    up: Proj,
+    down: Proj,
+    act: Activation,
+}
+
+impl FeedForward {
+    /// Loads `up (intermediate, hidden)` and `down (hidden, intermediate)`
+    /// with biases.
+    pub fn load(
+        vb: VarBuilder,
+        hidden: usize,
+        intermediate: usize,
+        act: Activation,
+    ) -> Result<Self> {
+        Ok(Self::from_parts(
+            candle_nn::linear(hidden, intermediate, vb.pp("up"))?,
+            candle_nn::linear(intermediate, hidden, vb.pp("down"))?,
+            act,
+        ))
+    }
+
+    /// Builds from existing layers.
+    pub fn from_parts(up: Linear, down: Linear, act: Activation) -> Self {
+        Self::from_projs(up.into(), down.into(), act)
+    }
+
+    /// Builds from existing dense or quantized projections.
+    pub fn from_projs(up: Proj, down: Proj, act: Activation) -> Self {
+        Self { up, down, act }
+    }
+
+    /// A copy with `up` and `down` quantized to `format`.
+    ///
+    /// # Errors
+    /// [`crate::AttnError::Quantize`] naming `up` (or `down`) when
+    /// `hidden` (or `intermediate`) is not a multiple of the format's block
+    /// size.
+    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
+        Ok(Self {
+            up: self.up.quantize("up", format)?,
+            down: self.down.quantize("down", format)?,
+            act: self.act,
+        })
+    }
+
+    /// # Shapes
+    /// `x: (batch, len, hidden)` → `(batch, len, hidden)`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self
+            .down
+            .forward(&self.act.forward(&self.up.forward(x)?)?)?)
+    }
+}
