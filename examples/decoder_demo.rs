@@ -10,7 +10,8 @@ use anyhow::ensure;
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
 use vl::vl_attn::mask;
-use vl::vl_decoder::{DecoderConfig, ForwardMasks, MockVit, MockVitConfig, VisionLanguageDecoder};
+use vl::vl_decoder::{DecoderConfig, ForwardMasks, VisionLanguageDecoder};
+use vl::vl_vision::{MockVit, MockVitConfig};
 
 const BATCH: usize = 2;
 const TEXT_LEN: usize = 10;

@@ -4,7 +4,7 @@ ratios (vl / torch; below 1 means vl is faster or smaller) and writes the raw
 figures as JSON.
 
     .venv/bin/python scripts/hf_fixtures.py --base /tmp/vit-gpt2-base
-    cargo build --release --example bench_generate --example bench_attention
+    cargo build --release -p vl-cli --example bench_attention
     .venv/bin/python scripts/bench_vs_torch.py /tmp/vit-gpt2-base --threads 2
 
 Every measurement runs in its own process (one model at a time, a fresh
@@ -133,7 +133,7 @@ def main():
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
     py = [sys.executable, __file__, args.model, "--threads", str(args.threads),
           "--repeats", str(args.repeats), "--batch", str(args.batch)]
-    vl_bin = str(ROOT / "target" / "release" / "examples" / "bench_generate")
+    vl_bin = str(ROOT / "target" / "release" / "vl")
     att_bin = str(ROOT / "target" / "release" / "examples" / "bench_attention")
     results = {}
     for dtype in ["f32", "bf16"]:
@@ -141,7 +141,7 @@ def main():
         print(f"torch {dtype}: {results[f'torch {dtype}']}", file=sys.stderr)
     for name, extra in [("vl f32", ["--dtype", "f32"]), ("vl bf16", ["--dtype", "bf16"]),
                         ("vl q8_0", ["--quantize", "q8_0"]), ("vl q4k", ["--quantize", "q4k"])]:
-        results[name] = run_json([vl_bin, "--model", args.model, "--repeats", str(args.repeats),
+        results[name] = run_json([vl_bin, "bench", "--model", args.model, "--repeats", str(args.repeats),
                                   "--batch", str(args.batch)] + extra, env)
         print(f"{name}: {results[name]}", file=sys.stderr)
     for q_len, k_len, reps in [(64, 576, 20), (1024, 16384, 2)]:

@@ -6,8 +6,10 @@ use std::path::Path;
 use anyhow::{anyhow, Context};
 use candle_core::{DType, Device, Tensor, D};
 use image::DynamicImage;
-use vl_decoder::preprocess::preprocess;
-use vl_decoder::{generate, GenerationConfig, Quantization, TokenEvent, VlModel};
+use vl_decoder::{generate, GenerationConfig, Quantization, TokenEvent};
+use vl_vision::preprocess::preprocess;
+
+use crate::checkpoint::VlModel;
 
 /// One image's caption.
 #[derive(Debug, Clone, PartialEq)]
@@ -27,6 +29,11 @@ pub struct Captioner {
 }
 
 impl Captioner {
+    /// Captions with a loaded model.
+    pub fn new(model: VlModel) -> Self {
+        Self { model }
+    }
+
     /// Loads a vl model directory.
     pub fn load(dir: &Path, dtype: DType, device: &Device) -> anyhow::Result<Self> {
         Ok(Self {

@@ -97,7 +97,7 @@ pub fn fetch(model_id: &str) -> anyhow::Result<PathBuf> {
     let dir = dir.context("nothing fetched")?;
     let index = dir.join("model.safetensors.index.json");
     if index.is_file() {
-        let shards = vl_decoder::hf::shard_names(&index)?;
+        let shards = crate::checkpoint::hf::shard_names(&index)?;
         for shard in shards {
             if !has(&shard) {
                 bail!(

@@ -1,17 +1,35 @@
-//! vl: a vision-language decoder on candle.
+//! vl: a vision-language decoder on candle, batteries included.
 //!
-//! Re-exports the workspace crates so that the top-level examples and tests
-//! build against one package, and holds what they share: the captioning
-//! pipeline ([`captioner`]) and the shapes captioner's data ([`shapes`]).
+//! The workspace crates each hold one job and are re-exported here:
+//! [`vl_attn`] (attention, masks, caches, kernels), [`vl_vision`] (ViT, mock
+//! ViT, preprocessing), [`vl_decoder`] (decoder, decode state, generation)
+//! and [`vl_shapes`] (the shapes world). This crate adds what needs files,
+//! images and tokenizers:
+//!
+//! - [`checkpoint`]: loading models by format (vl's own directories,
+//!   transformers ViT + GPT-2), safetensors and tokenizers;
+//! - [`captioner`]: the captioning pipeline, images in, captions out;
+//! - [`heatmap`]: cross-attention heatmaps over the image;
+//! - [`settings`]: devices, dtypes and generation overrides, typed;
+//! - [`shapes`]: the shapes captioner's data and recipe.
+//!
+//! The `vl` command (crate `vl-cli`) is the front end.
 pub use vl_attn;
 pub use vl_decoder;
 pub use vl_shapes;
+pub use vl_vision;
 
 pub mod captioner;
+pub mod checkpoint;
+pub mod error;
 pub mod heatmap;
 #[cfg(feature = "hub")]
 pub mod hub;
+pub mod settings;
 pub mod shapes;
+
+pub use checkpoint::{ModelFormat, VlConfig, VlModel};
+pub use error::{Error, Result};
 
 /// The README's Rust examples, compiled and run as doc tests.
 #[cfg(doctest)]

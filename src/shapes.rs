@@ -9,8 +9,11 @@ use image::DynamicImage;
 use tokenizers::models::wordlevel::WordLevel;
 use tokenizers::pre_tokenizers::whitespace::WhitespaceSplit;
 use tokenizers::{AddedToken, Tokenizer};
-use vl_decoder::preprocess::{preprocess_batch, PixelSpec};
-use vl_decoder::{Activation, DecoderConfig, VisionConfig, VitConfig, VlConfig};
+use vl_decoder::{Activation, DecoderConfig};
+use vl_vision::preprocess::{preprocess_batch, PixelSpec};
+use vl_vision::{VisionConfig, VitConfig};
+
+use crate::checkpoint::VlConfig;
 use vl_shapes::{dataset_scene, Scene, IMAGE_SIZE, VOCAB};
 
 /// The padding token.

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device};
 use vl::captioner::Captioner;
-use vl::vl_decoder::preprocess::load_image;
+use vl::vl_vision::preprocess::load_image;
 
 const MODEL: &str = "models/shapes-captioner";
 

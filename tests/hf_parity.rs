@@ -9,11 +9,10 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, D};
 use serde::Deserialize;
-use vl::vl_decoder::preprocess::{load_image, preprocess};
-use vl::vl_decoder::{
-    generate, EarlyStopping, ForwardMasks, GenerationConfig, ModelFormat, Strategy, VisionEncoder,
-    VlModel,
-};
+use vl::vl_decoder::{generate, EarlyStopping, ForwardMasks, GenerationConfig, Strategy};
+use vl::vl_vision::preprocess::{load_image, preprocess};
+use vl::vl_vision::VisionEncoder;
+use vl::{ModelFormat, VlModel};
 
 /// f32 parity bound of the issue: max abs diff of hidden states and logits.
 const TOL: f32 = 1e-4;
@@ -59,7 +58,7 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
     Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
 }
 
-fn vit(model: &VlModel) -> &vl::vl_decoder::Vit {
+fn vit(model: &VlModel) -> &vl::vl_vision::Vit {
     match &model.vision {
         Some(VisionEncoder::Vit(v)) => v,
         other => panic!("expected a ViT, got {other:?}"),

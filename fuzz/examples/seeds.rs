@@ -14,7 +14,9 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device};
 use candle_nn::{VarBuilder, VarMap};
 use image::{DynamicImage, ImageFormat, Rgb, RgbImage};
-use vl_decoder::{VisionEncoder, VisionLanguageDecoder, VlConfig, VlModel};
+use vl::{VlConfig, VlModel};
+use vl_decoder::VisionLanguageDecoder;
+use vl_vision::VisionEncoder;
 use vl_fuzz::{pack, ModelDirBytes};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;

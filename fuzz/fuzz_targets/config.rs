@@ -5,7 +5,9 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use vl_decoder::{DecoderConfig, VisionConfig, VlConfig};
+use vl::VlConfig;
+use vl_decoder::DecoderConfig;
+use vl_vision::VisionConfig;
 
 fn derived_sizes(cfg: &DecoderConfig) {
     let _ = cfg.kv_heads();

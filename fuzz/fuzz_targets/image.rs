@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 
 use candle_core::Device;
 use libfuzzer_sys::fuzz_target;
-use vl_decoder::preprocess::{decode_image, preprocess, PixelSpec};
+use vl_vision::preprocess::{decode_image, preprocess, PixelSpec};
 
 fn spec() -> &'static PixelSpec {
     static SPEC: OnceLock<PixelSpec> = OnceLock::new();

@@ -10,7 +10,8 @@ use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Tensor};
 use libfuzzer_sys::fuzz_target;
-use vl_decoder::{ForwardMasks, VlModel};
+use vl::VlModel;
+use vl_decoder::ForwardMasks;
 use vl_fuzz::{unpack, write_dir};
 
 /// One directory per fuzzing process, rewritten for every input.

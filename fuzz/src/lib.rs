@@ -14,8 +14,8 @@
 
 use std::path::Path;
 
-use vl_decoder::preprocess::PixelSpec;
-use vl_decoder::VlConfig;
+use vl_vision::PixelSpec;
+use vl::VlConfig;
 
 /// The three files of a model directory, as bytes.
 #[derive(Debug, Clone, Copy)]
@@ -72,7 +72,7 @@ pub fn pack(files: ModelDirBytes<'_>) -> Vec<u8> {
 
 /// Writes the files into `dir` under the names a model directory uses.
 pub fn write_dir(dir: &Path, files: ModelDirBytes<'_>) -> std::io::Result<()> {
-    use vl_decoder::dir::{CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE};
+    use vl::checkpoint::{CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE};
     std::fs::write(dir.join(CONFIG_FILE), files.config)?;
     std::fs::write(dir.join(TOKENIZER_FILE), files.tokenizer)?;
     std::fs::write(dir.join(WEIGHTS_FILE), files.weights)

@@ -1,9 +1,8 @@
 //! The decoder's configuration, read from `config.json`.
 
 use serde::{Deserialize, Serialize};
-use std::path::Path;
 
-use crate::error::{config_err, DecoderError, Result};
+use crate::error::{config_err, Result};
 
 pub use vl_attn::Activation;
 
@@ -146,20 +145,6 @@ impl DecoderConfig {
             }
         }
         Ok(())
-    }
-
-    /// Parses and validates a `config.json`.
-    pub fn from_json(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| DecoderError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let cfg: Self = serde_json::from_str(&text).map_err(|source| DecoderError::Json {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        cfg.validate()?;
-        Ok(cfg)
     }
 
     /// A tiny configuration for tests and examples.

@@ -1,11 +1,11 @@
 //! The error type of vl-decoder.
 
-use std::path::PathBuf;
-
 /// Everything that can go wrong in vl-decoder.
 ///
-/// Messages name the culprit — the config field, the file, the tensor, the
-/// argument — with the expected and the actual value.
+/// Messages name the culprit — the config field, the argument — with the
+/// expected and the actual value. File formats, images and tokenizers are
+/// the business of the crates that read them (vl-vision, the `vl` crate's
+/// `checkpoint` module).
 #[derive(Debug, thiserror::Error)]
 pub enum DecoderError {
     /// A configuration value is impossible.
@@ -14,47 +14,6 @@ pub enum DecoderError {
         /// The config field, as spelled in `config.json`.
         field: &'static str,
         /// What is wrong, with the values involved.
-        reason: String,
-    },
-    /// A file could not be read or written.
-    #[error("{}: {source}", path.display())]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The underlying error.
-        source: std::io::Error,
-    },
-    /// A JSON file does not parse or has fields of the wrong type.
-    #[error("{}: {source}", path.display())]
-    Json {
-        /// The file.
-        path: PathBuf,
-        /// The underlying error, with line and column.
-        source: serde_json::Error,
-    },
-    /// A weights file is malformed, lacks a tensor, or has one of the wrong
-    /// shape or dtype.
-    #[error("{}: {reason}", path.display())]
-    Weights {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong, naming the tensor and the expected vs found value.
-        reason: String,
-    },
-    /// A tokenizer file is malformed or does not fit the model.
-    #[error("{}: {reason}", path.display())]
-    Tokenizer {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
-        reason: String,
-    },
-    /// An image file cannot be read, is not an image, or is unusable.
-    #[error("{}: {reason}", path.display())]
-    Image {
-        /// The image file.
-        path: PathBuf,
-        /// What is wrong.
         reason: String,
     },
     /// An argument is out of range (a generation setting, a token id, a

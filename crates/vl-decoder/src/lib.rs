@@ -9,15 +9,15 @@
 //! ```
 //! use candle_core::{DType, Device, Tensor};
 //! use candle_nn::{VarBuilder, VarMap};
-//! use vl_decoder::{DecoderConfig, ForwardMasks, MockVit, MockVitConfig, VisionLanguageDecoder};
+//! use vl_decoder::{DecoderConfig, ForwardMasks, VisionLanguageDecoder};
 //!
 //! # fn main() -> Result<(), vl_decoder::DecoderError> {
 //! let dev = Device::Cpu;
 //! let vars = VarMap::new();
 //! let cfg = DecoderConfig::tiny(100, 48);
 //! let decoder = VisionLanguageDecoder::load(VarBuilder::from_varmap(&vars, DType::F32, &dev), &cfg)?;
-//! let vit = MockVit::new(&MockVitConfig::base(48, 0), DType::F32, &dev)?;
-//! let image = vit.forward(&Tensor::zeros((1, 3, 224, 224), DType::F32, &dev)?)?; // (1, 197, 48)
+//! // Image tokens from any encoder (vl-vision's ViT, say): (1, 197, 48).
+//! let image = Tensor::randn(0f32, 1., (1, 197, 48), &dev)?;
 //!
 //! // Full forward over a prompt...
 //! let tokens = Tensor::new(&[[1u32, 5, 7]], &dev)?;
@@ -37,18 +37,12 @@
 
 pub mod block;
 pub mod config;
-pub mod dir;
 pub mod error;
 pub mod generate;
-pub mod hf;
 pub mod init;
-pub mod mock_vit;
 pub mod model;
 
-pub mod preprocess;
-pub mod pretrained;
 pub mod quantize;
-pub mod vit;
 
 pub use block::DecoderBlock;
 pub use config::{Activation, DecoderConfig};
@@ -56,9 +50,6 @@ pub use error::{DecoderError, Result};
 pub use generate::{
     generate, EarlyStopping, Generated, GenerationConfig, StopReason, Strategy, TokenEvent,
 };
-pub use mock_vit::{MockVit, MockVitConfig};
 pub use model::{DecodeState, ForwardMasks, ImageContext, VisionLanguageDecoder};
-pub use pretrained::{ModelFormat, VisionConfig, VisionEncoder, VlConfig, VlModel};
 pub use quantize::Quantization;
-pub use vit::{Vit, VitBlock, VitConfig};
 pub use vl_attn::{FeedForward, LayerNorm};

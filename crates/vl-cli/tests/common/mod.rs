@@ -1,4 +1,4 @@
-//! What the CLI tests share: the built `caption` binary, a tiny model
+//! What the CLI tests share: the built `vl` binary, a tiny model
 //! directory, rendered images.
 #![allow(dead_code)]
 
@@ -9,15 +9,25 @@ use candle_core::{DType, Device};
 use candle_nn::{VarBuilder, VarMap};
 use vl::shapes;
 use vl::vl_decoder::init::seeded_init;
-use vl::vl_decoder::{VisionEncoder, VisionLanguageDecoder, VlModel};
+use vl::vl_decoder::VisionLanguageDecoder;
+use vl::vl_vision::VisionEncoder;
+use vl::VlModel;
 
-/// The built `caption` example: `cargo test` builds examples next to the
-/// test binaries' `deps` directory.
-pub fn caption_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("test exe");
-    let dir = exe.parent().and_then(Path::parent).expect("target dir");
-    dir.join("examples")
-        .join(format!("caption{}", std::env::consts::EXE_SUFFIX))
+/// The built `vl` binary (cargo builds it for this package's tests).
+pub fn vl_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_vl"))
+}
+
+/// `vl caption`, ready for its arguments.
+pub fn caption_cmd() -> Command {
+    let mut cmd = Command::new(vl_bin());
+    cmd.arg("caption");
+    cmd
+}
+
+/// The repository's root, where `models/` and `tests/fixtures/` are.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
 /// A tiny randomly initialised (seeded) shapes captioner in `dir`.
@@ -48,10 +58,7 @@ pub fn images(dir: &Path, n: u64) -> Vec<PathBuf> {
 
 /// Runs the CLI to completion.
 pub fn run(args: &[&str]) -> Output {
-    Command::new(caption_bin())
-        .args(args)
-        .output()
-        .expect("run caption")
+    caption_cmd().args(args).output().expect("run caption")
 }
 
 /// A path as a CLI argument.

@@ -10,10 +10,10 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use candle_core::{DType, Device, Tensor};
-use common::{caption_bin, s, tiny_model};
+use common::{caption_cmd, s, tiny_model};
 use vl::shapes;
 
 /// A temporary directory with a good tiny model (`model/`) and a good
@@ -83,7 +83,7 @@ impl Fixture {
 
 /// Runs the CLI with backtraces switched on, so that one would show.
 fn run(args: &[&str]) -> Output {
-    Command::new(caption_bin())
+    caption_cmd()
         .args(args)
         .env("RUST_BACKTRACE", "1")
         .env_remove("RUST_LOG")
@@ -459,7 +459,7 @@ fn weights_tensor_bytes_do_not_match_shape() {
 #[test]
 fn weights_pickle_only_checkpoint() {
     let f = Fixture::new();
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/equal");
+    let src = common::repo_root().join("tests/fixtures/hf/equal");
     let dir = f.path("hf");
     std::fs::create_dir(&dir).expect("mkdir");
     for e in std::fs::read_dir(&src).expect("fixture").flatten() {

@@ -2,7 +2,7 @@
 //! medians: encode, decode per token, end to end, batch throughput, the
 //! image and text caches, peak memory.
 //!
-//! `cargo run --release --example bench_generate -- --model DIR [--dtype bf16] [--quantize q8_0]`
+//! `vl bench --model DIR [--dtype bf16] [--quantize q8_0]`
 //!
 //! Decoding is greedy and never stops early (no EOS), so every run decodes
 //! exactly `--new-tokens` tokens. `scripts/bench_vs_torch.py` runs this next
@@ -13,26 +13,24 @@ use std::time::Instant;
 
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor, D};
-use clap::Parser;
-use vl::vl_decoder::dir::{parse_device, parse_dtype};
-use vl::vl_decoder::{ImageContext, Quantization, VisionLanguageDecoder, VlModel};
+use vl::vl_decoder::{ImageContext, Quantization, VisionLanguageDecoder};
+use vl::VlModel;
 
 /// Time captioning with a model directory.
-#[derive(Parser, Debug)]
-#[command(about)]
-struct Args {
+#[derive(clap::Args, Debug)]
+pub struct Args {
     /// The model directory (vl's own or a transformers ViT + GPT-2 checkpoint).
     #[arg(long)]
     model: PathBuf,
     /// f32, f16 or bf16.
-    #[arg(long, default_value = "f32")]
-    dtype: String,
+    #[arg(long, default_value = "f32", value_parser = crate::args::dtype)]
+    dtype: DType,
     /// Decoder linear layers in 8-bit (q8_0) or 4-bit (q4k) blocks; none = as loaded.
     #[arg(long, default_value = "none")]
     quantize: Quantization,
     /// cpu, cuda[:N] or metal[:N].
-    #[arg(long, default_value = "cpu")]
-    device: String,
+    #[arg(long, default_value = "cpu", value_parser = crate::args::device)]
+    device: Device,
     /// Tokens decoded per caption.
     #[arg(long, default_value_t = 16)]
     new_tokens: usize,
@@ -130,12 +128,11 @@ fn weights_mb(dir: &std::path::Path) -> f64 {
         .sum()
 }
 
-fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
-    let device: Device = parse_device(&args.device)?;
-    let dtype: DType = parse_dtype(&args.dtype)?;
+/// Runs `vl bench`: prints one JSON line of medians.
+pub fn run(args: &Args) -> anyhow::Result<()> {
+    let (device, dtype) = (&args.device, args.dtype);
     let (load_ms, mut model) = time(|| {
-        VlModel::load(&args.model, dtype, &device)
+        VlModel::load(&args.model, dtype, device)
             .with_context(|| format!("cannot load {}", args.model.display()))
     })?;
     let spec = *model.pixel_spec()?;
@@ -212,9 +209,9 @@ fn main() -> anyhow::Result<()> {
     })?;
     let mut json = serde_json::json!({
         "model": args.model.display().to_string(),
-        "dtype": args.dtype,
+        "dtype": args.dtype.as_str(),
         "quantize": args.quantize.name(),
-        "device": args.device,
+        "device": crate::args::device_name(&args.device),
         "new_tokens": args.new_tokens,
         "load_ms": load_ms,
         "encode_ms": encode_ms,

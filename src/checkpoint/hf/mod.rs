@@ -1,8 +1,8 @@
 //! Hugging Face checkpoints: a transformers `VisionEncoderDecoderModel`
 //! directory with a ViT encoder and a GPT-2 decoder with cross-attention
 //! (the layout of `nlpconnect/vit-gpt2-image-captioning` and its
-//! fine-tunes), loaded onto vl's own [`Vit`](crate::Vit) and
-//! [`VisionLanguageDecoder`](crate::VisionLanguageDecoder).
+//! fine-tunes), loaded onto vl's own [`Vit`](vl_vision::Vit) and
+//! [`VisionLanguageDecoder`](vl_decoder::VisionLanguageDecoder).
 //!
 //! The directory holds:
 //!
@@ -28,15 +28,12 @@ use std::path::{Component, Path, PathBuf};
 
 use candle_core::{DType, Device};
 use serde::Deserialize;
-use tokenizers::models::bpe::BPE;
-use tokenizers::{AddedToken, Tokenizer};
+use vl_vision::{VisionConfig, VisionEncoder};
 
-use crate::dir::{
-    check_tokenizer, in_file, open_weights, read_json, weights_error, CONFIG_FILE, TOKENIZER_FILE,
-    WEIGHTS_FILE,
-};
-use crate::error::{DecoderError, Result};
-use crate::pretrained::{ModelFormat, VisionConfig, VisionEncoder, VlConfig, VlModel};
+use super::safetensors::open_weights;
+use super::tokenizer::load_hf_tokenizer;
+use super::{read_json, ModelFormat, VlConfig, VlModel, CONFIG_FILE, SUPPORTED, WEIGHTS_FILE};
+use crate::error::{in_file, weights_error, Error, Result};
 
 pub use config::{HfConfig, HfGeneration, HfPreprocessorConfig, MODEL_TYPE};
 
@@ -49,16 +46,35 @@ pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// Pickled weights, never loaded.
 pub const PICKLE_FILE: &str = "pytorch_model.bin";
 
-/// Whether `dir`'s `config.json` declares a vision-encoder-decoder model.
-pub fn is_hf_checkpoint(dir: &Path) -> bool {
+/// The encoder and decoder families vl loads from a vision-encoder-decoder
+/// checkpoint, checked before the rest of `config.json` is read so that a
+/// checkpoint of another family is named for what it is.
+fn check_families(path: &Path) -> Result<()> {
     #[derive(Deserialize)]
-    struct Probe {
+    struct Part {
         model_type: Option<String>,
     }
-    read_json::<Probe>(&dir.join(CONFIG_FILE))
-        .ok()
-        .and_then(|p| p.model_type)
-        .is_some_and(|t| t == MODEL_TYPE)
+    #[derive(Deserialize)]
+    struct Probe {
+        encoder: Option<Part>,
+        decoder: Option<Part>,
+    }
+    let probe: Probe = read_json(path)?;
+    for (what, part, family) in [
+        ("encoder.model_type", probe.encoder, "vit"),
+        ("decoder.model_type", probe.decoder, "gpt2"),
+    ] {
+        let found = part.and_then(|p| p.model_type);
+        if found.as_deref() != Some(family) {
+            return Err(Error::UnsupportedModel {
+                path: path.to_path_buf(),
+                what,
+                model_type: found.unwrap_or_else(|| "(none)".into()),
+                supported: SUPPORTED.to_vec(),
+            });
+        }
+    }
+    Ok(())
 }
 
 #[derive(Deserialize)]
@@ -87,7 +103,7 @@ pub fn weight_files(dir: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
     if index_path.is_file() {
         let files = shard_names(&index_path)?;
         if files.is_empty() {
-            return Err(DecoderError::Weights {
+            return Err(Error::Weights {
                 path: index_path,
                 reason: "weight_map lists no file".into(),
             });
@@ -100,14 +116,14 @@ pub fn weight_files(dir: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
                 (Some(Component::Normal(_)), None)
             );
             if !plain {
-                return Err(DecoderError::Weights {
+                return Err(Error::Weights {
                     path: index_path,
                     reason: format!("shard {f:?} is not a plain file name in the model directory"),
                 });
             }
             let p = dir.join(&f);
             if !p.is_file() {
-                return Err(DecoderError::Weights {
+                return Err(Error::Weights {
                     path: index_path,
                     reason: format!("lists shard {f:?}, which is not in the directory"),
                 });
@@ -118,7 +134,7 @@ pub fn weight_files(dir: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
     }
     let pickle = dir.join(PICKLE_FILE);
     if pickle.is_file() {
-        return Err(DecoderError::Weights {
+        return Err(Error::Weights {
             path: pickle,
             reason: "pickled PyTorch weights are never loaded (pickle can run code); \
                      convert the checkpoint to safetensors first, e.g. in Python: \
@@ -126,84 +142,17 @@ pub fn weight_files(dir: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
                 .into(),
         });
     }
-    Err(DecoderError::Weights {
+    Err(Error::Weights {
         path: single,
         reason: format!("no such file (nor {INDEX_FILE})"),
     })
-}
-
-/// A special token in `special_tokens_map.json`: a string, or an object
-/// with its `content`.
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum SpecialToken {
-    Plain(String),
-    Object { content: String },
-    Other(#[allow(dead_code)] serde_json::Value),
-}
-
-/// `tokenizer.json`, or GPT-2's byte-level BPE from `vocab.json` +
-/// `merges.txt`, checked to cover `vocab_size` ids.
-pub fn load_hf_tokenizer(dir: &Path, vocab_size: usize) -> Result<Tokenizer> {
-    let json = dir.join(TOKENIZER_FILE);
-    if json.is_file() {
-        return crate::dir::load_tokenizer(&json, vocab_size);
-    }
-    let (vocab, merges) = (dir.join("vocab.json"), dir.join("merges.txt"));
-    if !(vocab.is_file() && merges.is_file()) {
-        return Err(DecoderError::Tokenizer {
-            path: json,
-            reason: "no such file, nor vocab.json + merges.txt".into(),
-        });
-    }
-    let (Some(v), Some(m)) = (vocab.to_str(), merges.to_str()) else {
-        return Err(DecoderError::Tokenizer {
-            path: vocab,
-            reason: "the path is not valid UTF-8".into(),
-        });
-    };
-    let bpe = BPE::from_file(v, m)
-        .build()
-        .map_err(|e| DecoderError::Tokenizer {
-            path: vocab.clone(),
-            reason: format!("with merges.txt, not a valid BPE vocabulary: {e}"),
-        })?;
-    let mut tok = Tokenizer::new(bpe);
-    let byte_level = tokenizers::pre_tokenizers::byte_level::ByteLevel::new(false, true, true);
-    tok.with_pre_tokenizer(Some(byte_level));
-    tok.with_decoder(Some(byte_level));
-    tok.with_post_processor(Some(byte_level));
-    let map_path = dir.join("special_tokens_map.json");
-    let mut specials: Vec<String> = Vec::new();
-    if map_path.is_file() {
-        let map: BTreeMap<String, SpecialToken> = read_json(&map_path)?;
-        for t in map.into_values() {
-            match t {
-                SpecialToken::Plain(s) | SpecialToken::Object { content: s } => specials.push(s),
-                SpecialToken::Other(_) => {}
-            }
-        }
-    }
-    specials.push("<|endoftext|>".into());
-    specials.sort();
-    specials.dedup();
-    let added: Vec<AddedToken> = specials
-        .into_iter()
-        .filter(|s| tok.token_to_id(s).is_some())
-        .map(|s| AddedToken::from(s, true))
-        .collect();
-    tok.add_special_tokens(added)
-        .map_err(|e| DecoderError::Tokenizer {
-            path: map_path.clone(),
-            reason: format!("cannot add the special tokens: {e}"),
-        })?;
-    check_tokenizer(tok, &vocab, vocab_size)
 }
 
 /// Loads a vision-encoder-decoder checkpoint directory onto `device` in
 /// `dtype`. Errors name the file, and the field or tensor.
 pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<VlModel> {
     let config_path = dir.join(CONFIG_FILE);
+    check_families(&config_path)?;
     let cfg: HfConfig = read_json(&config_path)?;
     cfg.validate().map_err(in_file(&config_path))?;
 
@@ -257,13 +206,13 @@ pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<VlModel> {
 
     let tokenizer = load_hf_tokenizer(dir, dec_cfg.vocab_size)?;
     let (label, files) = weight_files(dir)?;
-    let vb = open_weights(&files, Some(&label), dtype, device)?;
-    let vit = convert::vit(vb.clone(), &cfg, &vit_cfg).map_err(|e| weights_error(&label, e))?;
-    let decoder = convert::gpt2(vb, &dec_cfg).map_err(|e| weights_error(&label, e))?;
+    let vb = open_weights(&files, dtype, device)?;
+    let vit = convert::vit(vb.clone(), &cfg, &vit_cfg).map_err(weights_error(&label))?;
+    let decoder = convert::gpt2(vb, &dec_cfg).map_err(weights_error(&label))?;
     Ok(VlModel {
         path: dir.to_path_buf(),
         config: VlConfig {
-            model_type: crate::pretrained::MODEL_TYPE.into(),
+            model_type: super::native::MODEL_TYPE.into(),
             decoder: dec_cfg,
             vision: Some(VisionConfig::Vit(vit_cfg)),
         },

@@ -7,7 +7,7 @@ use candle_core::{Device, Tensor};
 use image::imageops::FilterType;
 use image::{DynamicImage, ImageReader, Limits};
 
-use crate::error::{arg_err, DecoderError, Result};
+use crate::error::{arg_err, Result, VisionError};
 
 /// How an image is resized to the encoder's input size (transformers'
 /// `resample`, PIL's filter numbers).
@@ -89,8 +89,8 @@ pub const MAX_IMAGE_SIDE: u32 = 16_384;
 /// The most memory one decode may allocate, in bytes.
 pub const MAX_IMAGE_ALLOC: u64 = 1 << 30;
 
-fn image_err(path: &Path, reason: impl Into<String>) -> DecoderError {
-    DecoderError::Image {
+fn image_err(path: &Path, reason: impl Into<String>) -> VisionError {
+    VisionError::Image {
         path: path.to_path_buf(),
         reason: reason.into(),
     }

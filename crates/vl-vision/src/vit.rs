@@ -9,9 +9,9 @@ use serde::{Deserialize, Serialize};
 use vl_attn::LayerNorm;
 use vl_attn::{CrossAttention, CrossAttentionConfig};
 
-use crate::config::Activation;
 use crate::error::{arg_err, config_err, Result};
 use crate::preprocess::MAX_IMAGE_SIDE;
+use vl_attn::Activation;
 
 fn default_eps() -> f64 {
     1e-5

@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use common::{images, run, s, tiny_model};
 
@@ -202,7 +202,7 @@ fn any_common_format_mode_and_size_is_captioned() {
 /// ids (after the start token, through the first EOS).
 #[test]
 fn hf_checkpoints_caption_as_transformers() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf");
+    let root = common::repo_root().join("tests/fixtures/hf");
     for kind in ["equal", "narrow"] {
         let dir = root.join(kind);
         let expected: serde_json::Value = serde_json::from_str(
@@ -253,7 +253,7 @@ fn model_id_without_the_hub_feature_says_how_to_get_it() {
 #[test]
 fn quantize_flag() {
     // A 32-wide checkpoint quantizes to q8_0 blocks of 32 and captions.
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/equal");
+    let dir = common::repo_root().join("tests/fixtures/hf/equal");
     let out = run(&[
         "--model",
         s(&dir),

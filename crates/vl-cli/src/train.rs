@@ -2,31 +2,29 @@
 //! jointly, with candle autograd and AdamW — on freshly drawn scenes of the
 //! shapes world, and writes a model directory.
 //!
-//! `cargo run --release --example train_shapes -- --out models/shapes-captioner`
+//! `vl train-shapes --out models/shapes-captioner`
 //!
 //! Seeded and reproducible: the same flags give the same weights. Progress
 //! (step, loss, running token accuracy) goes to stderr.
 
 use std::path::PathBuf;
-use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
-use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use vl::captioner::Captioner;
 use vl::shapes::{self, BOS, EOS, PAD};
 use vl::vl_decoder::init::seeded_init;
-use vl::vl_decoder::{
-    generate, ForwardMasks, VisionEncoder, VisionLanguageDecoder, VlConfig, VlModel,
-};
+use vl::vl_decoder::{generate, ForwardMasks, VisionLanguageDecoder};
 use vl::vl_shapes::scene_accuracy;
+use vl::vl_vision::VisionEncoder;
+use vl::{VlConfig, VlModel};
 
 /// Train the shapes captioner.
-#[derive(Parser, Debug)]
-struct Args {
+#[derive(clap::Args, Debug)]
+pub struct Args {
     /// Where to write the model directory.
     #[arg(long, default_value = "models/shapes-captioner")]
     out: PathBuf,
@@ -84,8 +82,8 @@ fn lr_at(step: usize, args: &Args) -> f64 {
     floor + 0.5 * (args.lr - floor) * (1.0 + (std::f64::consts::PI * t).cos())
 }
 
-fn run() -> anyhow::Result<()> {
-    let args = Args::parse();
+/// Runs `vl train-shapes`: trains, evaluates, writes the model directory.
+pub fn run(args: &Args) -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let cfg = shapes::captioner_config(args.hidden, args.layers, args.patch);
     cfg.validate()?;
@@ -108,7 +106,7 @@ fn run() -> anyhow::Result<()> {
     let vision = VisionEncoder::load(vb.pp("vision"), &vision_cfg)?;
     seeded_init(&vars, args.init_seed)?;
     if let Some(dir) = &args.resume {
-        let weights = dir.join(vl::vl_decoder::dir::WEIGHTS_FILE);
+        let weights = dir.join(vl::checkpoint::WEIGHTS_FILE);
         vars.load(&weights)
             .with_context(|| format!("resume from {}", weights.display()))?;
         eprintln!("resumed from {}", weights.display());
@@ -204,7 +202,7 @@ fn evaluate(
     decoder: &VisionLanguageDecoder,
     vision: &VisionEncoder,
     cfg: &VlConfig,
-    tok: &tokenizers::Tokenizer,
+    tok: &vl::checkpoint::Tokenizer,
     dev: &Device,
 ) -> anyhow::Result<f64> {
     let spec = cfg.vision.as_ref().context("vision")?.pixel_spec();
@@ -225,17 +223,4 @@ fn evaluate(
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     Ok(scene_accuracy(texts.iter().zip(batch.scenes.iter())))
-}
-
-fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .init();
-    match run() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
 }

@@ -12,11 +12,11 @@
 use candle_nn::{Embedding, Linear, VarBuilder};
 use vl_attn::{CausalSelfAttention, CrossAttention, CrossAttentionConfig, SelfAttentionConfig};
 
-use crate::block::{CrossBranch, DecoderBlock};
-use crate::config::DecoderConfig;
+use vl_decoder::block::{CrossBranch, DecoderBlock};
+use vl_decoder::{DecoderConfig, VisionLanguageDecoder};
+use vl_vision::{Vit, VitBlock, VitConfig};
+
 use crate::error::Result;
-use crate::model::VisionLanguageDecoder;
-use crate::vit::{Vit, VitBlock, VitConfig};
 use vl_attn::FeedForward;
 use vl_attn::LayerNorm;
 
@@ -114,7 +114,7 @@ pub fn vit(vb: VarBuilder, cfg: &HfConfig, vit_cfg: &VitConfig) -> Result<Vit> {
         Some(out) => Some(linear(vb.pp("enc_to_dec_proj"), d, out, true)?),
         None => None,
     };
-    Vit::from_parts(
+    Ok(Vit::from_parts(
         patch_embed,
         cls,
         positions,
@@ -122,7 +122,7 @@ pub fn vit(vb: VarBuilder, cfg: &HfConfig, vit_cfg: &VitConfig) -> Result<Vit> {
         final_norm,
         output_proj,
         vit_cfg,
-    )
+    )?)
 }
 
 /// GPT-2 under `decoder.` onto vl's decoder; `lm_head` is `wte` unless the
@@ -182,12 +182,12 @@ pub fn gpt2(vb: VarBuilder, cfg: &DecoderConfig) -> Result<VisionLanguageDecoder
     } else {
         Linear::new(dec.pp("lm_head").get((cfg.vocab_size, h), "weight")?, None)
     };
-    VisionLanguageDecoder::from_parts(
+    Ok(VisionLanguageDecoder::from_parts(
         Embedding::new(wte, h),
         Embedding::new(wpe, h),
         blocks,
         final_norm,
         lm_head,
         cfg,
-    )
+    )?)
 }

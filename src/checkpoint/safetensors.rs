@@ -1,9 +1,9 @@
-//! Model directories: `config.json` + `model.safetensors` (read tensor by
-//! tensor) +
-//! `tokenizer.json`, and the device and dtype to load them on.
+//! Safetensors weights, read tensor by tensor (no memory map) with every
+//! tensor's presence, shape and dtype checked before it is read, and
+//! written from a `VarMap`.
 //!
-//! Every error names the file, and for weights the tensor with the expected
-//! and the found shape or dtype.
+//! Every error names the file, and the tensor with the expected and the
+//! found shape or dtype.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -13,55 +13,34 @@ use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{VarBuilder, VarMap};
 
-use crate::error::{arg_err, DecoderError, Result};
+use crate::error::{arg_err, Error, Result};
 
-/// The weights file of a model directory.
-pub const WEIGHTS_FILE: &str = "model.safetensors";
-/// The config file of a model directory.
-pub const CONFIG_FILE: &str = "config.json";
-/// The tokenizer file of a model directory.
-pub const TOKENIZER_FILE: &str = "tokenizer.json";
+/// What the checked reader found wrong with a tensor (missing, wrong shape
+/// or dtype, unreadable), raised through candle's `VarBuilder` as a typed
+/// error and turned into [`Error::Weights`] naming the file by
+/// [`crate::error::weights_error`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct TensorIssue(pub String);
 
-/// Parses `cpu`, `cuda`, `cuda:N` or `metal` (`metal:N`).
-pub fn parse_device(name: &str) -> Result<Device> {
-    let (kind, ordinal) = match name.split_once(':') {
-        Some((k, n)) => match n.parse::<usize>() {
-            Ok(n) => (k, n),
-            Err(_) => {
-                return arg_err(
-                    "device",
-                    format!("`{name}`: the ordinal `{n}` is not a number"),
-                )
-            }
-        },
-        None => (name, 0),
-    };
-    match kind {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" if cfg!(feature = "cuda") => Ok(Device::new_cuda(ordinal)?),
-        "cuda" => arg_err(
-            "device",
-            format!("`{name}`: this build has no CUDA support (build with --features cuda)"),
-        ),
-        "metal" if cfg!(feature = "metal") => Ok(Device::new_metal(ordinal)?),
-        "metal" => arg_err(
-            "device",
-            format!("`{name}`: this build has no Metal support (build with --features metal)"),
-        ),
-        _ => arg_err(
-            "device",
-            format!("`{name}` is not one of cpu, cuda[:N], metal[:N]"),
-        ),
+impl TensorIssue {
+    fn into_candle(self) -> candle_core::Error {
+        candle_core::Error::WrappedContext {
+            wrapped: Box::new(self),
+            context: "checked safetensors".into(),
+        }
     }
-}
 
-/// Parses `f32`, `f16` or `bf16`.
-pub fn parse_dtype(name: &str) -> Result<DType> {
-    match name {
-        "f32" => Ok(DType::F32),
-        "f16" => Ok(DType::F16),
-        "bf16" => Ok(DType::BF16),
-        _ => arg_err("dtype", format!("`{name}` is not one of f32, f16, bf16")),
+    /// The issue inside a candle error, through candle's context and
+    /// backtrace layers; `None` when the error is candle's own.
+    pub fn find(e: &candle_core::Error) -> Option<&TensorIssue> {
+        match e {
+            candle_core::Error::WrappedContext { wrapped, .. } => wrapped.downcast_ref(),
+            candle_core::Error::Context { inner, .. }
+            | candle_core::Error::WithPath { inner, .. }
+            | candle_core::Error::WithBacktrace { inner, .. } => Self::find(inner),
+            _ => None,
+        }
     }
 }
 
@@ -87,19 +66,18 @@ struct Entry {
 struct CheckedSafetensors {
     files: Vec<SafetensorsFile>,
     entries: HashMap<String, Entry>,
-    path: PathBuf,
 }
 
 impl CheckedSafetensors {
     fn err(&self, reason: String) -> candle_core::Error {
-        candle_core::Error::Msg(format!("{}: {reason}", self.path.display()))
+        TensorIssue(reason).into_candle()
     }
 
-    fn open(files: &[PathBuf], label: PathBuf) -> Result<Self> {
+    fn open(files: &[PathBuf]) -> Result<Self> {
         let mut opened = Vec::with_capacity(files.len());
         let mut entries = HashMap::new();
         for (i, path) in files.iter().enumerate() {
-            let err = |reason: String| DecoderError::Weights {
+            let err = |reason: String| Error::Weights {
                 path: path.clone(),
                 reason,
             };
@@ -125,7 +103,6 @@ impl CheckedSafetensors {
         Ok(Self {
             files: opened,
             entries,
-            path: label,
         })
     }
 
@@ -301,20 +278,18 @@ fn safetensors_dtype_size(dtype: &str) -> Option<u64> {
 
 /// Opens safetensors files as a checked [`VarBuilder`]: headers are read
 /// and checked now, each tensor is read from its file when the model asks
-/// for it. Errors name `label` (e.g. a shard index), or the first file.
+/// for it. A tensor that is missing, of the wrong shape or dtype, or
+/// unreadable is raised as a [`TensorIssue`]: map the model's load error
+/// through [`crate::error::weights_error`] to name the file.
 pub fn open_weights(
     files: &[PathBuf],
-    label: Option<&Path>,
     dtype: DType,
     device: &Device,
 ) -> Result<VarBuilder<'static>> {
-    let Some(first) = files.first() else {
+    if files.is_empty() {
         return arg_err("weights", "no safetensors file given");
-    };
-    let backend = CheckedSafetensors::open(
-        files,
-        label.map_or_else(|| first.clone(), Path::to_path_buf),
-    )?;
+    }
+    let backend = CheckedSafetensors::open(files)?;
     Ok(VarBuilder::from_backend(
         Box::new(backend),
         dtype,
@@ -322,28 +297,9 @@ pub fn open_weights(
     ))
 }
 
-/// Maps a candle error raised while loading weights to one that names the
-/// file (the checked backend already put the tensor in the message).
-pub fn weights_error(path: &Path, e: DecoderError) -> DecoderError {
-    match e {
-        DecoderError::Candle(c) => {
-            let msg = c.to_string();
-            let prefix = format!("{}: ", path.display());
-            DecoderError::Weights {
-                path: path.to_path_buf(),
-                reason: msg.strip_prefix(&prefix).unwrap_or(&msg).to_string(),
-            }
-        }
-        DecoderError::Attn(vl_attn::AttnError::Candle(c)) => {
-            weights_error(path, DecoderError::Candle(c))
-        }
-        other => other,
-    }
-}
-
 /// Writes every variable of `vars` to a safetensors file.
 pub fn save_varmap(vars: &VarMap, path: &Path) -> Result<()> {
-    let data = vars.data().lock().map_err(|_| DecoderError::Weights {
+    let data = vars.data().lock().map_err(|_| Error::Weights {
         path: path.to_path_buf(),
         reason: "the variable map's lock is poisoned".into(),
     })?;
@@ -351,96 +307,8 @@ pub fn save_varmap(vars: &VarMap, path: &Path) -> Result<()> {
         .iter()
         .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
         .collect();
-    candle_core::safetensors::save(&tensors, path).map_err(|e| DecoderError::Weights {
+    candle_core::safetensors::save(&tensors, path).map_err(|e| Error::Weights {
         path: path.to_path_buf(),
         reason: format!("cannot write: {e}"),
     })
-}
-
-/// Loads `tokenizer.json` and checks that it covers `vocab_size` ids.
-pub fn load_tokenizer(path: &Path, vocab_size: usize) -> Result<tokenizers::Tokenizer> {
-    if !path.is_file() {
-        return Err(DecoderError::Tokenizer {
-            path: path.to_path_buf(),
-            reason: if path.is_dir() {
-                "is a directory, expected a tokenizer file".into()
-            } else {
-                "no such file".into()
-            },
-        });
-    }
-    let err = |reason: String| DecoderError::Tokenizer {
-        path: path.to_path_buf(),
-        reason,
-    };
-    let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read: {e}")))?;
-    // JSON first: tokenizers 0.23 panics, rather than failing, on some
-    // invalid JSON inside a tokenizer (its `decoder` field).
-    serde_json::from_str::<serde_json::Value>(&text)
-        .map_err(|e| err(format!("not a valid tokenizer: not JSON: {e}")))?;
-    let tok = text
-        .parse::<tokenizers::Tokenizer>()
-        .map_err(|e| err(format!("not a valid tokenizer: {e}")))?;
-    check_tokenizer(tok, path, vocab_size)
-}
-
-/// Checks that a tokenizer read from `path` covers `vocab_size` ids.
-pub fn check_tokenizer(
-    tok: tokenizers::Tokenizer,
-    path: &Path,
-    vocab_size: usize,
-) -> Result<tokenizers::Tokenizer> {
-    let n = tok.get_vocab_size(true);
-    if n < vocab_size {
-        return Err(DecoderError::Tokenizer {
-            path: path.to_path_buf(),
-            reason: format!("has {n} tokens, fewer than the model's vocab_size {vocab_size}"),
-        });
-    }
-    Ok(tok)
-}
-
-/// Reads a JSON file into `T`, naming the file in errors.
-pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
-    let text = std::fs::read_to_string(path).map_err(|source| DecoderError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    serde_json::from_str(&text).map_err(|source| DecoderError::Json {
-        path: path.to_path_buf(),
-        source,
-    })
-}
-
-/// Adds the file to a config error's reason: `config: field: reason (in
-/// path)`.
-pub fn in_file(path: &Path) -> impl Fn(DecoderError) -> DecoderError + '_ {
-    move |e| match e {
-        DecoderError::Config { field, reason } => DecoderError::Config {
-            field,
-            reason: format!("{reason} (in {})", path.display()),
-        },
-        DecoderError::Argument { arg, reason } => DecoderError::Config {
-            field: arg,
-            reason: format!("{reason} (in {})", path.display()),
-        },
-        other => other,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Found by the `model_dir` fuzz target: invalid JSON in a tokenizer's
-    /// `decoder` field made tokenizers panic instead of failing.
-    #[test]
-    fn invalid_json_in_a_tokenizer_is_an_error() -> anyhow::Result<()> {
-        let dir = tempfile::tempdir()?;
-        let path = dir.path().join(TOKENIZER_FILE);
-        std::fs::write(&path, r#"{"version":"1.0","decoder":Wull}"#)?;
-        let err = load_tokenizer(&path, 1).unwrap_err().to_string();
-        assert!(err.contains("not JSON"), "{err}");
-        Ok(())
-    }
 }

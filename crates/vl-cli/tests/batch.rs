@@ -6,10 +6,9 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{caption_bin, run, s, tiny_model};
+use common::{caption_cmd, run, s, tiny_model};
 
 /// Writes `n` images into `dir`; every 20th (starting at 7) is corrupt, in
 /// turn truncated, garbage, empty, or text. Returns (good, bad) paths.
@@ -127,7 +126,7 @@ fn output_resumes_after_a_kill() {
     ];
 
     // Kill the first run once some results are in.
-    let mut child = Command::new(caption_bin())
+    let mut child = caption_cmd()
         .args(args)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())

@@ -6,11 +6,10 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::config::{Activation, DecoderConfig};
+use vl_decoder::{Activation, DecoderConfig, EarlyStopping, GenerationConfig, Strategy};
+use vl_vision::{PixelSpec, Resample, VitConfig};
+
 use crate::error::{config_err, Result};
-use crate::generate::{EarlyStopping, GenerationConfig, Strategy};
-use crate::preprocess::{PixelSpec, Resample};
-use crate::vit::VitConfig;
 
 /// The `model_type` of a transformers vision-encoder-decoder checkpoint.
 pub const MODEL_TYPE: &str = "vision-encoder-decoder";

@@ -1,19 +1,17 @@
 //! Draws scenes of the shapes world as PNGs, with their true captions.
 //!
-//! `cargo run --release --example render_shapes -- --out DIR --count 8 --seed 7`
+//! `vl render-shapes --out DIR --count 8 --seed 7`
 //!
 //! Writes `DIR/scene_NNNN.png` and prints `file<TAB>caption` lines.
 
 use std::path::PathBuf;
-use std::process::ExitCode;
 
 use anyhow::Context;
-use clap::Parser;
 use vl::vl_shapes::dataset_scene;
 
 /// Draw shapes-world scenes.
-#[derive(Parser, Debug)]
-struct Args {
+#[derive(clap::Args, Debug)]
+pub struct Args {
     /// Output directory.
     #[arg(long)]
     out: PathBuf,
@@ -25,8 +23,8 @@ struct Args {
     seed: u64,
 }
 
-fn run() -> anyhow::Result<()> {
-    let args = Args::parse();
+/// Runs `vl render-shapes`: writes the PNGs, prints `file<TAB>caption` lines.
+pub fn run(args: &Args) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.out).with_context(|| args.out.display().to_string())?;
     for i in 0..args.count {
         let scene = dataset_scene(args.seed, i);
@@ -38,14 +36,4 @@ fn run() -> anyhow::Result<()> {
         println!("{}\t{}", file.display(), scene.caption());
     }
     Ok(())
-}
-
-fn main() -> ExitCode {
-    match run() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
 }

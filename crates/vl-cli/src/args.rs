@@ -1,0 +1,163 @@
+//! Flags shared by the subcommands, parsed by clap into typed values.
+
+use std::num::NonZeroUsize;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use candle_core::{DType, Device};
+use vl::checkpoint::native;
+use vl::settings::{parse_device, parse_dtype, GenerationOverrides};
+use vl::vl_decoder::Quantization;
+use vl::VlModel;
+
+use crate::embedded;
+
+/// Which model, and where and how to run it.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// The model directory: vl's own, or a transformers ViT + GPT-2
+    /// vision-encoder-decoder checkpoint [default: the shapes captioner
+    /// built into this binary].
+    #[arg(long, value_name = "DIR")]
+    pub model: Option<PathBuf>,
+    /// cpu, cuda[:N] or metal[:N].
+    #[arg(long, default_value = "cpu", value_parser = device)]
+    pub device: Device,
+    /// f32, f16 or bf16.
+    #[arg(long, default_value = "f32", value_parser = dtype)]
+    pub dtype: DType,
+    /// Decoder linear layers in 8-bit (q8_0) or 4-bit (q4k) blocks at load; none = as stored.
+    #[arg(long, default_value = "none")]
+    pub quantize: Quantization,
+}
+
+/// clap's parser of `--device`.
+pub(crate) fn device(name: &str) -> Result<Device, String> {
+    parse_device(name).map_err(|e| e.to_string())
+}
+
+/// clap's parser of `--dtype`.
+pub(crate) fn dtype(name: &str) -> Result<DType, String> {
+    parse_dtype(name).map_err(|e| e.to_string())
+}
+
+/// The kind of `device`, as `--device` spells it.
+pub(crate) fn device_name(device: &Device) -> &'static str {
+    match device {
+        Device::Cpu => "cpu",
+        Device::Cuda(_) => "cuda",
+        Device::Metal(_) => "metal",
+    }
+}
+
+impl ModelArgs {
+    /// Loads `--model`, or the embedded shapes captioner, on `--device` in
+    /// `--dtype`, quantized as `--quantize` says.
+    pub fn load(&self) -> anyhow::Result<VlModel> {
+        let mut model = match &self.model {
+            Some(dir) => VlModel::load(dir, self.dtype, &self.device)
+                .with_context(|| format!("cannot load the model {}", dir.display()))?,
+            None => native::load_bytes(
+                Path::new(embedded::NAME),
+                embedded::SHAPES_CAPTIONER,
+                self.dtype,
+                &self.device,
+            )
+            .context("cannot load the embedded shapes captioner")?,
+        };
+        if let Some(format) = self.quantize.ggml_dtype() {
+            model.decoder = model
+                .decoder
+                .quantize(format)
+                .with_context(|| format!("--quantize {}", self.quantize))?;
+        }
+        Ok(model)
+    }
+
+    /// What `--model` names, for messages.
+    pub fn name(&self) -> String {
+        match &self.model {
+            Some(dir) => dir.display().to_string(),
+            None => embedded::NAME.into(),
+        }
+    }
+}
+
+/// Generation settings over the checkpoint's defaults.
+#[derive(clap::Args, Debug, Clone)]
+pub struct GenerationArgs {
+    /// Most tokens generated per image (default: the checkpoint's, else as many as the model's positions allow).
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    /// No end token before this many tokens (default: the checkpoint's, else 0).
+    #[arg(long)]
+    pub min_tokens: Option<usize>,
+    /// Beam search with this many beams; 1 = no beam search (default: the checkpoint's).
+    #[arg(long)]
+    pub beams: Option<usize>,
+    /// Beam search: finished captions are scored sum_logprobs / len^p (default: the checkpoint's, else 1).
+    #[arg(long, allow_negative_numbers = true)]
+    pub length_penalty: Option<f32>,
+    /// Sample with this temperature; 0 = greedy (default: the checkpoint's).
+    #[arg(long, allow_negative_numbers = true)]
+    pub temperature: Option<f64>,
+    /// Sample from the k most likely tokens only.
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Sample from the smallest set of tokens whose probability reaches p, in (0, 1].
+    #[arg(long, allow_negative_numbers = true)]
+    pub top_p: Option<f64>,
+    /// Penalise tokens already generated; 1 = off (default: the checkpoint's).
+    #[arg(long, allow_negative_numbers = true)]
+    pub repetition_penalty: Option<f32>,
+    /// Never repeat an n-gram of this size; 0 = off (default: the checkpoint's).
+    #[arg(long)]
+    pub no_repeat_ngram_size: Option<usize>,
+    /// Seed of sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl GenerationArgs {
+    /// The flags as library overrides.
+    pub fn overrides(&self) -> GenerationOverrides {
+        GenerationOverrides {
+            max_tokens: self.max_tokens,
+            min_tokens: self.min_tokens,
+            beams: self.beams,
+            length_penalty: self.length_penalty,
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            repetition_penalty: self.repetition_penalty,
+            no_repeat_ngram_size: self.no_repeat_ngram_size,
+            seed: self.seed,
+        }
+    }
+}
+
+/// Threads for CPU work, before any is started.
+#[derive(clap::Args, Debug, Clone, Copy)]
+pub struct ThreadArgs {
+    /// Threads for CPU work [default: one per core].
+    #[arg(long, global = true)]
+    pub threads: Option<NonZeroUsize>,
+}
+
+impl ThreadArgs {
+    /// Sizes candle's thread pool (rayon's global pool, and the matrix
+    /// product's, which reads `RAYON_NUM_THREADS`). Call first, before any
+    /// tensor work.
+    pub fn apply(self) -> anyhow::Result<()> {
+        let Some(n) = self.threads else {
+            return Ok(());
+        };
+        // Read by candle's `get_num_threads` for every matrix product; set
+        // before any thread is spawned.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n.get())
+            .build_global()
+            .with_context(|| format!("--threads {n}"))
+    }
+}

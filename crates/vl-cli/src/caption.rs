@@ -1,0 +1,389 @@
+//! `vl caption`: caption images with the embedded shapes captioner, a vl
+//! model directory or a transformers ViT + GPT-2 checkpoint.
+//!
+//! stdout carries only results: one caption per image (prefixed by its path
+//! when there are several), or one JSON object per image with `--json`.
+//! Logs and the progress bar go to stderr.
+//!
+//! Exit codes: 0 every image captioned; 1 some inputs failed (each reported,
+//! every other one still captioned); 2 usage error or the model could not
+//! be loaded.
+
+use std::collections::HashSet;
+use std::io::{IsTerminal, Write};
+use std::num::NonZeroUsize;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use image::DynamicImage;
+use indicatif::{ProgressBar, ProgressDrawTarget};
+use vl::captioner::{Caption, Captioner};
+use vl::heatmap;
+use vl::vl_vision::preprocess::load_image;
+use vl::VlModel;
+
+use crate::args::{GenerationArgs, ModelArgs};
+use crate::inputs::{expand, read_list, Shard};
+
+/// Caption images with a vl model.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Images, or directories whose every image is captioned.
+    #[arg(required_unless_present = "files_from")]
+    inputs: Vec<PathBuf>,
+    /// Also caption the images listed in FILE, one path per line (`-` reads
+    /// standard input); blank lines and lines starting with `#` are skipped.
+    #[arg(long, value_name = "FILE")]
+    files_from: Option<PathBuf>,
+    /// Caption only shard I of N (`--shard 0/4`): the inputs are sorted and
+    /// every N-th one from the I-th is taken, so N runs with I = 0..N
+    /// caption each image exactly once between them.
+    #[arg(long, value_name = "I/N", value_parser = Shard::parse)]
+    shard: Option<Shard>,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Fetch the model ORG/NAME from the Hugging Face Hub instead (needs the `hub` feature).
+    #[arg(long, conflicts_with = "model")]
+    model_id: Option<String>,
+    /// One JSON object per image per line: {"image", "caption", "token_ids"} or {"image", "error"}.
+    #[arg(long)]
+    json: bool,
+    /// Also append each image's JSON line to FILE, flushed as it finishes; images already
+    /// in FILE (from an interrupted run) are skipped, so each appears exactly once.
+    #[arg(long, value_name = "FILE")]
+    output: Option<PathBuf>,
+    #[command(flatten)]
+    generation: GenerationArgs,
+    /// Images captioned together.
+    #[arg(long, default_value_t = NonZeroUsize::MIN.saturating_add(7))]
+    batch_size: NonZeroUsize,
+    /// Write, per image, one heatmap PNG per word and a grid of all words here.
+    #[arg(long)]
+    attention_map: Option<PathBuf>,
+}
+
+/// A usage or model problem: exit code 2.
+struct Fatal(anyhow::Error);
+
+/// The results file of `--output`: JSON lines, appended and flushed one
+/// image at a time.
+struct ResultsFile {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl ResultsFile {
+    /// Opens (or creates) `path` for appending and returns the images it
+    /// already holds. A last line cut short by a kill is removed first;
+    /// any other line that is not a result is an error, and nothing is
+    /// appended to such a file.
+    fn open(path: &Path) -> anyhow::Result<(Self, HashSet<String>)> {
+        let name = || path.display().to_string();
+        let mut done = HashSet::new();
+        let mut keep = 0u64;
+        match std::fs::read(path) {
+            Ok(bytes) => {
+                let complete = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+                for (n, line) in bytes[..complete].split(|&b| b == b'\n').enumerate() {
+                    if line.iter().all(u8::is_ascii_whitespace) {
+                        continue;
+                    }
+                    let image = serde_json::from_slice::<serde_json::Value>(line)
+                        .ok()
+                        .and_then(|v| v.get("image")?.as_str().map(String::from));
+                    match image {
+                        Some(image) => {
+                            done.insert(image);
+                        }
+                        None => bail!(
+                            "{}: line {} is not a result line ({{\"image\": ...}}); not appending to it",
+                            name(),
+                            n + 1
+                        ),
+                    }
+                }
+                if complete < bytes.len() {
+                    tracing::warn!(
+                        "{}: dropping an unfinished last line ({} bytes) from an interrupted run",
+                        name(),
+                        bytes.len() - complete
+                    );
+                }
+                keep = complete as u64;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("--output {}", name())),
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .with_context(|| format!("--output {}", name()))?;
+        file.set_len(keep)
+            .with_context(|| format!("--output {}", name()))?;
+        let mut file = file;
+        std::io::Seek::seek(&mut file, std::io::SeekFrom::End(0))
+            .with_context(|| format!("--output {}", name()))?;
+        Ok((
+            Self {
+                path: path.to_path_buf(),
+                file,
+            },
+            done,
+        ))
+    }
+
+    fn append(&mut self, line: &serde_json::Value) -> anyhow::Result<()> {
+        writeln!(self.file, "{line}")
+            .and_then(|()| self.file.flush())
+            .with_context(|| format!("{}", self.path.display()))
+    }
+}
+
+struct Output {
+    json: bool,
+    several: bool,
+    failed: usize,
+    file: Option<ResultsFile>,
+}
+
+impl Output {
+    fn ok(&mut self, path: &Path, c: &Caption) -> anyhow::Result<()> {
+        let line = serde_json::json!({"image": path.display().to_string(), "caption": c.text, "token_ids": c.token_ids});
+        let mut out = std::io::stdout().lock();
+        if self.json {
+            writeln!(out, "{line}")?;
+        } else if self.several {
+            writeln!(out, "{}: {}", path.display(), c.text)?;
+        } else {
+            writeln!(out, "{}", c.text)?;
+        }
+        out.flush()?;
+        if let Some(f) = &mut self.file {
+            f.append(&line)?;
+        }
+        Ok(())
+    }
+
+    fn err(&mut self, path: &Path, e: &anyhow::Error) -> anyhow::Result<()> {
+        self.failed += 1;
+        let msg = one_line(e);
+        let line = serde_json::json!({"image": path.display().to_string(), "error": msg});
+        if self.json {
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "{line}")?;
+            out.flush()?;
+        }
+        if let Some(f) = &mut self.file {
+            f.append(&line)?;
+        }
+        let shown = path.display().to_string();
+        if msg.starts_with(&shown) {
+            eprintln!("error: {msg}");
+        } else {
+            eprintln!("error: {shown}: {msg}");
+        }
+        Ok(())
+    }
+}
+
+fn write_maps(
+    captioner: &Captioner,
+    dir: &Path,
+    path: &Path,
+    img: &DynamicImage,
+    c: &Caption,
+) -> anyhow::Result<()> {
+    let Some(spec) = &captioner.model.pixels else {
+        bail!("the model has no vision encoder");
+    };
+    let size = spec.image_size as u32;
+    let shown = image::imageops::resize(
+        &img.to_rgb8(),
+        size,
+        size,
+        image::imageops::FilterType::Triangle,
+    );
+    let maps = captioner.attention_maps(img, &c.token_ids)?;
+    let grid = (maps.first().map_or(0, Vec::len) as f64).sqrt() as u32;
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("image");
+    std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))?;
+    let tok = &captioner.model.tokenizer;
+    let mut tiles = Vec::new();
+    for (i, (id, w)) in c.token_ids.iter().zip(&maps).enumerate() {
+        let word = tok.id_to_token(*id).unwrap_or_default();
+        let tile = heatmap::overlay(&shown, w, grid, &word);
+        let file = dir.join(format!("{stem}_{i:02}_{}.png", sanitize(&word)));
+        tile.save(&file)
+            .with_context(|| format!("{}", file.display()))?;
+        tiles.push(tile);
+    }
+    let file = dir.join(format!("{stem}_grid.png"));
+    heatmap::grid(&tiles, &c.text)
+        .save(&file)
+        .with_context(|| format!("{}", file.display()))?;
+    Ok(())
+}
+
+fn sanitize(word: &str) -> String {
+    word.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect()
+}
+
+/// The model: `--model-id` fetched from the Hub, else `--model` or the
+/// embedded captioner.
+fn load_model(args: &Args) -> anyhow::Result<VlModel> {
+    match &args.model_id {
+        None => args.model.load(),
+        #[cfg(feature = "hub")]
+        Some(id) => {
+            let dir = vl::hub::fetch(id)?;
+            ModelArgs {
+                model: Some(dir),
+                ..args.model.clone()
+            }
+            .load()
+        }
+        #[cfg(not(feature = "hub"))]
+        Some(id) => bail!(
+            "--model-id {id}: this build has no Hub support; rebuild with `--features hub`, \
+             or download the checkpoint and pass --model DIR"
+        ),
+    }
+}
+
+fn caption(args: &Args) -> Result<usize, Fatal> {
+    let model = load_model(args).map_err(Fatal)?;
+    let model_name = model.path.display().to_string();
+    let captioner = Captioner::new(model);
+    let gen = args
+        .generation
+        .overrides()
+        .apply(&captioner.model.generation, &captioner.model.config.decoder)
+        .map_err(|e| Fatal(e.into()))?;
+    let mut listed = args.inputs.clone();
+    if let Some(list) = &args.files_from {
+        listed.extend(read_list(list).map_err(Fatal)?);
+    }
+    let (inputs, problems) = expand(&listed);
+    let (mut inputs, problems) = match args.shard {
+        None => (inputs, problems),
+        Some(shard) => (shard.select(inputs), shard.select(problems)),
+    };
+    let file = match &args.output {
+        None => None,
+        Some(path) => {
+            let (file, mut done) = ResultsFile::open(path).map_err(Fatal)?;
+            let before = inputs.len();
+            // Skip what the file holds, and list each image once.
+            inputs.retain(|p| done.insert(p.display().to_string()));
+            if inputs.len() < before {
+                tracing::info!(
+                    skipped = before - inputs.len(),
+                    "images already in {}",
+                    path.display()
+                );
+            }
+            Some(file)
+        }
+    };
+    tracing::info!(images = inputs.len(), model = %model_name, "captioning");
+    let bar = if inputs.len() > 1 && std::io::stderr().is_terminal() {
+        ProgressBar::with_draw_target(Some(inputs.len() as u64), ProgressDrawTarget::stderr())
+    } else {
+        ProgressBar::hidden()
+    };
+    let mut out = Output {
+        json: args.json,
+        several: inputs.len() > 1,
+        failed: 0,
+        file,
+    };
+    let io = |e: anyhow::Error| Fatal(e.context("cannot write the results"));
+    for (path, e) in &problems {
+        out.err(path, e).map_err(io)?;
+    }
+    for chunk in inputs.chunks(args.batch_size.get()) {
+        // Each image is read and preprocessed on its own, so one bad file
+        // costs only itself.
+        let mut good: Vec<(&PathBuf, DynamicImage, candle_core::Tensor)> = Vec::new();
+        for path in chunk {
+            let loaded = load_image(path)
+                .map_err(anyhow::Error::from)
+                .and_then(|img| Ok((captioner.pixels(&img)?, img)));
+            match loaded {
+                Ok((pixels, img)) => good.push((path, img, pixels)),
+                Err(e) => bar.suspend(|| out.err(path, &e)).map_err(io)?,
+            }
+        }
+        let pixels: Vec<candle_core::Tensor> = good.iter().map(|(_, _, p)| p.clone()).collect();
+        let captions: Vec<anyhow::Result<Caption>> = if pixels.is_empty() {
+            Vec::new()
+        } else {
+            match captioner.caption_pixels(&pixels, &gen, &mut |_| {}) {
+                Ok(c) => c.into_iter().map(Ok).collect(),
+                // A failed batch is retried image by image.
+                Err(_) if pixels.len() > 1 => pixels
+                    .iter()
+                    .map(|p| {
+                        captioner
+                            .caption_pixels(std::slice::from_ref(p), &gen, &mut |_| {})?
+                            .pop()
+                            .context("no caption")
+                    })
+                    .collect(),
+                Err(e) => vec![Err(e)],
+            }
+        };
+        for ((path, img, _), c) in good.iter().zip(captions) {
+            let c = c.and_then(|c| {
+                if let Some(dir) = &args.attention_map {
+                    write_maps(&captioner, dir, path, img, &c).context("attention map")?;
+                }
+                Ok(c)
+            });
+            match c {
+                Ok(c) => bar.suspend(|| out.ok(path, &c)).map_err(io)?,
+                Err(e) => bar.suspend(|| out.err(path, &e)).map_err(io)?,
+            }
+        }
+        bar.inc(chunk.len() as u64);
+    }
+    bar.finish_and_clear();
+    Ok(out.failed)
+}
+
+/// Runs `vl caption`: 0 when every image was captioned, 1 when some
+/// failed (each reported), 2 when nothing could start (the model, a flag,
+/// the results file).
+pub fn run(args: &Args) -> ExitCode {
+    match caption(args) {
+        Ok(0) => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::from(1),
+        Err(Fatal(e)) => {
+            eprintln!("error: {}", one_line(&e));
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// The error and its causes on one line, `a: b: c`, leaving out a cause
+/// whose text the line already ends with (a file error of vl-decoder shows
+/// its source itself).
+pub(crate) fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.ends_with(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}

@@ -1,0 +1,72 @@
+//! `vl eval-shapes`: scene accuracy of a captioner on fresh shapes scenes.
+
+use std::num::NonZeroUsize;
+
+use image::DynamicImage;
+use vl::captioner::Captioner;
+use vl::vl_shapes::{dataset_scene, score};
+
+use crate::args::ModelArgs;
+
+/// Measure scene accuracy on fresh scenes.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Scenes to caption.
+    #[arg(long, default_value_t = 1000)]
+    n: u64,
+    /// Dataset seed of the scenes.
+    #[arg(long, default_value_t = 20_261_130)]
+    seed: u64,
+    /// Images captioned together.
+    #[arg(long, default_value = "100")]
+    batch_size: NonZeroUsize,
+}
+
+/// Captions `--n` scenes greedily and prints one JSON line:
+/// `{"model", "seed", "n", "correct", "scene_accuracy"}`; each miss goes to
+/// stderr.
+pub fn run(args: &Args) -> anyhow::Result<()> {
+    let captioner = Captioner::new(args.model.load()?);
+    let max_tokens = captioner.model.config.decoder.max_position_embeddings - 1;
+    let gen = captioner.greedy_config(max_tokens);
+    let mut correct = 0u64;
+    let mut start = 0;
+    while start < args.n {
+        let end = (start + args.batch_size.get() as u64).min(args.n);
+        let scenes: Vec<_> = (start..end).map(|i| dataset_scene(args.seed, i)).collect();
+        let images: Vec<DynamicImage> = scenes
+            .iter()
+            .map(|s| DynamicImage::ImageRgb8(s.render()))
+            .collect();
+        let refs: Vec<&DynamicImage> = images.iter().collect();
+        for (i, (c, scene)) in captioner
+            .caption(&refs, &gen, &mut |_| {})?
+            .iter()
+            .zip(&scenes)
+            .enumerate()
+        {
+            if score(&c.text, scene) {
+                correct += 1;
+            } else {
+                eprintln!(
+                    "scene {}: got {:?}, want {:?}",
+                    start + i as u64,
+                    c.text,
+                    scene.caption()
+                );
+            }
+        }
+        start = end;
+    }
+    let line = serde_json::json!({
+        "model": args.model.name(),
+        "seed": args.seed,
+        "n": args.n,
+        "correct": correct,
+        "scene_accuracy": correct as f64 / args.n.max(1) as f64,
+    });
+    println!("{line}");
+    Ok(())
+}

@@ -1,0 +1,77 @@
+//! A vision encoder chosen by configuration: the mock ViT or a trained ViT.
+
+use candle_core::Tensor;
+use candle_nn::VarBuilder;
+use serde::{Deserialize, Serialize};
+
+use crate::error::Result;
+use crate::mock_vit::{MockVit, MockVitConfig};
+use crate::preprocess::PixelSpec;
+use crate::vit::{Vit, VitConfig};
+
+/// The vision encoder of a model directory.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum VisionConfig {
+    /// The seeded, weightless [`MockVit`].
+    MockVit(MockVitConfig),
+    /// A trained [`Vit`], weights under `vision.`.
+    Vit(VitConfig),
+}
+
+impl VisionConfig {
+    /// Rejects impossible values.
+    pub fn validate(&self) -> Result<()> {
+        match self {
+            Self::MockVit(c) => c.validate(),
+            Self::Vit(c) => c.validate(),
+        }
+    }
+
+    /// The width of the image tokens.
+    pub fn hidden_size(&self) -> usize {
+        match self {
+            Self::MockVit(c) => c.hidden_size,
+            Self::Vit(c) => c.output_width(),
+        }
+    }
+
+    /// What the encoder expects of its pixels (the mock ViT takes pixels
+    /// normalised by mean 0.5 and std 0.5).
+    pub fn pixel_spec(&self) -> PixelSpec {
+        match self {
+            Self::MockVit(c) => PixelSpec::new(c.image_size, [0.5; 3], [0.5; 3]),
+            Self::Vit(c) => c.pixel_spec(),
+        }
+    }
+}
+
+/// A vision encoder.
+#[derive(Debug, Clone)]
+pub enum VisionEncoder {
+    /// The mock encoder.
+    MockVit(MockVit),
+    /// A trained ViT.
+    Vit(Vit),
+}
+
+impl VisionEncoder {
+    /// Builds the encoder of `cfg`, its weights (if any) under `vb`.
+    pub fn load(vb: VarBuilder, cfg: &VisionConfig) -> Result<Self> {
+        Ok(match cfg {
+            VisionConfig::MockVit(c) => Self::MockVit(MockVit::new(c, vb.dtype(), vb.device())?),
+            VisionConfig::Vit(c) => Self::Vit(Vit::load(vb, c)?),
+        })
+    }
+
+    /// Image tokens of normalised pixels.
+    ///
+    /// # Shapes
+    /// `pixels: (batch, 3, size, size)` → `(batch, tokens, hidden)`.
+    pub fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::MockVit(m) => m.forward(pixels),
+            Self::Vit(v) => v.forward(pixels),
+        }
+    }
+}

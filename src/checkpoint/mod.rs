@@ -1,0 +1,185 @@
+//! Loading checkpoints, by format, onto vl's own modules.
+//!
+//! [`VlModel::load`] reads a directory's `config.json`, tells the format
+//! from its `model_type`, and hands it to the loader of that format:
+//!
+//! | `model_type` | loader | what |
+//! |---|---|---|
+//! | `vl` | [`native`] | vl's own directories (the shipped shapes captioner) |
+//! | `vision-encoder-decoder` | [`hf`] | transformers ViT + GPT-2 checkpoints |
+//!
+//! Anything else is refused with [`Error::UnsupportedModel`], naming what
+//! was found and what vl loads. The pieces every format shares live beside
+//! them: [`safetensors`] (checked tensor-by-tensor reading), [`tokenizer`].
+
+pub mod hf;
+pub mod native;
+pub mod safetensors;
+pub mod tokenizer;
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarMap;
+use serde::Deserialize;
+use vl_decoder::{GenerationConfig, VisionLanguageDecoder};
+use vl_vision::preprocess::preprocess_batch;
+use vl_vision::{PixelSpec, VisionEncoder};
+
+use crate::error::{arg_err, Error, Result};
+
+pub use native::{ModelBytes, VlConfig};
+pub use tokenizers::Tokenizer;
+
+/// The weights file of a model directory.
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+/// The config file of a model directory.
+pub const CONFIG_FILE: &str = "config.json";
+/// The tokenizer file of a model directory.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// The `model_type`s vl loads, as [`Error::UnsupportedModel`] lists them.
+pub const SUPPORTED: &[&str] = &[
+    "`vl` (vl's own directories)",
+    "`vision-encoder-decoder` with a `vit` encoder and a `gpt2` decoder",
+];
+
+/// Reads a JSON file into `T`, naming the file in errors.
+pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|source| Error::Json {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// The layout of a model directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelFormat {
+    /// vl's own: see [`native`].
+    Vl,
+    /// A transformers `VisionEncoderDecoderModel` (ViT + GPT-2): see [`hf`].
+    VisionEncoderDecoder,
+}
+
+impl ModelFormat {
+    /// The format `config.json` in `dir` declares by its `model_type`.
+    ///
+    /// # Errors
+    /// [`Error::Io`]/[`Error::Json`] for a missing or malformed
+    /// `config.json`; [`Error::UnsupportedModel`] for a `model_type` vl
+    /// does not load (or none).
+    pub fn detect(dir: &Path) -> Result<Self> {
+        #[derive(Deserialize)]
+        struct Probe {
+            model_type: Option<serde_json::Value>,
+        }
+        let path = dir.join(CONFIG_FILE);
+        let probe: Probe = read_json(&path)?;
+        match probe.model_type.as_ref().and_then(|v| v.as_str()) {
+            Some(native::MODEL_TYPE) => Ok(Self::Vl),
+            Some(hf::MODEL_TYPE) => Ok(Self::VisionEncoderDecoder),
+            other => Err(Error::UnsupportedModel {
+                path,
+                what: "model_type",
+                model_type: match other {
+                    Some(t) => t.to_string(),
+                    None => match probe.model_type {
+                        Some(v) => v.to_string(),
+                        None => "(none)".into(),
+                    },
+                },
+                supported: SUPPORTED.to_vec(),
+            }),
+        }
+    }
+}
+
+/// A loaded model: decoder, vision encoder, tokenizer and the checkpoint's
+/// defaults.
+#[derive(Debug)]
+pub struct VlModel {
+    /// Where it was loaded from (for an embedded model, its name).
+    pub path: PathBuf,
+    /// Its configuration.
+    pub config: VlConfig,
+    /// The decoder.
+    pub decoder: VisionLanguageDecoder,
+    /// The vision encoder, if any.
+    pub vision: Option<VisionEncoder>,
+    /// The tokenizer.
+    pub tokenizer: tokenizers::Tokenizer,
+    /// What the vision encoder expects of its pixels, if there is one.
+    pub pixels: Option<PixelSpec>,
+    /// The checkpoint's generation defaults (for vl directories: greedy,
+    /// as many tokens as the positions allow).
+    pub generation: GenerationConfig,
+    /// The directory's layout.
+    pub format: ModelFormat,
+}
+
+impl VlModel {
+    /// Loads `dir` onto `device` in `dtype`, in whichever format its
+    /// `config.json` declares ([`ModelFormat::detect`]). Errors name the
+    /// file and, for weights, the tensor with the expected and found shape.
+    pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
+        if !dir.is_dir() {
+            return Err(Error::Io {
+                path: dir.to_path_buf(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "not a model directory"),
+            });
+        }
+        match ModelFormat::detect(dir)? {
+            ModelFormat::Vl => native::load(dir, dtype, device),
+            ModelFormat::VisionEncoderDecoder => hf::load(dir, dtype, device),
+        }
+    }
+
+    /// Writes a vl model directory (see [`native::save`]).
+    pub fn save(
+        dir: &Path,
+        config: &VlConfig,
+        vars: &VarMap,
+        tokenizer: &tokenizers::Tokenizer,
+    ) -> Result<()> {
+        native::save(dir, config, vars, tokenizer)
+    }
+
+    /// Image tokens of decoded images: preprocessing, then the encoder.
+    ///
+    /// # Shapes
+    /// Returns `(images.len(), tokens, memory_dim)`.
+    pub fn encode_images(&self, images: &[&image::DynamicImage]) -> Result<Tensor> {
+        let pixels = preprocess_batch(images, self.pixel_spec()?, self.decoder.device())?;
+        self.encode_pixels(&pixels)
+    }
+
+    /// What the vision encoder expects of its pixels; an error when the
+    /// model has no vision encoder.
+    pub fn pixel_spec(&self) -> Result<&PixelSpec> {
+        match (&self.vision, &self.pixels) {
+            (Some(_), Some(spec)) => Ok(spec),
+            _ => arg_err(
+                "images",
+                format!("the model in {} has no vision encoder", self.path.display()),
+            ),
+        }
+    }
+
+    /// Image tokens of preprocessed pixels (see [`vl_vision::preprocess`]).
+    ///
+    /// # Shapes
+    /// `pixels: (images, 3, size, size)` → `(images, tokens, memory_dim)`.
+    pub fn encode_pixels(&self, pixels: &Tensor) -> Result<Tensor> {
+        let Some(vision) = &self.vision else {
+            return arg_err(
+                "images",
+                format!("the model in {} has no vision encoder", self.path.display()),
+            );
+        };
+        Ok(vision.forward(&pixels.to_dtype(self.decoder.dtype())?)?)
+    }
+}
