@@ -317,3 +317,158 @@ impl GenerationOverrides {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decoder() -> DecoderConfig {
+        DecoderConfig::tiny(50, 8) // 64 positions
+    }
+
+    fn base() -> GenerationConfig {
+        GenerationConfig {
+            strategy: Strategy::Beam {
+                num_beams: 3,
+                length_penalty: 0.5,
+                early_stopping: vl_decoder::EarlyStopping::Never,
+            },
+            ..GenerationConfig::greedy(&decoder(), 20)
+        }
+    }
+
+    #[test]
+    fn nothing_given_keeps_the_checkpoint_defaults() {
+        let got = GenerationOverrides::default()
+            .apply(&base(), &decoder())
+            .expect("apply");
+        assert_eq!(got, base());
+    }
+
+    #[test]
+    fn beams_keep_the_checkpoint_penalty_unless_given() {
+        let o = GenerationOverrides {
+            beams: Some(5),
+            ..Default::default()
+        };
+        let got = o.apply(&base(), &decoder()).expect("apply");
+        assert!(matches!(
+            got.strategy,
+            Strategy::Beam {
+                num_beams: 5,
+                length_penalty,
+                ..
+            } if length_penalty == 0.5
+        ));
+        let o = GenerationOverrides {
+            length_penalty: Some(2.0),
+            ..o
+        };
+        let got = o.apply(&base(), &decoder()).expect("apply");
+        assert!(
+            matches!(got.strategy, Strategy::Beam { length_penalty, .. } if length_penalty == 2.0)
+        );
+    }
+
+    #[test]
+    fn temperature_zero_is_greedy_and_sampling_takes_the_seed() {
+        let o = GenerationOverrides {
+            temperature: Some(0.0),
+            ..Default::default()
+        };
+        assert_eq!(
+            o.apply(&base(), &decoder()).expect("apply").strategy,
+            Strategy::Greedy
+        );
+        let o = GenerationOverrides {
+            top_k: Some(4),
+            seed: 9,
+            ..Default::default()
+        };
+        assert_eq!(
+            o.apply(&base(), &decoder()).expect("apply").strategy,
+            Strategy::Sample {
+                temperature: 1.0,
+                top_k: Some(4),
+                top_p: None,
+                seed: 9
+            }
+        );
+    }
+
+    #[test]
+    fn bad_overrides_name_the_setting_typed() {
+        let cases: [(GenerationOverrides, Setting, &str); 6] = [
+            (
+                GenerationOverrides {
+                    beams: Some(0),
+                    ..Default::default()
+                },
+                Setting::Beams,
+                "--beams 0: must be at least 1",
+            ),
+            (
+                GenerationOverrides {
+                    beams: Some(2),
+                    temperature: Some(0.7),
+                    ..Default::default()
+                },
+                Setting::Beams,
+                "cannot be combined with sampling",
+            ),
+            (
+                GenerationOverrides {
+                    temperature: Some(-1.0),
+                    ..Default::default()
+                },
+                Setting::Temperature,
+                "--temperature -1: must be a finite number >= 0",
+            ),
+            (
+                GenerationOverrides {
+                    max_tokens: Some(64),
+                    ..Default::default()
+                },
+                Setting::MaxTokens,
+                "at most 63 new tokens",
+            ),
+            (
+                GenerationOverrides {
+                    top_p: Some(1.5),
+                    ..Default::default()
+                },
+                Setting::TopP,
+                "--top-p: must be in (0, 1], got 1.5",
+            ),
+            (
+                GenerationOverrides {
+                    top_k: Some(0),
+                    ..Default::default()
+                },
+                Setting::TopK,
+                "--top-k: must be positive",
+            ),
+        ];
+        for (o, setting, says) in cases {
+            let err = o.apply(&base(), &decoder()).unwrap_err();
+            assert_eq!(err.setting, setting, "{err}");
+            assert!(err.to_string().contains(says), "{err}");
+        }
+    }
+
+    #[test]
+    fn every_setting_maps_back_from_its_field() {
+        for s in Setting::ALL {
+            assert_eq!(Setting::of_field(s.field()), Some(s));
+        }
+        assert_eq!(Setting::of_field("eos_token_ids"), None);
+    }
+
+    #[test]
+    fn devices_and_dtypes_name_the_flag_value() {
+        assert!(parse_device("cpu").is_ok());
+        assert_eq!(parse_dtype("bf16").ok(), Some(DType::BF16));
+        let err = parse_device("cpu:x").unwrap_err().to_string();
+        assert!(err.contains("`x` is not a number"), "{err}");
+    }
+}

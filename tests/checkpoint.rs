@@ -195,3 +195,72 @@ fn devices_and_dtypes_parse_with_clear_errors() {
             .contains("--features cuda"));
     }
 }
+
+/// A checkpoint of a family vl does not load is named for what it is,
+/// with what vl loads instead (a TrOCR checkpoint used to report "missing
+/// field `n_embd`").
+#[test]
+fn unsupported_checkpoints_are_named() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cases = [
+        (
+            r#"{"model_type": "vision-encoder-decoder", "encoder": {"model_type": "vit"},
+                "decoder": {"model_type": "trocr", "d_model": 256}}"#,
+            "decoder.model_type `trocr` is not supported",
+        ),
+        (
+            r#"{"model_type": "vision-encoder-decoder", "encoder": {"model_type": "deit"},
+                "decoder": {"model_type": "gpt2"}}"#,
+            "encoder.model_type `deit` is not supported",
+        ),
+        (
+            r#"{"model_type": "blip", "text_config": {}}"#,
+            "model_type `blip` is not supported",
+        ),
+        (r#"{"decoder": {}}"#, "model_type `(none)` is not supported"),
+    ];
+    for (config, says) in cases {
+        std::fs::write(dir.path().join("config.json"), config)?;
+        let err = VlModel::load(dir.path(), DType::F32, &Device::Cpu).unwrap_err();
+        assert!(
+            matches!(err, vl::Error::UnsupportedModel { .. }),
+            "{config}: {err:?}"
+        );
+        let msg = err.to_string();
+        assert!(msg.contains(says), "{msg}");
+        assert!(
+            msg.contains("config.json") && msg.contains("`vl`") && msg.contains("gpt2"),
+            "{msg}"
+        );
+    }
+    Ok(())
+}
+
+/// A weights error travels typed from the checked reader to the loader:
+/// the file is named once, the tensor with expected vs found.
+#[test]
+fn weight_errors_name_the_file_once_and_the_tensor() -> anyhow::Result<()> {
+    let cfg = DecoderConfig::tiny(VOCAB, MEM);
+    let (vars, _) = build(&cfg);
+    let dir = tempfile::tempdir()?;
+    let tok = word_tokenizer(VOCAB);
+    VlModel::save(dir.path(), &vl_config(&cfg), &vars, &tok)?;
+    // Load with a wider decoder: every shape is wrong, the first is named.
+    let mut wide = vl_config(&cfg);
+    wide.decoder.hidden_size = 64;
+    std::fs::write(
+        dir.path().join("config.json"),
+        serde_json::to_string(&wide)?,
+    )?;
+    let err = VlModel::load(dir.path(), DType::F32, &Device::Cpu).unwrap_err();
+    let vl::Error::Weights { path, reason } = &err else {
+        panic!("expected a weights error, got {err:?}");
+    };
+    assert!(path.ends_with("model.safetensors"), "{path:?}");
+    assert!(
+        reason.contains("decoder.") && reason.contains("64"),
+        "{reason}"
+    );
+    assert!(!reason.contains("model.safetensors"), "{reason}");
+    Ok(())
+}

@@ -9,7 +9,7 @@ use serde_json::Value;
 use vl_decoder::{Activation, DecoderConfig, EarlyStopping, GenerationConfig, Strategy};
 use vl_vision::{PixelSpec, Resample, VitConfig};
 
-use crate::error::{config_err, Result};
+use crate::error::{config_err, Error, Result};
 
 /// The `model_type` of a transformers vision-encoder-decoder checkpoint.
 pub const MODEL_TYPE: &str = "vision-encoder-decoder";
@@ -378,14 +378,6 @@ impl HfPreprocessorConfig {
     }
 }
 
-/// Generation settings read from `generation_config.json`, or from
-/// `config.json` (top level first, then `decoder`) in older checkpoints —
-/// the precedence of transformers' `GenerationConfig.from_model_config`.
-#[derive(Debug, Clone, Default)]
-pub struct HfGeneration {
-    values: BTreeMap<String, Value>,
-}
-
 /// Generation settings that vl does not implement; a checkpoint that sets
 /// one is still loaded, with a warning.
 pub const UNSUPPORTED_GENERATION: &[&str] = &[
@@ -405,15 +397,106 @@ pub const UNSUPPORTED_GENERATION: &[&str] = &[
     "min_p",
 ];
 
+/// `eos_token_id`: one id or a list.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum TokenIds {
+    /// One id.
+    One(u32),
+    /// Several ids.
+    Many(Vec<u32>),
+}
+
+/// `early_stopping`: `true`, `false` or `"never"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum HfEarlyStopping {
+    /// `true` or `false`.
+    Flag(bool),
+    /// `"never"`.
+    Word(Never),
+}
+
+/// The word `"never"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Never {
+    /// `"never"`.
+    Never,
+}
+
+impl From<HfEarlyStopping> for EarlyStopping {
+    fn from(e: HfEarlyStopping) -> Self {
+        match e {
+            HfEarlyStopping::Flag(true) => Self::True,
+            HfEarlyStopping::Flag(false) => Self::False,
+            HfEarlyStopping::Word(Never::Never) => Self::Never,
+        }
+    }
+}
+
+/// Generation settings read from `generation_config.json`, or from
+/// `config.json` (top level first, then `decoder`) in older checkpoints —
+/// the precedence of transformers' `GenerationConfig.from_model_config`.
+/// Field names are transformers'; `null` is the same as absent.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct HfGeneration {
+    /// The start token of the decoder.
+    pub decoder_start_token_id: Option<u32>,
+    /// The start token when `decoder_start_token_id` is unset.
+    pub bos_token_id: Option<u32>,
+    /// The end token(s).
+    pub eos_token_id: Option<TokenIds>,
+    /// Padding; the first end token when unset.
+    pub pad_token_id: Option<u32>,
+    /// Most new tokens; wins over `max_length`.
+    pub max_new_tokens: Option<usize>,
+    /// Most tokens, the start token included.
+    pub max_length: Option<usize>,
+    /// Fewest new tokens; wins over `min_length`.
+    pub min_new_tokens: Option<usize>,
+    /// Fewest tokens, the start token included.
+    pub min_length: Option<usize>,
+    /// Beams; 1 = no beam search.
+    pub num_beams: Option<usize>,
+    /// Sample instead of choosing the most likely token.
+    pub do_sample: Option<bool>,
+    /// When a beam search ends.
+    pub early_stopping: Option<HfEarlyStopping>,
+    /// Beam scores are `sum_logprobs / len ^ length_penalty`.
+    pub length_penalty: Option<f64>,
+    /// Sampling temperature.
+    pub temperature: Option<f64>,
+    /// Sample from the k most likely tokens (0 = all).
+    pub top_k: Option<usize>,
+    /// Nucleus sampling.
+    pub top_p: Option<f64>,
+    /// Penalty of tokens already generated.
+    pub repetition_penalty: Option<f64>,
+    /// Never repeat an n-gram of this size.
+    pub no_repeat_ngram_size: Option<usize>,
+    /// Every other key (model settings in `config.json`, settings vl does
+    /// not implement).
+    #[serde(flatten)]
+    pub other: BTreeMap<String, Value>,
+}
+
 impl HfGeneration {
-    /// From a `generation_config.json`'s object.
-    pub fn from_file(values: BTreeMap<String, Value>) -> Self {
-        Self { values }
+    /// Parses the settings of `values` (a `generation_config.json`, or
+    /// the merged keys of a `config.json`), naming the field that has the
+    /// wrong type.
+    pub fn from_values(values: BTreeMap<String, Value>) -> Result<Self> {
+        let values: serde_json::Map<String, Value> =
+            values.into_iter().filter(|(_, v)| !v.is_null()).collect();
+        serde_path_to_error::deserialize(Value::Object(values)).map_err(|e| Error::Config {
+            field: "generation",
+            reason: format!("{}: {}", e.path(), e.inner()),
+        })
     }
 
     /// From `config.json`: its top-level keys, then the decoder's for keys
     /// the top level lacks or leaves `null`.
-    pub fn from_model_config(cfg: &HfConfig) -> Self {
+    pub fn from_model_config(cfg: &HfConfig) -> Result<Self> {
         let mut values: BTreeMap<String, Value> = cfg
             .rest
             .iter()
@@ -425,65 +508,7 @@ impl HfGeneration {
                 values.insert(k.clone(), v.clone());
             }
         }
-        Self { values }
-    }
-
-    fn get(&self, key: &str) -> Option<&Value> {
-        self.values.get(key).filter(|v| !v.is_null())
-    }
-
-    fn uint(&self, key: &'static str) -> Result<Option<u64>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => match v.as_u64() {
-                Some(n) => Ok(Some(n)),
-                None => config_err(key, format!("expected a non-negative integer, got {v}")),
-            },
-        }
-    }
-
-    fn float(&self, key: &'static str) -> Result<Option<f64>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => match v.as_f64() {
-                Some(x) => Ok(Some(x)),
-                None => config_err(key, format!("expected a number, got {v}")),
-            },
-        }
-    }
-
-    fn flag(&self, key: &'static str) -> Result<Option<bool>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(Value::Bool(b)) => Ok(Some(*b)),
-            Some(v) => config_err(key, format!("expected true or false, got {v}")),
-        }
-    }
-
-    fn id(&self, key: &'static str) -> Result<Option<u32>> {
-        match self.uint(key)? {
-            None => Ok(None),
-            Some(n) => u32::try_from(n)
-                .map(Some)
-                .or_else(|_| config_err(key, format!("{n} is not a token id"))),
-        }
-    }
-
-    /// `eos_token_id`: one id or a list.
-    fn eos_ids(&self) -> Result<Vec<u32>> {
-        match self.get("eos_token_id") {
-            None => Ok(Vec::new()),
-            Some(Value::Array(items)) => items
-                .iter()
-                .map(|v| {
-                    v.as_u64().and_then(|n| u32::try_from(n).ok()).map_or_else(
-                        || config_err("eos_token_id", format!("{v} is not a token id")),
-                        Ok,
-                    )
-                })
-                .collect(),
-            Some(_) => Ok(self.id("eos_token_id")?.into_iter().collect()),
-        }
+        Self::from_values(values)
     }
 
     /// The settings that vl ignores, with their values, for a warning.
@@ -491,7 +516,7 @@ impl HfGeneration {
         UNSUPPORTED_GENERATION
             .iter()
             .filter_map(|k| {
-                let v = self.get(k)?;
+                let v = self.other.get(*k).filter(|v| !v.is_null())?;
                 let inert = matches!(v, Value::Array(a) if a.is_empty())
                     || v.as_f64() == Some(0.0) && *k != "typical_p"
                     || (*k == "num_beam_groups" && v.as_u64() == Some(1))
@@ -507,23 +532,24 @@ impl HfGeneration {
     /// the start token; padding falls back to the first EOS id; sampling
     /// defaults to `top_k` 50.
     pub fn to_generation_config(&self) -> Result<GenerationConfig> {
-        let Some(start) = self
-            .id("decoder_start_token_id")?
-            .or(self.id("bos_token_id")?)
-        else {
+        let Some(start) = self.decoder_start_token_id.or(self.bos_token_id) else {
             return config_err(
                 "decoder_start_token_id",
                 "missing, and no bos_token_id to fall back on",
             );
         };
-        let eos_token_ids = self.eos_ids()?;
+        let eos_token_ids = match &self.eos_token_id {
+            None => Vec::new(),
+            Some(TokenIds::One(id)) => vec![*id],
+            Some(TokenIds::Many(ids)) => ids.clone(),
+        };
         let pad = self
-            .id("pad_token_id")?
+            .pad_token_id
             .or(eos_token_ids.first().copied())
             .unwrap_or(start);
-        let max_new_tokens = match (self.uint("max_new_tokens")?, self.uint("max_length")?) {
-            (Some(n), _) => n as usize,
-            (None, Some(l)) => (l as usize).saturating_sub(1),
+        let max_new_tokens = match (self.max_new_tokens, self.max_length) {
+            (Some(n), _) => n,
+            (None, Some(l)) => l.saturating_sub(1),
             (None, None) => 19,
         };
         if max_new_tokens == 0 {
@@ -532,40 +558,30 @@ impl HfGeneration {
                 "leaves no room for a token after the start token",
             );
         }
-        let min_new_tokens = match (self.uint("min_new_tokens")?, self.uint("min_length")?) {
-            (Some(n), _) => n as usize,
-            (None, Some(l)) => (l as usize).saturating_sub(1),
+        let min_new_tokens = match (self.min_new_tokens, self.min_length) {
+            (Some(n), _) => n,
+            (None, Some(l)) => l.saturating_sub(1),
             (None, None) => 0,
         }
         .min(max_new_tokens);
-        let num_beams = self.uint("num_beams")?.unwrap_or(1) as usize;
-        let do_sample = self.flag("do_sample")?.unwrap_or(false);
+        let num_beams = self.num_beams.unwrap_or(1);
         let strategy = if num_beams > 1 {
-            let early_stopping = match self.get("early_stopping") {
-                None | Some(Value::Bool(false)) => EarlyStopping::False,
-                Some(Value::Bool(true)) => EarlyStopping::True,
-                Some(Value::String(s)) if s == "never" => EarlyStopping::Never,
-                Some(v) => {
-                    return config_err(
-                        "early_stopping",
-                        format!("expected true, false or \"never\", got {v}"),
-                    )
-                }
-            };
             Strategy::Beam {
                 num_beams,
-                length_penalty: self.float("length_penalty")?.unwrap_or(1.0) as f32,
-                early_stopping,
+                length_penalty: self.length_penalty.unwrap_or(1.0) as f32,
+                early_stopping: self
+                    .early_stopping
+                    .map_or(EarlyStopping::False, EarlyStopping::from),
             }
-        } else if do_sample {
+        } else if self.do_sample.unwrap_or(false) {
             Strategy::Sample {
-                temperature: self.float("temperature")?.unwrap_or(1.0),
-                top_k: match self.uint("top_k")? {
+                temperature: self.temperature.unwrap_or(1.0),
+                top_k: match self.top_k {
                     Some(0) => None,
-                    Some(k) => Some(k as usize),
+                    Some(k) => Some(k),
                     None => Some(50),
                 },
-                top_p: self.float("top_p")?,
+                top_p: self.top_p,
                 seed: 0,
             }
         } else {
@@ -577,8 +593,8 @@ impl HfGeneration {
             start_token_id: start,
             eos_token_ids,
             pad_token_id: pad,
-            repetition_penalty: self.float("repetition_penalty")?.unwrap_or(1.0) as f32,
-            no_repeat_ngram_size: self.uint("no_repeat_ngram_size")?.unwrap_or(0) as usize,
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0) as f32,
+            no_repeat_ngram_size: self.no_repeat_ngram_size.unwrap_or(0),
             strategy,
         };
         cfg.validate()?;
@@ -588,7 +604,6 @@ impl HfGeneration {
     /// Whether the settings ask for sampling with beams (transformers'
     /// beam sampling), which vl runs as plain beam search.
     pub fn beam_sampling(&self) -> bool {
-        self.get("do_sample").and_then(Value::as_bool) == Some(true)
-            && self.get("num_beams").and_then(Value::as_u64).unwrap_or(1) > 1
+        self.do_sample == Some(true) && self.num_beams.unwrap_or(1) > 1
     }
 }

@@ -159,11 +159,15 @@ pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<VlModel> {
     let generation_path = dir.join(GENERATION_FILE);
     let (generation, generation_source) = if generation_path.is_file() {
         (
-            HfGeneration::from_file(read_json(&generation_path)?),
+            HfGeneration::from_values(read_json(&generation_path)?)
+                .map_err(in_file(&generation_path))?,
             generation_path,
         )
     } else {
-        (HfGeneration::from_model_config(&cfg), config_path.clone())
+        (
+            HfGeneration::from_model_config(&cfg).map_err(in_file(&config_path))?,
+            config_path.clone(),
+        )
     };
     let unsupported = generation.unsupported();
     if !unsupported.is_empty() {
