@@ -4,12 +4,12 @@
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_core::{DType, Device, IndexOp, Storage, Tensor, TensorId};
 use candle_nn::{VarBuilder, VarMap};
 use vl_attn::mask;
 use vl_decoder::{
-    DecoderConfig, ForwardMasks, MockVit, MockVitConfig, VisionConfig, VisionLanguageDecoder,
-    VlConfig, VlModel,
+    DecoderConfig, ForwardMasks, ImageContext, MockVit, MockVitConfig, VisionConfig,
+    VisionLanguageDecoder, VlConfig, VlModel,
 };
 
 const VOCAB: usize = 23;
@@ -63,21 +63,115 @@ fn step_by_step_equals_full_forward() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The identity of a tensor: its id, and the address of its storage
+/// (shared by views of one allocation, different for a copy).
+type Identity = (TensorId, usize);
+
+fn identity(t: &Tensor) -> Identity {
+    let (storage, _) = t.storage_and_layout();
+    (t.id(), std::ptr::from_ref::<Storage>(&storage).addr())
+}
+
+/// Blocks of [`DecoderConfig::tiny`].
+const TINY_BLOCKS: usize = 2;
+
+/// The identity of every block's image keys and values, with their batch,
+/// in a context of a [`DecoderConfig::tiny`] decoder.
+fn kv_identity(ctx: &ImageContext) -> Vec<Option<(Identity, Identity, usize)>> {
+    (0..TINY_BLOCKS)
+        .map(|i| {
+            ctx.layer(i)
+                .map(|kv| (identity(kv.k()), identity(kv.v()), kv.batch()))
+        })
+        .collect()
+}
+
 #[test]
 fn image_context_reused_equals_recomputed() -> anyhow::Result<()> {
     let (_v, model) = build(&DecoderConfig::tiny(VOCAB, MEM));
+    assert_eq!(model.blocks().len(), TINY_BLOCKS);
     let mem = memory(1, 9);
     let ctx = model.image_context(&mem, None)?;
-    let toks = tokens(&[&[1, 6, 2]]);
+    let projected = kv_identity(&ctx);
+    assert!(projected.iter().all(Option::is_some));
+    // PROJECTION COUNT: when `CrossAttention::memory_projections()` lands,
+    // read every block's counter here and assert that `image_context` added
+    // exactly 1 per block and the decodes below add 0.
+    let toks = tokens(&[&[1, 6, 2, 7, 3]]);
     // Two independent decodes over one context, and one over a fresh context.
-    let run = |ctx: &vl_decoder::ImageContext| -> anyhow::Result<Tensor> {
+    let run = |ctx: &ImageContext| -> anyhow::Result<Tensor> {
         let mut s = model.start(ctx, 1)?;
-        Ok(model.step(&mut s, &toks)?)
+        // Every step reads the context's own keys and values: the state
+        // holds the same tensors (same ids, same storage), not a copy.
+        let mut steps = vec![model.step(&mut s, &toks.narrow(1, 0, 2)?)?];
+        for t in 2..5 {
+            assert_eq!(kv_identity(s.image()), kv_identity(ctx), "step {t}");
+            steps.push(model.step(&mut s, &toks.narrow(1, t, 1)?)?);
+        }
+        assert_eq!(kv_identity(s.image()), kv_identity(ctx));
+        Ok(Tensor::cat(&steps, 1)?)
     };
     let (a, b) = (run(&ctx)?, run(&ctx)?);
-    let c = run(&model.image_context(&mem, None)?)?;
+    // Decoding neither re-projected nor replaced the context's tensors.
+    assert_eq!(kv_identity(&ctx), projected);
+    // A fresh projection is told apart by this check.
+    let fresh = model.image_context(&mem, None)?;
+    assert!(kv_identity(&fresh)
+        .iter()
+        .zip(&projected)
+        .all(|(f, p)| f.map(|f| (f.0 .0, f.1 .0)) != p.map(|p| (p.0 .0, p.1 .0))));
+    let c = run(&fresh)?;
     assert_eq!(max_abs_diff(&a, &b), 0.0);
     assert_eq!(max_abs_diff(&a, &c), 0.0);
+    Ok(())
+}
+
+/// Beams read their image's keys and values, projected once: the state
+/// holds the context's tensors at batch `images` (not one copy per row),
+/// and beam reorders move only the text caches.
+#[test]
+fn beams_share_one_image_context_without_copies() -> anyhow::Result<()> {
+    let (_v, model) = build(&DecoderConfig::tiny(VOCAB, MEM));
+    let img_mask = mask::image_tokens(&[7, 4], 7, &Device::Cpu)?;
+    let ctx = model.image_context(&memory(2, 7), Some(img_mask))?;
+    let projected = kv_identity(&ctx);
+    assert!(projected.iter().all(|l| l.is_some_and(|(_, _, b)| b == 2)));
+    // PROJECTION COUNT: when `CrossAttention::memory_projections()` lands,
+    // assert that every block's counter stays where `image_context` left
+    // it through the steps and reorders below.
+    let prompt = tokens(&[&[1, 5], &[1, 6], &[1, 7], &[1, 8], &[1, 9], &[1, 3]]);
+    let reorders: [[u32; 6]; 3] = [[2, 0, 1, 5, 5, 3], [1, 1, 1, 3, 4, 5], [0, 2, 1, 4, 3, 3]];
+    let next = tokens(&[&[4], &[5], &[6], &[7], &[8], &[9]]);
+    // 2 images, 3 beams each; two states decoded alike.
+    let decode = || -> anyhow::Result<vl_decoder::DecodeState> {
+        let mut state = model.start(&ctx, 3)?;
+        assert_eq!(kv_identity(state.image()), projected, "start");
+        model.step(&mut state, &prompt)?;
+        for (i, order) in reorders.iter().enumerate() {
+            state.reorder(order)?;
+            assert_eq!(kv_identity(state.image()), projected, "reorder {i}");
+            model.step(&mut state, &next)?;
+            assert_eq!(kv_identity(state.image()), projected, "step {i}");
+        }
+        Ok(state)
+    };
+    let (mut a, mut b) = (decode()?, decode()?);
+    assert_eq!(kv_identity(&ctx), projected);
+    // The state reads the context's storage itself: overwriting the
+    // context's values in place changes what the state computes. (A state
+    // holding a copy would not see it.)
+    let before = model.step(&mut b, &next)?;
+    for i in 0..TINY_BLOCKS {
+        if let Some(kv) = ctx.layer(i) {
+            kv.v().slice_set(&kv.v().zeros_like()?, 0, 0)?;
+        }
+    }
+    let after = model.step(&mut a, &next)?;
+    let d = max_abs_diff(&before, &after);
+    assert!(
+        d > 1e-3,
+        "zeroing the context's values changed nothing: {d}"
+    );
     Ok(())
 }
 
