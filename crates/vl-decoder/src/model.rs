@@ -11,7 +11,7 @@ use vl_attn::{CrossKv, KvCache, Mask, Proj};
 
 use crate::block::{layer_norm, BlockInputs, DecoderBlock, ImageInput};
 use crate::config::DecoderConfig;
-use crate::error::{arg_err, DecoderError, Result};
+use crate::error::{arg_err, config_err, DecoderError, Result};
 
 /// The masks of a full forward pass.
 #[derive(Debug, Clone, Copy, Default)]
@@ -54,6 +54,18 @@ impl ImageContext {
     pub fn mask(&self) -> Option<&Mask> {
         self.mask.as_ref()
     }
+}
+
+/// The most rows a [`DecodeState`] may hold: rows are indexed by `u32`
+/// (beam reordering, the per-row image mask).
+pub(crate) const MAX_ROWS: usize = u32::MAX as usize;
+
+/// `per_image * images` (one image in text-only mode), or `None` when that
+/// overflows or passes [`MAX_ROWS`].
+pub(crate) fn decode_rows(images: usize, per_image: usize) -> Option<usize> {
+    per_image
+        .checked_mul(images.max(1))
+        .filter(|&rows| rows <= MAX_ROWS)
 }
 
 /// The state of incremental decoding: per-block text caches and the
@@ -189,6 +201,15 @@ impl VisionLanguageDecoder {
     }
 
     /// Builds the decoder from existing parts (checkpoint converters).
+    ///
+    /// # Errors
+    /// [`DecoderError::Config`] when `cfg` is impossible or its
+    /// `max_position_embeddings` passes `u32::MAX`;
+    /// [`DecoderError::Argument`] naming the part that does not fit `cfg`:
+    /// `embed_tokens`, `lm_head` not `(vocab_size, hidden_size)`,
+    /// `embed_positions` not `(max_position_embeddings, hidden_size)`,
+    /// `blocks` not `num_hidden_layers` blocks with cross-attention every
+    /// `cross_attention_every`.
     pub fn from_parts(
         embed_tokens: Embedding,
         embed_positions: Embedding,
@@ -198,8 +219,56 @@ impl VisionLanguageDecoder {
         cfg: &DecoderConfig,
     ) -> Result<Self> {
         cfg.validate()?;
+        let Ok(max_positions) = u32::try_from(cfg.max_position_embeddings) else {
+            return config_err(
+                "max_position_embeddings",
+                format!(
+                    "expected at most {} (positions are u32), got {}",
+                    u32::MAX,
+                    cfg.max_position_embeddings
+                ),
+            );
+        };
+        let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
+        for (arg, t, rows) in [
+            ("embed_tokens", embed_tokens.embeddings(), vocab),
+            (
+                "embed_positions",
+                embed_positions.embeddings(),
+                cfg.max_position_embeddings,
+            ),
+            ("lm_head", lm_head.weight(), vocab),
+        ] {
+            if t.dims() != [rows, hidden] {
+                return arg_err(
+                    arg,
+                    format!(
+                        "expected weight shape [{rows}, {hidden}], got {:?}",
+                        t.dims()
+                    ),
+                );
+            }
+        }
+        let cross: Vec<bool> = blocks
+            .iter()
+            .map(DecoderBlock::has_cross_attention)
+            .collect();
+        let want: Vec<bool> = (0..cfg.num_hidden_layers)
+            .map(|i| cfg.has_cross_attention(i))
+            .collect();
+        if cross != want {
+            return arg_err(
+                "blocks",
+                format!(
+                    "expected {} blocks with cross-attention {want:?} (num_hidden_layers, \
+                     cross_attention_every), got {} with {cross:?}",
+                    want.len(),
+                    cross.len()
+                ),
+            );
+        }
         let device = embed_tokens.embeddings().device().clone();
-        let positions = Tensor::arange(0u32, cfg.max_position_embeddings as u32, &device)?;
+        let positions = Tensor::arange(0u32, max_positions, &device)?;
         Ok(Self {
             embed_tokens,
             embed_positions,
@@ -282,13 +351,89 @@ impl VisionLanguageDecoder {
                 format!("expected dtype u32, got {:?}", tokens.dtype()),
             );
         }
-        if offset + t > self.cfg.max_position_embeddings {
-            return Err(DecoderError::MaxPositions {
-                position: offset + t - 1,
-                max: self.cfg.max_position_embeddings,
-            });
+        let max = self.cfg.max_position_embeddings;
+        match offset.checked_add(t) {
+            Some(end) if end <= max => {}
+            // end > max >= 0, so end >= 1.
+            end => {
+                return Err(DecoderError::MaxPositions {
+                    position: end.map_or(usize::MAX, |e| e - 1),
+                    max,
+                })
+            }
         }
+        self.check_token_ids(tokens)?;
         Ok((b, t))
+    }
+
+    /// Every id of `tokens` (u32) is below the vocabulary size: an embedding
+    /// lookup past the table is an error on the CPU and reads out of bounds
+    /// on some accelerators.
+    fn check_token_ids(&self, tokens: &Tensor) -> Result<()> {
+        if tokens.elem_count() == 0 {
+            return Ok(());
+        }
+        let max_id = tokens.flatten_all()?.max(0)?.to_scalar::<u32>()?;
+        if max_id as usize >= self.cfg.vocab_size {
+            return arg_err(
+                "tokens",
+                format!(
+                    "expected ids below the vocabulary size {}, got {max_id}",
+                    self.cfg.vocab_size
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    /// Whether `image` was made for this decoder's blocks: one entry per
+    /// block, keys and values exactly in the blocks with cross-attention
+    /// (or in none, text-only). `arg` names the caller's argument.
+    fn check_context(&self, arg: &'static str, image: &ImageContext) -> Result<()> {
+        if image.layers.len() != self.blocks.len() {
+            return arg_err(
+                arg,
+                format!(
+                    "expected an image context of {} blocks (this decoder's), got one of {}",
+                    self.blocks.len(),
+                    image.layers.len()
+                ),
+            );
+        }
+        if image.is_text_only() {
+            return Ok(());
+        }
+        let wanted: Vec<bool> = self
+            .blocks
+            .iter()
+            .map(DecoderBlock::has_cross_attention)
+            .collect();
+        let got: Vec<bool> = image.layers.iter().map(Option::is_some).collect();
+        if wanted != got {
+            return arg_err(
+                arg,
+                format!(
+                    "expected image keys and values in the blocks with cross-attention \
+                     {wanted:?}, got them in {got:?}"
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    /// Whether `state` was started by a decoder of this one's blocks.
+    fn check_state(&self, state: &DecodeState) -> Result<()> {
+        if state.caches.len() != self.blocks.len() {
+            return arg_err(
+                "state",
+                format!(
+                    "expected a decode state of {} blocks (this decoder's), got one of {}",
+                    self.blocks.len(),
+                    state.caches.len()
+                ),
+            );
+        }
+        self.check_context("state", &state.image)
     }
 
     /// Token plus position embeddings of `tokens` placed at positions
@@ -403,14 +548,31 @@ impl VisionLanguageDecoder {
 
     /// A fresh decode state over `image`, with `per_image` rows per image
     /// (beams or samples), or `per_image` rows in text-only mode.
+    ///
+    /// # Errors
+    /// [`DecoderError::Argument`] naming `per_image` when it is 0 or the
+    /// rows (`per_image * images`) would pass `u32::MAX`, and naming `image`
+    /// when the context was made by a decoder with other blocks (another
+    /// block count or other blocks with cross-attention).
     pub fn start(&self, image: &ImageContext, per_image: usize) -> Result<DecodeState> {
         if per_image == 0 {
             return arg_err("per_image", "must be positive, got 0");
         }
-        let rows = per_image * image.images.max(1);
+        self.check_context("image", image)?;
+        let Some(rows) = decode_rows(image.images, per_image) else {
+            return arg_err(
+                "per_image",
+                format!(
+                    "expected at most {MAX_ROWS} rows in all ({} images), got {per_image} per image",
+                    image.images.max(1)
+                ),
+            );
+        };
         let image_mask = match &image.mask {
             Some(m) if m.dims().0 > 1 && per_image > 1 => {
-                let idx: Vec<u32> = (0..rows as u32).map(|r| r / per_image as u32).collect();
+                // Both fit in u32: rows <= MAX_ROWS and per_image <= rows.
+                let (rows, per_image) = (rows as u32, per_image as u32);
+                let idx: Vec<u32> = (0..rows).map(|r| r / per_image).collect();
                 Some(m.index_select(&Tensor::new(idx, self.device())?)?)
             }
             other => other.clone(),
@@ -436,21 +598,45 @@ impl VisionLanguageDecoder {
     /// # Shapes
     /// `tokens: (rows, len)` u32 → `(rows, len, hidden)`, weights
     /// `(rows, heads, len, image_len)`.
+    ///
+    /// # Errors
+    /// [`DecoderError::Argument`] naming `state` when it was started by a
+    /// decoder with other blocks, `weights_of` when it is not a block
+    /// index, `tokens` when their shape is not `(rows, len)` with
+    /// `len >= 1`, their dtype not u32 or an id not below the vocabulary
+    /// size; [`DecoderError::MaxPositions`] past the last position. The
+    /// state is unchanged on error.
     pub fn step_hidden(
         &self,
         state: &mut DecodeState,
         tokens: &Tensor,
         weights_of: Option<usize>,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        self.check_state(state)?;
+        if let Some(layer) = weights_of {
+            if self.blocks.get(layer).is_none() {
+                return arg_err(
+                    "weights_of",
+                    format!("expected a block below {}, got {layer}", self.blocks.len()),
+                );
+            }
+        }
         let (b, t) = self.check_tokens(tokens, state.offset)?;
         if b != state.rows {
             return arg_err("tokens", format!("expected {} rows, got {b}", state.rows));
         }
+        if t == 0 {
+            return arg_err(
+                "tokens",
+                format!("expected at least one token per row, got shape ({b}, 0)"),
+            );
+        }
         let mut x = self.embed(tokens, state.offset, t)?;
         let mut weights = None;
         for (i, (block, cache)) in self.blocks.iter().zip(&mut state.caches).enumerate() {
-            let image = state.image.layers[i]
-                .as_ref()
+            let image = state
+                .image
+                .layer(i)
                 .map_or(ImageInput::None, ImageInput::Cached);
             let inputs = BlockInputs {
                 text_mask: None,
@@ -471,6 +657,9 @@ impl VisionLanguageDecoder {
     ///
     /// # Shapes
     /// `tokens: (rows, len)` u32 → `(rows, len, vocab)`.
+    ///
+    /// # Errors
+    /// As [`VisionLanguageDecoder::step_hidden`].
     pub fn step(&self, state: &mut DecodeState, tokens: &Tensor) -> Result<Tensor> {
         let (h, _) = self.step_hidden(state, tokens, None)?;
         self.logits(&h)
@@ -481,11 +670,16 @@ impl VisionLanguageDecoder {
     ///
     /// # Shapes
     /// `tokens: (rows, len)` u32 → `(rows, vocab)` f32.
+    ///
+    /// # Errors
+    /// As [`VisionLanguageDecoder::step_hidden`]; in particular `tokens`
+    /// of shape `(rows, 0)` have no last position.
     pub fn step_last(&self, state: &mut DecodeState, tokens: &Tensor) -> Result<Tensor> {
         let (h, _) = self.step_hidden(state, tokens, None)?;
-        let t = h.dims()[1];
+        // (rows, len, hidden), len >= 1 (checked by step_hidden)
+        let (_, t, _) = h.dims3()?;
         Ok(self
-            .logits(&h.narrow(1, t - 1, 1)?)?
+            .logits(&h.narrow(1, t.saturating_sub(1), 1)?)?
             .squeeze(1)?
             .to_dtype(DType::F32)?)
     }

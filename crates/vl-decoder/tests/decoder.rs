@@ -2,10 +2,10 @@
 //! cross-attention every k blocks, gradients.
 #![allow(missing_docs)]
 
-use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_core::{DType, Device, IndexOp, Storage, Tensor, TensorId};
 use candle_nn::{VarBuilder, VarMap};
 use vl_attn::mask;
-use vl_decoder::{DecoderConfig, ForwardMasks, VisionLanguageDecoder};
+use vl_decoder::{DecoderConfig, ForwardMasks, ImageContext, VisionLanguageDecoder};
 
 const VOCAB: usize = 23;
 const MEM: usize = 24;
@@ -58,21 +58,115 @@ fn step_by_step_equals_full_forward() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The identity of a tensor: its id, and the address of its storage
+/// (shared by views of one allocation, different for a copy).
+type Identity = (TensorId, usize);
+
+fn identity(t: &Tensor) -> Identity {
+    let (storage, _) = t.storage_and_layout();
+    (t.id(), std::ptr::from_ref::<Storage>(&storage).addr())
+}
+
+/// Blocks of [`DecoderConfig::tiny`].
+const TINY_BLOCKS: usize = 2;
+
+/// The identity of every block's image keys and values, with their batch,
+/// in a context of a [`DecoderConfig::tiny`] decoder.
+fn kv_identity(ctx: &ImageContext) -> Vec<Option<(Identity, Identity, usize)>> {
+    (0..TINY_BLOCKS)
+        .map(|i| {
+            ctx.layer(i)
+                .map(|kv| (identity(kv.k()), identity(kv.v()), kv.batch()))
+        })
+        .collect()
+}
+
 #[test]
 fn image_context_reused_equals_recomputed() -> anyhow::Result<()> {
     let (_v, model) = build(&DecoderConfig::tiny(VOCAB, MEM));
+    assert_eq!(model.blocks().len(), TINY_BLOCKS);
     let mem = memory(1, 9);
     let ctx = model.image_context(&mem, None)?;
-    let toks = tokens(&[&[1, 6, 2]]);
+    let projected = kv_identity(&ctx);
+    assert!(projected.iter().all(Option::is_some));
+    // PROJECTION COUNT: when `CrossAttention::memory_projections()` lands,
+    // read every block's counter here and assert that `image_context` added
+    // exactly 1 per block and the decodes below add 0.
+    let toks = tokens(&[&[1, 6, 2, 7, 3]]);
     // Two independent decodes over one context, and one over a fresh context.
-    let run = |ctx: &vl_decoder::ImageContext| -> anyhow::Result<Tensor> {
+    let run = |ctx: &ImageContext| -> anyhow::Result<Tensor> {
         let mut s = model.start(ctx, 1)?;
-        Ok(model.step(&mut s, &toks)?)
+        // Every step reads the context's own keys and values: the state
+        // holds the same tensors (same ids, same storage), not a copy.
+        let mut steps = vec![model.step(&mut s, &toks.narrow(1, 0, 2)?)?];
+        for t in 2..5 {
+            assert_eq!(kv_identity(s.image()), kv_identity(ctx), "step {t}");
+            steps.push(model.step(&mut s, &toks.narrow(1, t, 1)?)?);
+        }
+        assert_eq!(kv_identity(s.image()), kv_identity(ctx));
+        Ok(Tensor::cat(&steps, 1)?)
     };
     let (a, b) = (run(&ctx)?, run(&ctx)?);
-    let c = run(&model.image_context(&mem, None)?)?;
+    // Decoding neither re-projected nor replaced the context's tensors.
+    assert_eq!(kv_identity(&ctx), projected);
+    // A fresh projection is told apart by this check.
+    let fresh = model.image_context(&mem, None)?;
+    assert!(kv_identity(&fresh)
+        .iter()
+        .zip(&projected)
+        .all(|(f, p)| f.map(|f| (f.0 .0, f.1 .0)) != p.map(|p| (p.0 .0, p.1 .0))));
+    let c = run(&fresh)?;
     assert_eq!(max_abs_diff(&a, &b), 0.0);
     assert_eq!(max_abs_diff(&a, &c), 0.0);
+    Ok(())
+}
+
+/// Beams read their image's keys and values, projected once: the state
+/// holds the context's tensors at batch `images` (not one copy per row),
+/// and beam reorders move only the text caches.
+#[test]
+fn beams_share_one_image_context_without_copies() -> anyhow::Result<()> {
+    let (_v, model) = build(&DecoderConfig::tiny(VOCAB, MEM));
+    let img_mask = mask::image_tokens(&[7, 4], 7, &Device::Cpu)?;
+    let ctx = model.image_context(&memory(2, 7), Some(img_mask))?;
+    let projected = kv_identity(&ctx);
+    assert!(projected.iter().all(|l| l.is_some_and(|(_, _, b)| b == 2)));
+    // PROJECTION COUNT: when `CrossAttention::memory_projections()` lands,
+    // assert that every block's counter stays where `image_context` left
+    // it through the steps and reorders below.
+    let prompt = tokens(&[&[1, 5], &[1, 6], &[1, 7], &[1, 8], &[1, 9], &[1, 3]]);
+    let reorders: [[u32; 6]; 3] = [[2, 0, 1, 5, 5, 3], [1, 1, 1, 3, 4, 5], [0, 2, 1, 4, 3, 3]];
+    let next = tokens(&[&[4], &[5], &[6], &[7], &[8], &[9]]);
+    // 2 images, 3 beams each; two states decoded alike.
+    let decode = || -> anyhow::Result<vl_decoder::DecodeState> {
+        let mut state = model.start(&ctx, 3)?;
+        assert_eq!(kv_identity(state.image()), projected, "start");
+        model.step(&mut state, &prompt)?;
+        for (i, order) in reorders.iter().enumerate() {
+            state.reorder(order)?;
+            assert_eq!(kv_identity(state.image()), projected, "reorder {i}");
+            model.step(&mut state, &next)?;
+            assert_eq!(kv_identity(state.image()), projected, "step {i}");
+        }
+        Ok(state)
+    };
+    let (mut a, mut b) = (decode()?, decode()?);
+    assert_eq!(kv_identity(&ctx), projected);
+    // The state reads the context's storage itself: overwriting the
+    // context's values in place changes what the state computes. (A state
+    // holding a copy would not see it.)
+    let before = model.step(&mut b, &next)?;
+    for i in 0..TINY_BLOCKS {
+        if let Some(kv) = ctx.layer(i) {
+            kv.v().slice_set(&kv.v().zeros_like()?, 0, 0)?;
+        }
+    }
+    let after = model.step(&mut a, &next)?;
+    let d = max_abs_diff(&before, &after);
+    assert!(
+        d > 1e-3,
+        "zeroing the context's values changed nothing: {d}"
+    );
     Ok(())
 }
 
@@ -197,8 +291,20 @@ fn past_max_positions_is_an_error() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The largest entry of a parameter's gradient must pass this to count as
+/// non-zero. With the inputs below the smallest such entry is about 2e-5
+/// (`blocks.1.self_attn.q_proj.bias`), and a gradient that is zero in exact
+/// arithmetic (a key bias) comes out below 1e-11: a branch cut off or
+/// multiplied by 0 fails by orders of magnitude.
+const MIN_GRADIENT: f32 = 1e-7;
+/// The largest entry of a gradient that is 0 in exact arithmetic, after
+/// rounding.
+const ZERO_GRADIENT: f32 = 1e-9;
+
 /// Training must reach every parameter: candle-nn's fused layer norm has no
-/// backward pass, and a cut graph trains only the output layer.
+/// backward pass, a cut graph trains only the output layer, and a closed
+/// gate gives the cross-attention branch a gradient of exact zeros — so
+/// each gradient must be present and not zero.
 #[test]
 fn every_parameter_receives_a_gradient() -> anyhow::Result<()> {
     use candle_core::D;
@@ -243,9 +349,25 @@ fn every_parameter_receives_a_gradient() -> anyhow::Result<()> {
         .mean_all()?
         .neg()?;
     let grads = loss.backward()?;
+    let mut checked = 0;
     for (name, var) in vars.data().lock().expect("lock").iter() {
-        let g = grads.get(var.as_tensor());
-        assert!(g.is_some(), "{name} has no gradient");
+        let Some(g) = grads.get(var.as_tensor()) else {
+            panic!("{name} has no gradient");
+        };
+        let largest = g.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        assert!(largest.is_finite(), "{name}: gradient {largest}");
+        if name.ends_with("k_proj.bias") {
+            // A key bias adds q·b to every score of a query: softmax is
+            // shift-invariant, so its gradient is 0 up to rounding.
+            assert!(largest <= ZERO_GRADIENT, "{name}: {largest:e}");
+        } else {
+            assert!(
+                largest > MIN_GRADIENT,
+                "{name}: largest gradient {largest:e} is not above {MIN_GRADIENT:e}"
+            );
+            checked += 1;
+        }
     }
+    assert!(checked > 50, "only {checked} parameters checked");
     Ok(())
 }

@@ -98,12 +98,28 @@ fn no_eos(t: &Tiny, max_new_tokens: usize) -> GenerationConfig {
 /// Log-probabilities of the next token after `prefix`, by the uncached
 /// full forward of one image.
 fn next_log_probs(t: &Tiny, memory: &Tensor, prefix: &[u32]) -> Result<Vec<f32>> {
+    log_probs_after(t, Some(memory), prefix)
+}
+
+/// [`next_log_probs`], or text-only with no memory.
+fn log_probs_after(t: &Tiny, memory: Option<&Tensor>, prefix: &[u32]) -> Result<Vec<f32>> {
     let tokens = Tensor::new(prefix, &Device::Cpu)?.unsqueeze(0)?;
-    let logits = t
-        .model
-        .forward(&tokens, Some(memory), ForwardMasks::default())?; // (1, len, vocab)
+    let logits = t.model.forward(&tokens, memory, ForwardMasks::default())?; // (1, len, vocab)
     let last = logits.narrow(1, prefix.len() - 1, 1)?.flatten_all()?;
     Ok(candle_nn::ops::log_softmax(&last, D::Minus1)?.to_vec1()?)
+}
+
+/// Asserts that every token of `caption` is the argmax of the uncached
+/// forward after the start token and the tokens before it.
+fn assert_greedy(t: &Tiny, memory: Option<&Tensor>, caption: &[u32], what: &str) -> Result<()> {
+    let mut seq = vec![t.cfg.bos_token_id];
+    for &tok in caption {
+        let lp = log_probs_after(t, memory, &seq)?;
+        let best = lp.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        assert_eq!(lp[tok as usize], best, "{what}: after {seq:?}");
+        seq.push(tok);
+    }
+    Ok(())
 }
 
 /// An EOS id under which the no-EOS greedy captions `free` stop at the
@@ -338,11 +354,24 @@ fn max_new_tokens_and_eos_stop() -> Result<()> {
         assert!(g.tokens[..g.tokens.len() - 1]
             .iter()
             .all(|x| !gen.eos_token_ids.contains(x)));
-        let free = run(&t, &mem, &no_eos(&t, 6).with_strategy(strategy.clone()))?;
+        let length_penalty = match strategy {
+            Strategy::Beam { length_penalty, .. } => length_penalty,
+            _ => 1.0,
+        };
+        let score = |g: &Generated, gen: &GenerationConfig| -> Result<()> {
+            let got = g.score.ok_or_else(|| anyhow!("{strategy:?}: no score"))?;
+            let want = rescore(&t, &mem, gen, &g.tokens, length_penalty)?;
+            assert!((got - want).abs() < 1e-4, "{strategy:?}: {g:?} vs {want}");
+            Ok(())
+        };
+        score(g, &gen)?;
+        let free_gen = no_eos(&t, 6).with_strategy(strategy.clone());
+        let free = run(&t, &mem, &free_gen)?;
         assert_eq!(
             (free[0].tokens.len(), free[0].stop),
             (6, StopReason::MaxNewTokens)
         );
+        score(&free[0], &free_gen)?;
     }
     Ok(())
 }
@@ -352,6 +381,13 @@ fn min_new_tokens_suppresses_eos() -> Result<()> {
     let t = tiny(30, 6, |_| {})?;
     let mem = memory(1, 6)?;
     let eos = run(&t, &mem, &no_eos(&t, 1))?[0].tokens[0];
+    // Without min_new_tokens greedy decoding stops at once, so the checks
+    // below test the suppression.
+    let unconstrained = GenerationConfig {
+        eos_token_ids: vec![eos],
+        ..GenerationConfig::greedy(&t.cfg, 8)
+    };
+    assert_eq!(run(&t, &mem, &unconstrained)?[0].tokens, vec![eos]);
     for strategy in [
         Strategy::Greedy,
         Strategy::beam(3),
@@ -508,6 +544,8 @@ fn beam_search_matches_exhaustive_search() -> Result<()> {
         (-1.0, EarlyStopping::False, 1.0, 0),
         (1.0, EarlyStopping::False, 1.8, 1),
     ];
+    // Ties allow either hypothesis; most cases must have a clear winner.
+    let mut compared = 0;
     for (length_penalty, early_stopping, repetition_penalty, min_new_tokens) in settings {
         let gen = GenerationConfig {
             eos_token_ids: vec![3],
@@ -534,6 +572,7 @@ fn beam_search_matches_exhaustive_search() -> Result<()> {
             );
             if score - runner_up > 1e-4 {
                 assert_eq!(g.tokens, best, "{what}");
+                compared += 1;
             }
             let stop = if best.last() == Some(&3) {
                 StopReason::Eos
@@ -543,6 +582,11 @@ fn beam_search_matches_exhaustive_search() -> Result<()> {
             assert_eq!(g.stop, stop, "{what}");
         }
     }
+    assert!(
+        compared >= settings.len(),
+        "only {compared} of {} cases had a clear best hypothesis",
+        2 * settings.len()
+    );
     Ok(())
 }
 
@@ -685,12 +729,23 @@ fn max_positions_is_a_stop_not_an_error() -> Result<()> {
     let mem = memory(2, 11)?;
     for strategy in [Strategy::Greedy, Strategy::beam(2)] {
         let gen = no_eos(&t, 20).with_strategy(strategy.clone());
-        for g in run(&t, &mem, &gen)? {
+        for (i, g) in run(&t, &mem, &gen)?.iter().enumerate() {
             assert_eq!(
                 (g.tokens.len(), g.stop),
                 (6, StopReason::MaxPositions),
                 "{strategy:?}"
             );
+            // The tokens, not only their count: the cache at the last
+            // position is read correctly.
+            let image = mem.narrow(0, i, 1)?;
+            match strategy {
+                Strategy::Greedy => assert_greedy(&t, Some(&image), &g.tokens, "image")?,
+                _ => {
+                    let got = g.score.ok_or_else(|| anyhow!("{strategy:?}: no score"))?;
+                    let want = rescore(&t, &image, &gen, &g.tokens, 1.0)?;
+                    assert!((got - want).abs() < 1e-4, "image {i}: {got} vs {want}");
+                }
+            }
         }
         let text = generate(&t.model, &t.model.text_only_context(), &gen, &mut |_| {})?;
         assert_eq!(text.len(), 1);
@@ -698,6 +753,9 @@ fn max_positions_is_a_stop_not_an_error() -> Result<()> {
             (text[0].tokens.len(), text[0].stop),
             (6, StopReason::MaxPositions)
         );
+        if strategy == Strategy::Greedy {
+            assert_greedy(&t, None, &text[0].tokens, "text-only")?;
+        }
         // Exactly at the limit, max_new_tokens is the reason.
         let g = &run(&t, &mem, &no_eos(&t, 6).with_strategy(strategy.clone()))?[0];
         assert_eq!((g.tokens.len(), g.stop), (6, StopReason::MaxNewTokens));

@@ -13,7 +13,7 @@ use super::config::{EarlyStopping, GenerationConfig, Strategy};
 use super::logits::process;
 use super::{Generated, StopReason, TokenEvent};
 use crate::error::{arg_err, Result};
-use crate::model::{ImageContext, VisionLanguageDecoder};
+use crate::model::{decode_rows, ImageContext, VisionLanguageDecoder, MAX_ROWS};
 
 /// transformers' "very large negative value" that masks a beam or a
 /// candidate (added in f32, as there).
@@ -273,12 +273,25 @@ pub(crate) fn decode(
             ),
         );
     }
+    // Every row is one beam of one image, indexed by u32.
+    let images = image.images().max(1);
+    let beams_to_keep = per_beam.checked_mul(num_beams);
+    let (Some(beams_to_keep), Some(_)) = (beams_to_keep, decode_rows(images, num_beams)) else {
+        return arg_err(
+            "num_beams",
+            format!(
+                "expected at most {} beams per image ({images} images, {per_beam} candidates \
+                 kept per beam), got {num_beams}",
+                (MAX_ROWS / images).min(usize::MAX / per_beam)
+            ),
+        );
+    };
     let p = Params {
         num_beams,
         length_penalty,
         early_stopping,
         max_new: cfg.max_new_tokens.min(max_positions),
-        beams_to_keep: per_beam * num_beams,
+        beams_to_keep,
     };
     let limit = if p.max_new < cfg.max_new_tokens {
         StopReason::MaxPositions
