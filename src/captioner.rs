@@ -4,12 +4,16 @@
 use std::path::Path;
 
 use anyhow::{anyhow, Context};
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use image::DynamicImage;
 use vl_decoder::{generate, GenerationConfig, Quantization, TokenEvent};
 use vl_vision::preprocess::preprocess;
 
 use crate::checkpoint::VlModel;
+
+/// Image tokens before the patches: vl's encoders (ViT, mock ViT) put one
+/// class token first.
+const CLASS_TOKENS: usize = 1;
 
 /// One image's caption.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,6 +23,15 @@ pub struct Caption {
     /// The ids generated after the start token, the EOS included if one was
     /// generated.
     pub token_ids: Vec<u32>,
+    /// With [`GenerationConfig::cross_attention_of`] set (see
+    /// [`Captioner::with_heatmaps`]): per token, the cross-attention weights
+    /// (heads averaged) over the image's patch tokens (the class token
+    /// dropped) of the position that chose it, recorded while captioning.
+    /// Empty otherwise.
+    ///
+    /// # Shapes
+    /// `token_ids.len()` rows of `patches` weights.
+    pub heatmaps: Vec<Vec<f32>>,
 }
 
 /// A loaded captioning model.
@@ -101,6 +114,15 @@ impl Captioner {
                 Ok(Caption {
                     text,
                     token_ids: g.tokens,
+                    heatmaps: g
+                        .cross_attention
+                        .into_iter()
+                        .map(|w| {
+                            w.get(CLASS_TOKENS..)
+                                .map(<[f32]>::to_vec)
+                                .unwrap_or_default()
+                        })
+                        .collect(),
                 })
             })
             .collect()
@@ -118,36 +140,19 @@ impl Captioner {
             .rposition(|b| b.has_cross_attention())
     }
 
-    /// Per generated token, the cross-attention weights (heads averaged) of
-    /// the position that chose it, over the image's patch tokens (the CLS
-    /// token dropped), in [`Captioner::heatmap_layer`]. Computed by
-    /// replaying the caption through a fresh decode state.
+    /// `cfg` recording the heatmaps of [`Captioner::heatmap_layer`] into
+    /// each [`Caption::heatmaps`], from the captioning pass itself (no
+    /// second encode or replay).
     ///
-    /// # Shapes
-    /// Returns `token_ids.len()` rows of `image_tokens - 1` weights.
-    pub fn attention_maps(
-        &self,
-        image: &DynamicImage,
-        token_ids: &[u32],
-    ) -> anyhow::Result<Vec<Vec<f32>>> {
+    /// # Errors
+    /// When the model has no cross-attention.
+    pub fn with_heatmaps(&self, cfg: &GenerationConfig) -> anyhow::Result<GenerationConfig> {
         let layer = self
             .heatmap_layer()
             .context("the model has no cross-attention")?;
-        if token_ids.is_empty() {
-            return Ok(Vec::new());
-        }
-        let dec = &self.model.decoder;
-        let memory = self.model.encode_images(&[image])?;
-        let ctx = dec.image_context(&memory, None)?;
-        let mut state = dec.start(&ctx, 1)?;
-        let mut input = vec![self.model.config.decoder.bos_token_id];
-        input.extend_from_slice(&token_ids[..token_ids.len() - 1]);
-        let n = input.len();
-        let tokens = Tensor::from_vec(input, (1, n), dec.device())?;
-        let (_, weights) = dec.step_hidden(&mut state, &tokens, Some(layer))?;
-        let weights = weights.context("no cross-attention weights")?; // (1, h, n, image_len)
-        let image_len = weights.dim(D::Minus1)?;
-        let mean = weights.mean(1)?.squeeze(0)?.narrow(1, 1, image_len - 1)?; // (n, patches)
-        Ok(mean.to_dtype(DType::F32)?.to_vec2::<f32>()?)
+        Ok(GenerationConfig {
+            cross_attention_of: Some(layer),
+            ..cfg.clone()
+        })
     }
 }

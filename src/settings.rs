@@ -124,17 +124,34 @@ impl Setting {
     }
 }
 
-/// An override that cannot be applied: the setting, the value given (when
-/// the problem is the value itself) and why.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("{}{}: {reason}", setting.flag(), value.as_ref().map(|v| format!(" {v}")).unwrap_or_default())]
-pub struct OverrideError {
-    /// The setting.
-    pub setting: Setting,
-    /// The value given, when it alone is wrong.
-    pub value: Option<String>,
-    /// What is wrong.
-    pub reason: String,
+/// An override that cannot be applied.
+#[derive(Debug, thiserror::Error)]
+pub enum OverrideError {
+    /// A setting's value is wrong: the setting, the value given (when it
+    /// alone is wrong) and why.
+    #[error("{}{}: {reason}", setting.flag(), value.as_ref().map(|v| format!(" {v}")).unwrap_or_default())]
+    Setting {
+        /// The setting.
+        setting: Setting,
+        /// The value given, when it alone is wrong.
+        value: Option<String>,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The checkpoint's own defaults, which no override touched, are
+    /// impossible.
+    #[error("the checkpoint's generation defaults: {0}")]
+    Defaults(DecoderError),
+}
+
+impl OverrideError {
+    /// The setting at fault, if one is.
+    pub fn setting(&self) -> Option<Setting> {
+        match self {
+            Self::Setting { setting, .. } => Some(*setting),
+            Self::Defaults(_) => None,
+        }
+    }
 }
 
 fn bad<T>(
@@ -142,7 +159,7 @@ fn bad<T>(
     value: impl ToString,
     reason: impl Into<String>,
 ) -> std::result::Result<T, OverrideError> {
-    Err(OverrideError {
+    Err(OverrideError::Setting {
         setting,
         value: Some(value.to_string()),
         reason: reason.into(),
@@ -294,26 +311,32 @@ impl GenerationOverrides {
             ..base.clone()
         }
         .with_strategy(strategy);
+        if cfg.min_new_tokens > cfg.max_new_tokens {
+            return Err(OverrideError::Setting {
+                setting: Setting::MinTokens,
+                value: None,
+                reason: format!(
+                    "{} is above {} {}",
+                    cfg.min_new_tokens,
+                    Setting::MaxTokens.flag(),
+                    cfg.max_new_tokens
+                ),
+            });
+        }
         match cfg.validate() {
             Ok(()) => Ok(cfg),
             Err(DecoderError::Argument { arg, reason }) => match Setting::of_field(arg) {
-                Some(setting) => Err(OverrideError {
+                Some(setting) => Err(OverrideError::Setting {
                     setting,
                     value: None,
                     reason,
                 }),
-                // A checkpoint default no flag sets (the caller gave none).
-                None => Err(OverrideError {
-                    setting: Setting::MaxTokens,
-                    value: None,
-                    reason: format!("{arg}: {reason}"),
-                }),
+                None => Err(OverrideError::Defaults(DecoderError::Argument {
+                    arg,
+                    reason,
+                })),
             },
-            Err(other) => Err(OverrideError {
-                setting: Setting::MaxTokens,
-                value: None,
-                reason: other.to_string(),
-            }),
+            Err(other) => Err(OverrideError::Defaults(other)),
         }
     }
 }
@@ -398,7 +421,7 @@ mod tests {
 
     #[test]
     fn bad_overrides_name_the_setting_typed() {
-        let cases: [(GenerationOverrides, Setting, &str); 6] = [
+        let cases: [(GenerationOverrides, Setting, &str); 7] = [
             (
                 GenerationOverrides {
                     beams: Some(0),
@@ -448,10 +471,19 @@ mod tests {
                 Setting::TopK,
                 "--top-k: must be positive",
             ),
+            (
+                GenerationOverrides {
+                    min_tokens: Some(10),
+                    max_tokens: Some(5),
+                    ..Default::default()
+                },
+                Setting::MinTokens,
+                "--min-tokens: 10 is above --max-tokens 5",
+            ),
         ];
         for (o, setting, says) in cases {
             let err = o.apply(&base(), &decoder()).unwrap_err();
-            assert_eq!(err.setting, setting, "{err}");
+            assert_eq!(err.setting(), Some(setting), "{err}");
             assert!(err.to_string().contains(says), "{err}");
         }
     }

@@ -31,14 +31,33 @@ pub struct ModelArgs {
     pub quantize: Quantization,
 }
 
+/// What is wrong with a flag's value, without the argument name (clap
+/// names the flag).
+fn reason(e: vl::Error) -> String {
+    match e {
+        vl::Error::Argument { reason, .. } => reason,
+        other => other.to_string(),
+    }
+}
+
 /// clap's parser of `--device`.
 pub(crate) fn device(name: &str) -> Result<Device, String> {
-    parse_device(name).map_err(|e| e.to_string())
+    parse_device(name).map_err(reason)
 }
 
 /// clap's parser of `--dtype`.
 pub(crate) fn dtype(name: &str) -> Result<DType, String> {
-    parse_dtype(name).map_err(|e| e.to_string())
+    parse_dtype(name).map_err(reason)
+}
+
+/// clap's parser of counts that must be positive (`--batch-size`,
+/// `--threads`).
+pub(crate) fn positive(text: &str) -> Result<NonZeroUsize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => NonZeroUsize::new(n).ok_or_else(|| "must be at least 1".into()),
+        Err(e) => Err(format!("not a count: {e}")),
+    }
 }
 
 /// The kind of `device`, as `--device` spells it.
@@ -140,7 +159,7 @@ impl GenerationArgs {
 #[derive(clap::Args, Debug, Clone, Copy)]
 pub struct ThreadArgs {
     /// Threads for CPU work [default: one per core].
-    #[arg(long, global = true)]
+    #[arg(long, global = true, value_parser = positive)]
     pub threads: Option<NonZeroUsize>,
 }
 

@@ -56,7 +56,7 @@ pub struct Args {
     #[command(flatten)]
     generation: GenerationArgs,
     /// Images captioned together.
-    #[arg(long, default_value_t = NonZeroUsize::MIN.saturating_add(7))]
+    #[arg(long, default_value = "8", value_parser = crate::args::positive)]
     batch_size: NonZeroUsize,
     /// Write, per image, one heatmap PNG per word and a grid of all words here.
     #[arg(long)]
@@ -206,13 +206,13 @@ fn write_maps(
         size,
         image::imageops::FilterType::Triangle,
     );
-    let maps = captioner.attention_maps(img, &c.token_ids)?;
+    let maps = &c.heatmaps;
     let grid = (maps.first().map_or(0, Vec::len) as f64).sqrt() as u32;
     let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("image");
     std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))?;
     let tok = &captioner.model.tokenizer;
     let mut tiles = Vec::new();
-    for (i, (id, w)) in c.token_ids.iter().zip(&maps).enumerate() {
+    for (i, (id, w)) in c.token_ids.iter().zip(maps).enumerate() {
         let word = tok.id_to_token(*id).unwrap_or_default();
         let tile = heatmap::overlay(&shown, w, grid, &word);
         let file = dir.join(format!("{stem}_{i:02}_{}.png", sanitize(&word)));
@@ -264,6 +264,14 @@ fn caption(args: &Args) -> Result<usize, Fatal> {
         .overrides()
         .apply(&captioner.model.generation, &captioner.model.config.decoder)
         .map_err(|e| Fatal(e.into()))?;
+    // Heatmaps come from the captioning pass itself.
+    let gen = match &args.attention_map {
+        Some(_) => captioner
+            .with_heatmaps(&gen)
+            .context("--attention-map")
+            .map_err(Fatal)?,
+        None => gen,
+    };
     let mut listed = args.inputs.clone();
     if let Some(list) = &args.files_from {
         listed.extend(read_list(list).map_err(Fatal)?);

@@ -20,7 +20,7 @@ pub struct Args {
     #[arg(long, default_value_t = 20_261_130)]
     seed: u64,
     /// Images captioned together.
-    #[arg(long, default_value = "100")]
+    #[arg(long, default_value = "100", value_parser = crate::args::positive)]
     batch_size: NonZeroUsize,
 }
 

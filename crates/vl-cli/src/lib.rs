@@ -66,6 +66,28 @@ fn init_logging() {
         .try_init();
 }
 
+/// Prints a clap error and returns its exit code: help and version on
+/// stdout (0); a bad flag value as one `error:` line naming the flag, the
+/// value and what is wrong (2); other usage errors as clap renders them,
+/// with their hints (2).
+fn usage_error(e: &clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    if !e.use_stderr() {
+        let _ = e.print();
+        return ExitCode::SUCCESS;
+    }
+    match e.kind() {
+        ErrorKind::ValueValidation | ErrorKind::InvalidValue => {
+            let text = e.render().to_string();
+            eprintln!("{}", text.lines().next().unwrap_or("error: invalid value"));
+        }
+        _ => {
+            let _ = e.print();
+        }
+    }
+    ExitCode::from(2)
+}
+
 /// Parses `args` (the program name first) and runs the subcommand.
 pub fn main_with<I, T>(args: I) -> ExitCode
 where
@@ -75,11 +97,7 @@ where
     init_logging();
     let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
-        Err(e) => {
-            let code = if e.use_stderr() { 2 } else { 0 };
-            let _ = e.print();
-            return ExitCode::from(code);
-        }
+        Err(e) => return usage_error(&e),
     };
     if let Err(e) = cli.threads.apply() {
         eprintln!("error: {}", caption::one_line(&e));

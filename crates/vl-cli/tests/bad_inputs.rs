@@ -283,7 +283,11 @@ fn config_wrong_model_type() {
     assert_fatal(
         "config.json wrong model_type",
         &out,
-        &["config.json", "model_type: expected \"vl\", got \"bert\""],
+        &[
+            "config.json",
+            "model_type `bert` is not supported",
+            "vl loads `vl`",
+        ],
     );
 }
 
@@ -729,7 +733,7 @@ fn flag_batch_size_zero() {
     flag_row(
         "--batch-size 0",
         &["--batch-size", "0"],
-        &["--batch-size 0", "at least 1"],
+        &["--batch-size", "'0'", "at least 1"],
     );
 }
 

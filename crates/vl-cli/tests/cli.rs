@@ -152,6 +152,16 @@ fn attention_maps_are_written() {
         (64 * vl::heatmap::UPSCALE, 64 * vl::heatmap::UPSCALE + 24)
     );
     assert!(maps.join("img0_grid.png").is_file());
+    // Each word's tile shows its own weights: no two are the same picture.
+    let tiles: Vec<Vec<u8>> = words
+        .iter()
+        .map(|p| image::open(p).expect("png").to_rgb8().into_raw())
+        .collect();
+    for (i, a) in tiles.iter().enumerate() {
+        for b in &tiles[i + 1..] {
+            assert_ne!(a, b, "two words have the same heatmap");
+        }
+    }
 }
 
 #[test]
@@ -268,6 +278,33 @@ fn quantize_flag() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert!(!line["token_ids"].as_array().expect("ids").is_empty());
+    // The shipped captioner in q8_0 still gets every shipped sample right.
+    let samples = common::repo_root().join("models/shapes-captioner/samples");
+    let truth = std::fs::read_to_string(samples.join("captions.tsv")).expect("tsv");
+    let mut args = vec!["--quantize", "q8_0", "--json"];
+    let files: Vec<PathBuf> = truth
+        .lines()
+        .filter_map(|l| l.split_once('\t'))
+        .map(|(f, _)| samples.join(f))
+        .collect();
+    args.extend(files.iter().map(|f| s(f)));
+    let out = run(&args);
+    assert_eq!(out.status.code(), Some(0));
+    let got: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("json");
+            v["caption"].as_str().expect("caption").to_string()
+        })
+        .collect();
+    let want: Vec<&str> = truth
+        .lines()
+        .filter_map(|l| l.split_once('\t'))
+        .map(|(_, c)| c)
+        .collect();
+    assert_eq!(got, want);
     // q4k needs widths in multiples of 256: a clear one-line error, exit 2.
     let out = run(&[
         "--model",

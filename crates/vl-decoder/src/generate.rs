@@ -106,6 +106,14 @@ pub struct Generated {
     pub score: Option<f32>,
     /// Why the caption ended.
     pub stop: StopReason,
+    /// With [`GenerationConfig::cross_attention_of`]: per token of
+    /// `tokens`, that block's cross-attention weights (heads averaged) over
+    /// the image's tokens at the position that chose it — for beam search,
+    /// along the hypothesis' own path. Empty otherwise.
+    ///
+    /// # Shapes
+    /// `tokens.len()` rows of `image_len` weights.
+    pub cross_attention: Vec<Vec<f32>>,
 }
 
 /// A token as it is chosen, for streaming.

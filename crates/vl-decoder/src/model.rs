@@ -675,12 +675,44 @@ impl VisionLanguageDecoder {
     /// As [`VisionLanguageDecoder::step_hidden`]; in particular `tokens`
     /// of shape `(rows, 0)` have no last position.
     pub fn step_last(&self, state: &mut DecodeState, tokens: &Tensor) -> Result<Tensor> {
-        let (h, _) = self.step_hidden(state, tokens, None)?;
+        Ok(self.step_last_weights(state, tokens, None)?.0)
+    }
+
+    /// As [`VisionLanguageDecoder::step_last`], also returning block
+    /// `weights_of`'s cross-attention weights of the last position, heads
+    /// averaged (`None` when not asked for, or when that block has no
+    /// image to read) — what a heatmap of each generated token needs.
+    ///
+    /// # Shapes
+    /// `tokens: (rows, len)` u32 → `(rows, vocab)` f32 and
+    /// `(rows, image_len)` f32 weights.
+    ///
+    /// # Errors
+    /// As [`VisionLanguageDecoder::step_hidden`].
+    pub fn step_last_weights(
+        &self,
+        state: &mut DecodeState,
+        tokens: &Tensor,
+        weights_of: Option<usize>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (h, weights) = self.step_hidden(state, tokens, weights_of)?;
         // (rows, len, hidden), len >= 1 (checked by step_hidden)
         let (_, t, _) = h.dims3()?;
-        Ok(self
-            .logits(&h.narrow(1, t.saturating_sub(1), 1)?)?
+        let last = t.saturating_sub(1);
+        let logits = self
+            .logits(&h.narrow(1, last, 1)?)?
             .squeeze(1)?
-            .to_dtype(DType::F32)?)
+            .to_dtype(DType::F32)?;
+        let weights = match weights {
+            // (rows, heads, len, image_len) -> (rows, image_len)
+            Some(w) => Some(
+                w.narrow(2, last, 1)?
+                    .squeeze(2)?
+                    .to_dtype(DType::F32)?
+                    .mean(1)?,
+            ),
+            None => None,
+        };
+        Ok((logits, weights))
     }
 }

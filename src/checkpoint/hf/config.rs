@@ -596,6 +596,7 @@ impl HfGeneration {
             repetition_penalty: self.repetition_penalty.unwrap_or(1.0) as f32,
             no_repeat_ngram_size: self.no_repeat_ngram_size.unwrap_or(0),
             strategy,
+            cross_attention_of: None,
         };
         cfg.validate()?;
         Ok(cfg)

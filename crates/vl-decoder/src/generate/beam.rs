@@ -50,6 +50,9 @@ struct Candidate {
 #[derive(Debug, Clone)]
 struct Slot {
     tokens: Vec<u32>,
+    /// Per token, the recorded cross-attention weights (empty when not
+    /// recorded).
+    maps: Vec<Vec<f32>>,
     score: f32,
     finished: bool,
 }
@@ -57,6 +60,8 @@ struct Slot {
 /// The search of one image.
 struct ImageSearch {
     running: Vec<Vec<u32>>,
+    /// Per running beam, its tokens' recorded cross-attention weights.
+    running_maps: Vec<Vec<Vec<f32>>>,
     running_scores: Vec<f32>,
     slots: Vec<Slot>,
     /// transformers' `is_early_stop_heuristic_unsatisfied`.
@@ -72,10 +77,12 @@ impl ImageSearch {
         running_scores[0] = 0.0;
         Self {
             running: vec![Vec::new(); num_beams],
+            running_maps: vec![Vec::new(); num_beams],
             running_scores,
             slots: vec![
                 Slot {
                     tokens: Vec::new(),
+                    maps: Vec::new(),
                     score: MASKED,
                     finished: false,
                 };
@@ -130,11 +137,13 @@ impl ImageSearch {
     }
 
     /// One step over this image's processed log-probabilities
-    /// `(num_beams, vocab)`; returns the new running beams as
+    /// `(num_beams, vocab)` and, when recorded, each beam's cross-attention
+    /// weights of this step; returns the new running beams as
     /// `(source beam, token)`.
     fn step(
         &mut self,
         log_probs: &[Vec<f32>],
+        weights: &[Option<Vec<f32>>],
         p: &Params,
         cfg: &GenerationConfig,
     ) -> Vec<(usize, u32)> {
@@ -145,6 +154,13 @@ impl ImageSearch {
             let mut t = running[c.beam].clone();
             t.push(c.token);
             t
+        };
+        let extend_maps = |c: &Candidate, running: &[Vec<Vec<f32>>]| {
+            let mut m = running[c.beam].clone();
+            if let Some(Some(w)) = weights.get(c.beam) {
+                m.push(w.clone());
+            }
+            m
         };
 
         // Running beams: the best candidates that do not end.
@@ -162,6 +178,10 @@ impl ImageSearch {
         let running: Vec<Vec<u32>> = order
             .iter()
             .map(|&i| extend(&cands[i], &self.running))
+            .collect();
+        let running_maps: Vec<Vec<Vec<f32>>> = order
+            .iter()
+            .map(|&i| extend_maps(&cands[i], &self.running_maps))
             .collect();
         let running_scores: Vec<f32> = order.iter().map(|&i| masked[i]).collect();
 
@@ -181,6 +201,11 @@ impl ImageSearch {
                 } else {
                     Vec::new()
                 },
+                maps: if finished {
+                    extend_maps(c, &self.running_maps)
+                } else {
+                    Vec::new()
+                },
                 score: if finished {
                     c.score / divisor
                 } else {
@@ -193,6 +218,7 @@ impl ImageSearch {
         merged.truncate(nb);
         self.slots = merged;
         self.running = running;
+        self.running_maps = running_maps;
         self.running_scores = running_scores;
 
         // Can a running beam still beat the worst finished hypothesis?
@@ -220,13 +246,14 @@ impl ImageSearch {
     /// The best finished hypothesis (the best running beam if, in some
     /// degenerate case, none finished).
     fn result(&self, cfg: &GenerationConfig, p: &Params, limit: StopReason) -> Generated {
-        let (tokens, score) = match self.slots.iter().find(|s| s.finished) {
-            Some(s) => (s.tokens.clone(), s.score),
+        let (tokens, score, cross_attention) = match self.slots.iter().find(|s| s.finished) {
+            Some(s) => (s.tokens.clone(), s.score, s.maps.clone()),
             None => {
                 let len = self.running[0].len().max(1);
                 (
                     self.running[0].clone(),
                     self.running_scores[0] / length_divisor(len, p.length_penalty),
+                    self.running_maps[0].clone(),
                 )
             }
         };
@@ -238,6 +265,7 @@ impl ImageSearch {
             tokens,
             score: Some(score),
             stop,
+            cross_attention,
         }
     }
 }
@@ -307,12 +335,19 @@ pub(crate) fn decode(
     let mut next = vec![cfg.start_token_id; rows];
     while searches.iter().any(|s| !s.done) {
         let input = Tensor::from_slice(&next, (rows, 1), model.device())?;
-        let logits = model.step_last(&mut state, &input)?; // (rows, vocab)
+        let (logits, weights) =
+            model.step_last_weights(&mut state, &input, cfg.cross_attention_of)?; // (rows, vocab)
         let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?.to_vec2::<f32>()?;
         let mut log_probs = log_probs.into_iter();
+        let mut weights = match weights {
+            Some(w) => w.to_vec2::<f32>()?.into_iter().map(Some).collect(), // (rows, image_len)
+            None => vec![None; rows],
+        }
+        .into_iter();
         let mut order: Vec<u32> = (0..rows as u32).collect();
         for (i, search) in searches.iter_mut().enumerate() {
             let mut block: Vec<Vec<f32>> = log_probs.by_ref().take(num_beams).collect(); // (num_beams, vocab)
+            let block_weights: Vec<Option<Vec<f32>>> = weights.by_ref().take(num_beams).collect();
             let first = i * num_beams;
             if search.done {
                 next[first..first + num_beams].fill(cfg.pad_token_id);
@@ -321,7 +356,11 @@ pub(crate) fn decode(
             for (row, beam) in block.iter_mut().zip(&search.running) {
                 process(row, beam, cfg);
             }
-            for (j, (src, token)) in search.step(&block, &p, cfg).into_iter().enumerate() {
+            for (j, (src, token)) in search
+                .step(&block, &block_weights, &p, cfg)
+                .into_iter()
+                .enumerate()
+            {
                 order[first + j] = (first + src) as u32;
                 next[first + j] = token;
             }
@@ -350,6 +389,7 @@ pub(crate) fn decode(
                 tokens: Vec::new(),
                 score: None,
                 stop: limit,
+                cross_attention: Vec::new(),
             })
         })
         .collect())

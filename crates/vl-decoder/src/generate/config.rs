@@ -98,6 +98,12 @@ pub struct GenerationConfig {
     pub no_repeat_ngram_size: usize,
     /// How the next token is chosen.
     pub strategy: Strategy,
+    /// Also return, per generated token, block `i`'s cross-attention
+    /// weights (heads averaged) of the position that chose it, in
+    /// [`Generated::cross_attention`](super::Generated::cross_attention) —
+    /// the heatmaps of a caption, from the pass that made it (transformers'
+    /// `output_attentions` for cross-attention). `None`: nothing recorded.
+    pub cross_attention_of: Option<usize>,
 }
 
 impl GenerationConfig {
@@ -113,6 +119,7 @@ impl GenerationConfig {
             repetition_penalty: 1.0,
             no_repeat_ngram_size: 0,
             strategy: Strategy::Greedy,
+            cross_attention_of: None,
         }
     }
 

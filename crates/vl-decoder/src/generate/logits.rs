@@ -195,6 +195,7 @@ mod tests {
             repetition_penalty: 2.0,
             no_repeat_ngram_size: 0,
             strategy: Strategy::Greedy,
+            cross_attention_of: None,
         };
         let mut s = [4.0, -1.0, 1.0, 5.0];
         process(&mut s, &[1, 1], &cfg);

@@ -27,6 +27,7 @@ pub(crate) fn decode(
     let max_positions = model.config().max_position_embeddings;
     let mut chooser = Chooser::new(&cfg.strategy, rows);
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); rows];
+    let mut maps: Vec<Vec<Vec<f32>>> = vec![Vec::new(); rows];
     let mut stops: Vec<Option<StopReason>> = vec![None; rows];
     let mut next = vec![cfg.start_token_id; rows];
     let mut limit = StopReason::MaxNewTokens;
@@ -36,7 +37,13 @@ pub(crate) fn decode(
             break;
         }
         let input = Tensor::from_slice(&next, (rows, 1), model.device())?;
-        let logits = model.step_last(&mut state, &input)?.to_vec2::<f32>()?; // (rows, vocab)
+        let (logits, weights) =
+            model.step_last_weights(&mut state, &input, cfg.cross_attention_of)?;
+        let logits = logits.to_vec2::<f32>()?; // (rows, vocab)
+        let mut weights = match weights {
+            Some(w) => w.to_vec2::<f32>()?.into_iter().map(Some).collect(), // (rows, image_len)
+            None => vec![None; rows],
+        };
         for (row, mut scores) in logits.into_iter().enumerate() {
             if stops[row].is_some() {
                 next[row] = cfg.pad_token_id;
@@ -45,6 +52,9 @@ pub(crate) fn decode(
             process(&mut scores, &tokens[row], cfg);
             let token = chooser.choose(row, &mut scores)?;
             tokens[row].push(token);
+            if let Some(w) = weights[row].take() {
+                maps[row].push(w);
+            }
             on_token(TokenEvent {
                 image: row,
                 token,
@@ -64,10 +74,12 @@ pub(crate) fn decode(
     Ok(tokens
         .into_iter()
         .zip(stops)
-        .map(|(tokens, stop)| Generated {
+        .zip(maps)
+        .map(|((tokens, stop), cross_attention)| Generated {
             tokens,
             score: None,
             stop: stop.unwrap_or(limit),
+            cross_attention,
         })
         .collect())
 }
