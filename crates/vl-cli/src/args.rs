@@ -20,7 +20,7 @@ pub struct ModelArgs {
     /// built into this binary].
     #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
-    /// cpu, cuda[:N] or metal[:N].
+    /// cpu, cuda, cuda:N, metal or metal:N.
     #[arg(long, default_value = "cpu", value_parser = device)]
     pub device: Device,
     /// f32, f16 or bf16.

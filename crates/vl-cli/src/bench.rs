@@ -28,7 +28,7 @@ pub struct Args {
     /// Decoder linear layers in 8-bit (q8_0) or 4-bit (q4k) blocks; none = as loaded.
     #[arg(long, default_value = "none")]
     quantize: Quantization,
-    /// cpu, cuda[:N] or metal[:N].
+    /// cpu, cuda, cuda:N, metal or metal:N.
     #[arg(long, default_value = "cpu", value_parser = crate::args::device)]
     device: Device,
     /// Tokens decoded per caption.
@@ -138,7 +138,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let spec = *model.pixel_spec()?;
     let side = spec.image_size;
     // A fixed, non-constant test image at the input size.
-    let pixels = Tensor::arange(0f32, (3 * side * side) as f32, &device)?
+    let pixels = Tensor::arange(0f32, (3 * side * side) as f32, device)?
         .affine(1.0 / (3 * side * side) as f64, -0.5)?
         .reshape((1, 3, side, side))?;
     let mut agreement = None;
@@ -152,7 +152,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         let ids: Vec<u32> = (0..n as u64)
             .map(|i| ((i.wrapping_mul(2_654_435_761) >> 7) % cfg.vocab_size as u64) as u32)
             .collect();
-        let tokens = Tensor::from_vec(ids, (1, n), &device)?;
+        let tokens = Tensor::from_vec(ids, (1, n), device)?;
         let logits_of = |dec: &VisionLanguageDecoder| -> anyhow::Result<Vec<Vec<f32>>> {
             Ok(dec
                 .forward(&tokens, Some(&memory), Default::default())?

@@ -130,7 +130,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let started = Instant::now();
     let (mut run_correct, mut run_total) = (0f64, 0f64);
     for step in 0..args.steps {
-        opt.set_learning_rate(lr_at(step, &args));
+        opt.set_learning_rate(lr_at(step, args));
         let batch = shapes::batch(
             args.data_seed,
             (step * args.batch_size) as u64,
@@ -171,7 +171,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             "loss {:.4} token acc {:.4} lr {:.2e}",
             loss.to_scalar::<f32>()?,
             run_correct / run_total.max(1.0),
-            lr_at(step, &args)
+            lr_at(step, args)
         );
         if bar.is_hidden() && (step + 1) % LOG_EVERY == 0 {
             eprintln!("step {}: {msg}", step + 1);
