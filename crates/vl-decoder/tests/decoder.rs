@@ -81,6 +81,37 @@ fn image_context_reused_equals_recomputed() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Each block's cross-attention projects an image's keys and values once,
+/// in `image_context`, however many rows (beams) and steps read them.
+#[test]
+fn the_image_is_projected_once_per_image() -> anyhow::Result<()> {
+    let (_v, model) = build(&DecoderConfig::tiny(VOCAB, MEM));
+    let counts = |m: &VisionLanguageDecoder| -> Vec<usize> {
+        m.blocks()
+            .iter()
+            .filter_map(|b| b.cross_branch())
+            .map(|c| c.cross_attn.memory_projections())
+            .collect()
+    };
+    let n = counts(&model).len();
+    assert!(n > 0, "the tiny decoder has cross-attention");
+    assert_eq!(counts(&model), vec![0; n]);
+    let ctx = model.image_context(&memory(2, 9), None)?;
+    assert_eq!(counts(&model), vec![1; n]);
+    // 2 images, 3 rows each: a prompt, then 4 steps.
+    let mut state = model.start(&ctx, 3)?;
+    let prompt: &[u32] = &[1, 5];
+    model.step(&mut state, &tokens(&[prompt; 6]))?;
+    for t in 0..4u32 {
+        let next: &[u32] = &[2 + t];
+        model.step(&mut state, &tokens(&[next; 6]))?;
+    }
+    assert_eq!(counts(&model), vec![1; n]);
+    model.image_context(&memory(1, 4), None)?;
+    assert_eq!(counts(&model), vec![2; n]);
+    Ok(())
+}
+
 #[test]
 fn batch_equals_single() -> anyhow::Result<()> {
     let (_v, model) = build(&DecoderConfig::tiny(VOCAB, MEM));
