@@ -487,8 +487,9 @@ mod tests {
     }
 
     /// A ViT of width 64 (a multiple of q8_0's block of 32) quantized to
-    /// q8_0 gives tokens within 3% relative L2 error of the dense ones
-    /// (seen: about 1%), with `output_proj` quantized too.
+    /// q8_0 gives tokens within 4% relative L2 error of the dense ones
+    /// (seen: 2.1-2.2% over three runs of random weights and pixels: two
+    /// blocks of six quantized projections, then `output_proj`).
     #[test]
     fn quantized_close_to_dense() -> Result<()> {
         let (_vars, dense) = load(&tiny(64, Some(32)))?;
@@ -505,7 +506,7 @@ mod tests {
             .sqrt()?
             .to_scalar::<f32>()?)
             / want.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?;
-        assert!(err < 0.03, "relative L2 error {err} >= 0.03");
+        assert!(err < 0.04, "relative L2 error {err} >= 0.04");
         // Quantizing again to the same format changes nothing.
         let again = q.quantize(GgmlDType::Q8_0)?.forward(&pixels)?;
         assert_eq!((&again - &got)?.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
