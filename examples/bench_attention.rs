@@ -15,7 +15,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::Linear;
 use clap::Parser;
-use vl::vl_attn::kernel::{attention, Backend};
+use vl::vl_attn::kernel::{attention, Backend, Weights};
 use vl::vl_attn::{CrossAttention, CrossAttentionConfig};
 
 /// Time the attention kernel.
@@ -86,7 +86,9 @@ fn main() -> anyhow::Result<()> {
         let v = Tensor::randn(0f32, 1.0, (1, args.heads, args.k_len, hd), &dev)?;
         let scale = 1.0 / (hd as f64).sqrt();
         Box::new(move || {
-            std::hint::black_box(attention(&q, &k, &v, None, scale, backend)?);
+            std::hint::black_box(
+                attention(&q, &k, &v, None, scale, backend, Weights::Skip)?.output,
+            );
             Ok(())
         })
     };

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use anyhow::{ensure, Context};
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
-use vl::vl_attn::{CrossAttention, CrossAttentionConfig};
+use vl::vl_attn::{CrossAttention, CrossAttentionConfig, Weights};
 
 fn run() -> anyhow::Result<()> {
     let dev = Device::Cpu;
@@ -21,7 +21,9 @@ fn run() -> anyhow::Result<()> {
     let attn = CrossAttention::load(VarBuilder::from_varmap(&vars, DType::F32, &dev), &cfg)?;
     let audio = Tensor::randn(0f32, 1., (2, 50, 256), &dev)?;
     let video = Tensor::randn(0f32, 1., (2, 16, 512), &dev)?;
-    let (out, weights) = attn.forward_with_weights(&audio, &video, None)?;
+    let kv = attn.project_memory(&video)?;
+    let got = attn.attend(&audio, &kv, None, Weights::Return)?;
+    let (out, weights) = (got.output, got.weights.context("weights were asked for")?);
     println!("audio (queries): {:?}", audio.dims());
     println!("video (memory):  {:?}", video.dims());
     println!("output:          {:?}", out.dims());

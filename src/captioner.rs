@@ -54,13 +54,11 @@ impl Captioner {
         })
     }
 
-    /// Quantizes the decoder's linear layers (and LM head) to `q`; the
-    /// vision encoder stays as loaded. `Quantization::None` changes nothing.
+    /// Quantizes the decoder's and the ViT's linear layers (and the LM
+    /// head) to `q` (see [`VlModel::quantize`]). `Quantization::None`
+    /// changes nothing.
     pub fn quantize(&mut self, q: Quantization) -> anyhow::Result<()> {
-        if let Some(format) = q.ggml_dtype() {
-            self.model.decoder = self.model.decoder.quantize(format)?;
-        }
-        Ok(())
+        Ok(self.model.quantize(q)?)
     }
 
     /// Greedy decoding with the model's special tokens, up to `max_new_tokens`.

@@ -148,6 +148,25 @@ impl VlModel {
         native::save(dir, config, vars, tokenizer)
     }
 
+    /// Quantizes the decoder's and the vision encoder's linear layers (and
+    /// the LM head) to `q`; `Quantization::None` changes nothing.
+    ///
+    /// # Errors
+    /// A layer whose width does not fit the format's block size, named
+    /// (`decoder.…` or `vision.…`).
+    pub fn quantize(&mut self, q: vl_decoder::Quantization) -> Result<()> {
+        if let Some(format) = q.ggml_dtype() {
+            let decoder = self.decoder.quantize(format)?;
+            let vision = match &self.vision {
+                Some(v) => Some(v.quantize(format)?),
+                None => None,
+            };
+            self.decoder = decoder;
+            self.vision = vision;
+        }
+        Ok(())
+    }
+
     /// Image tokens of decoded images: preprocessing, then the encoder.
     ///
     /// # Shapes

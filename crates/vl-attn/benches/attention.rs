@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::attention::{flash_attn, AttnMask};
 use candle_nn::{VarBuilder, VarMap};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use vl_attn::kernel::{attention, Backend};
+use vl_attn::kernel::{attention, Backend, Weights};
 use vl_attn::{CausalSelfAttention, CrossAttention, CrossAttentionConfig, SelfAttentionConfig};
 
 const HEADS: usize = 12;
@@ -27,10 +27,14 @@ fn kernels(c: &mut Criterion) {
         let scale = 1.0 / (HEAD_DIM as f64).sqrt();
         let id = format!("{tq}x{tk}");
         group.bench_function(BenchmarkId::new("reference", &id), |b| {
-            b.iter(|| attention(&q, &k, &v, None, scale, Backend::Reference).expect("ref"))
+            b.iter(|| {
+                attention(&q, &k, &v, None, scale, Backend::Reference, Weights::Skip).expect("ref")
+            })
         });
         group.bench_function(BenchmarkId::new("fused", &id), |b| {
-            b.iter(|| attention(&q, &k, &v, None, scale, Backend::Fused).expect("fused"))
+            b.iter(|| {
+                attention(&q, &k, &v, None, scale, Backend::Fused, Weights::Skip).expect("fused")
+            })
         });
         // candle-nn wants (batch, len, heads, head_dim).
         let (qf, kf, vf) = (
@@ -72,7 +76,7 @@ fn self_vs_cross(c: &mut Criterion) {
         b.iter(|| ca.forward(&text, &image, None).expect("cross"))
     });
     group.bench_function("cross_attention_cached_kv", |b| {
-        b.iter(|| ca.forward_cached(&text, &kv, None).expect("cached"))
+        b.iter(|| ca.attend(&text, &kv, None, Weights::Skip).expect("cached"))
     });
     group.finish();
 }

@@ -20,15 +20,33 @@ pub struct KvCache {
 }
 
 impl KvCache {
+    /// The most tokens a cache holds: 2^24 (16,777,216), far past any
+    /// model's positions, and small enough that a buffer's element count
+    /// `batch * kv_heads * capacity * head_dim` is checked, not wrapped.
+    pub const MAX_CAPACITY: usize = 1 << 24;
+
     /// An empty cache that allocates room for `capacity` tokens on first
     /// append (e.g. the model's maximum positions).
-    pub fn new(capacity: usize) -> Self {
-        Self {
+    ///
+    /// # Errors
+    /// [`AttnError::Argument`] naming `capacity` when it is past
+    /// [`KvCache::MAX_CAPACITY`].
+    pub fn new(capacity: usize) -> Result<Self> {
+        if capacity > Self::MAX_CAPACITY {
+            return Err(AttnError::Argument {
+                arg: "capacity",
+                reason: format!(
+                    "expected at most {} tokens (KvCache::MAX_CAPACITY), got {capacity}",
+                    Self::MAX_CAPACITY
+                ),
+            });
+        }
+        Ok(Self {
             k: None,
             v: None,
             len: 0,
             initial_capacity: capacity.max(1),
-        }
+        })
     }
 
     /// Tokens cached.
@@ -64,6 +82,12 @@ impl KvCache {
 
     /// Appends `k` and `v` `(batch, kv_heads, new, head_dim)` and returns all
     /// cached keys and values, `(batch, kv_heads, len + new, head_dim)`.
+    ///
+    /// # Errors
+    /// [`AttnError::Shape`] naming `k` or `v` when they do not match each
+    /// other or the cache; [`AttnError::Argument`] naming `k` when `len +
+    /// new` passes [`KvCache::MAX_CAPACITY`] or the grown buffer's element
+    /// count overflows `usize`.
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, h, t, d) = k.dims4()?;
         if v.dims() != k.dims() {
@@ -83,8 +107,36 @@ impl KvCache {
                 });
             }
         }
-        if self.len + t > self.capacity() || self.k.is_none() {
-            let cap = (self.len + t).max(self.capacity() * if self.k.is_some() { 2 } else { 1 });
+        let needed = self.len + t; // both at most MAX_CAPACITY: no overflow
+        if needed > self.capacity() || self.k.is_none() {
+            if needed > Self::MAX_CAPACITY {
+                return Err(AttnError::Argument {
+                    arg: "k",
+                    reason: format!(
+                        "{t} new tokens after {} would pass KvCache::MAX_CAPACITY {}",
+                        self.len,
+                        Self::MAX_CAPACITY
+                    ),
+                });
+            }
+            let grown = if self.k.is_some() {
+                self.capacity() * 2
+            } else {
+                self.capacity()
+            };
+            let cap = needed.max(grown).min(Self::MAX_CAPACITY);
+            if [h, cap, d]
+                .iter()
+                .try_fold(b, |acc, &n| acc.checked_mul(n))
+                .is_none()
+            {
+                return Err(AttnError::Argument {
+                    arg: "k",
+                    reason: format!(
+                        "a cache buffer ({b}, {h}, {cap}, {d}) overflows the address space"
+                    ),
+                });
+            }
             self.k = Some(grow(self.k.as_ref(), self.len, (b, h, cap, d), k)?);
             self.v = Some(grow(self.v.as_ref(), self.len, (b, h, cap, d), v)?);
         }
@@ -135,4 +187,54 @@ fn grow(
         }
     }
     Ok(buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    /// An absurd capacity is refused, naming `capacity`, instead of
+    /// aborting on the first append's allocation.
+    #[test]
+    fn absurd_capacity_is_an_error() -> Result<()> {
+        for capacity in [KvCache::MAX_CAPACITY + 1, usize::MAX] {
+            let err = KvCache::new(capacity)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(
+                err.starts_with("capacity:") && err.contains(&capacity.to_string()),
+                "{err}"
+            );
+        }
+        let cache = KvCache::new(KvCache::MAX_CAPACITY)?;
+        assert_eq!(cache.capacity(), KvCache::MAX_CAPACITY);
+        Ok(())
+    }
+
+    /// Appending past the capacity limit is an error naming `k`; tokens
+    /// broadcast from one element, so that nothing is allocated.
+    #[test]
+    fn append_past_the_limit_is_an_error() -> Result<()> {
+        let dev = Device::Cpu;
+        let mut cache = KvCache::new(4)?;
+        let big = Tensor::zeros((), DType::F32, &dev)?.broadcast_as((
+            1,
+            1,
+            KvCache::MAX_CAPACITY + 1,
+            1,
+        ))?;
+        let err = cache
+            .append(&big, &big)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.starts_with("k:") && err.contains("MAX_CAPACITY"),
+            "{err}"
+        );
+        assert!(cache.is_empty());
+        Ok(())
+    }
 }

@@ -1,15 +1,18 @@
 //! Cross-attention: queries from one sequence, keys and values from
 //! another (the memory), with no causal mask.
 
-use candle_core::quantized::GgmlDType;
-use candle_core::{DType, Tensor};
-use candle_nn::{Linear, Module, VarBuilder};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
-use crate::error::{check_dtype_device, AttnError, Result};
-use crate::kernel::{self, Backend};
-use crate::linear::Proj;
+use candle_core::quantized::GgmlDType;
+use candle_core::Tensor;
+use candle_nn::{Linear, VarBuilder};
+
+use crate::error::{AttnError, Result};
+use crate::heads::{AttnCore, CoreDims};
+use crate::kernel::{AttnOutput, Backend, Weights};
 use crate::mask::Mask;
-use crate::proj::{check_input, merge_heads, silence_unattending, split_heads, HeadLayout};
+use crate::proj::Proj;
 
 /// The sizes of a [`CrossAttention`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,12 +51,6 @@ impl CrossAttentionConfig {
 
     /// Rejects impossible sizes before any tensor is built.
     pub fn validate(&self) -> Result<()> {
-        HeadLayout::new(
-            "CrossAttention",
-            self.inner_dim,
-            self.num_heads,
-            self.num_kv_heads,
-        )?;
         for (name, v) in [
             ("query_dim", self.query_dim),
             ("memory_dim", self.memory_dim),
@@ -66,7 +63,20 @@ impl CrossAttentionConfig {
                 });
             }
         }
-        Ok(())
+        self.dims().layout().map(|_| ())
+    }
+
+    fn dims(&self) -> CoreDims {
+        CoreDims {
+            module: "CrossAttention",
+            query_dim: self.query_dim,
+            kv_dim: self.memory_dim,
+            inner: self.inner_dim,
+            out: self.out_dim,
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            bias: self.bias,
+        }
     }
 }
 
@@ -140,15 +150,16 @@ impl CrossKv {
 /// memory_dim)`, `o_proj (out_dim, inner)`, each with a bias when
 /// configured, where `kv_inner = num_kv_heads * head_dim`. The projections
 /// are dense or, after [`CrossAttention::quantize`], quantized.
+///
+/// It counts the memories it projects ([`CrossAttention::memory_projections`]),
+/// so that a caller can check that an image's keys and values are projected
+/// once, not at every decode step.
 #[derive(Debug, Clone)]
 pub struct CrossAttention {
-    q_proj: Proj,
-    k_proj: Proj,
-    v_proj: Proj,
-    o_proj: Proj,
-    heads: HeadLayout,
+    core: AttnCore,
     cfg: CrossAttentionConfig,
-    backend: Backend,
+    /// Calls of `project_memory`, shared by clones.
+    projections: Arc<AtomicUsize>,
 }
 
 impl CrossAttention {
@@ -156,21 +167,15 @@ impl CrossAttention {
     /// (`q_proj`, `k_proj`, `v_proj`, `o_proj`).
     pub fn load(vb: VarBuilder, cfg: &CrossAttentionConfig) -> Result<Self> {
         cfg.validate()?;
-        let heads = HeadLayout::new(
-            "CrossAttention",
-            cfg.inner_dim,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-        )?;
-        let kv_inner = heads.kv_inner();
-        let lin = |i, o, name| candle_nn::linear_b(i, o, cfg.bias, vb.pp(name));
-        Self::from_parts(
-            lin(cfg.query_dim, cfg.inner_dim, "q_proj")?,
-            lin(cfg.memory_dim, kv_inner, "k_proj")?,
-            lin(cfg.memory_dim, kv_inner, "v_proj")?,
-            lin(cfg.inner_dim, cfg.out_dim, "o_proj")?,
-            cfg,
-        )
+        Ok(Self::new(AttnCore::load(vb, &cfg.dims())?, cfg))
+    }
+
+    fn new(core: AttnCore, cfg: &CrossAttentionConfig) -> Self {
+        Self {
+            core,
+            cfg: cfg.clone(),
+            projections: Arc::default(),
+        }
     }
 
     /// Builds from existing projections, e.g. split from a checkpoint's fused
@@ -201,34 +206,13 @@ impl CrossAttention {
         cfg: &CrossAttentionConfig,
     ) -> Result<Self> {
         cfg.validate()?;
-        let heads = HeadLayout::new(
-            "CrossAttention",
-            cfg.inner_dim,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-        )?;
-        let kv_inner = heads.kv_inner();
-        for (name, p, out, inp) in [
-            ("q_proj", &q_proj, cfg.inner_dim, cfg.query_dim),
-            ("k_proj", &k_proj, kv_inner, cfg.memory_dim),
-            ("v_proj", &v_proj, kv_inner, cfg.memory_dim),
-            ("o_proj", &o_proj, cfg.out_dim, cfg.inner_dim),
-        ] {
-            p.check(name, out, inp)?;
-        }
-        Ok(Self {
-            q_proj,
-            k_proj,
-            v_proj,
-            o_proj,
-            heads,
-            cfg: cfg.clone(),
-            backend: Backend::default(),
-        })
+        let core = AttnCore::from_projs([q_proj, k_proj, v_proj, o_proj], &cfg.dims())?;
+        Ok(Self::new(core, cfg))
     }
 
     /// A copy with the four projections quantized to `format` (e.g.
-    /// [`GgmlDType::Q8_0`]); activations keep their dtype.
+    /// [`GgmlDType::Q8_0`]); activations keep their dtype. The copy counts
+    /// its memory projections afresh.
     ///
     /// # Errors
     /// [`AttnError::Quantize`] naming the first projection (`q_proj`,
@@ -236,24 +220,23 @@ impl CrossAttention {
     /// `memory_dim`, `inner_dim`) is not a multiple of the format's block
     /// size (32 for `q8_0`, 256 for `q4k`).
     pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
-        Ok(Self {
-            q_proj: self.q_proj.quantize("q_proj", format)?,
-            k_proj: self.k_proj.quantize("k_proj", format)?,
-            v_proj: self.v_proj.quantize("v_proj", format)?,
-            o_proj: self.o_proj.quantize("o_proj", format)?,
-            ..self.clone()
-        })
+        Ok(Self::new(self.core.quantize(format)?, &self.cfg).with_backend(self.backend()))
     }
 
     /// The quantized format of the projections, `None` when dense.
     pub fn quantization(&self) -> Option<GgmlDType> {
-        self.q_proj.quantization()
+        self.core.quantization()
     }
 
     /// Chooses the attention implementation (the default is [`Backend::Auto`]).
     pub fn with_backend(mut self, backend: Backend) -> Self {
-        self.backend = backend;
+        self.core.set_backend(backend);
         self
+    }
+
+    /// The attention implementation in use.
+    pub fn backend(&self) -> Backend {
+        self.core.backend()
     }
 
     /// The sizes this module was built with.
@@ -261,8 +244,14 @@ impl CrossAttention {
         &self.cfg
     }
 
-    fn dtype(&self) -> DType {
-        self.q_proj.dtype()
+    /// How many memories [`CrossAttention::project_memory`] has projected
+    /// (each call counts once, whatever its batch), [`CrossAttention::forward`]
+    /// included. Clones share the count (a decoder that clones its blocks
+    /// counts for all of them); [`CrossAttention::quantize`] starts a new
+    /// one. Decoders use it in tests to check that an image is projected once
+    /// per image, not once per step.
+    pub fn memory_projections(&self) -> usize {
+        self.projections.load(Ordering::Relaxed)
     }
 
     /// Projects the memory into keys and values, once per memory.
@@ -271,48 +260,39 @@ impl CrossAttention {
     /// `memory: (batch, mem_len, memory_dim)` → keys and values
     /// `(batch, kv_heads, mem_len, head_dim)`.
     pub fn project_memory(&self, memory: &Tensor) -> Result<CrossKv> {
-        let (b, t) = check_input("memory", memory, self.cfg.memory_dim, "memory_dim")?;
-        check_dtype_device(
-            "memory",
-            memory,
-            "the weights",
-            self.dtype(),
-            self.q_proj.device(),
-        )?;
-        let hl = &self.heads;
+        let (b, t) = self
+            .core
+            .check_input("memory", memory, self.cfg.memory_dim, "memory_dim")?;
         // (b, t, kv_inner) -> (b, kv_heads, t, head_dim)
-        let k = split_heads(
-            &self.k_proj.forward(memory)?,
-            b,
-            t,
-            hl.num_kv_heads,
-            hl.head_dim,
-        )?;
-        let v = split_heads(
-            &self.v_proj.forward(memory)?,
-            b,
-            t,
-            hl.num_kv_heads,
-            hl.head_dim,
-        )?;
+        let (k, v) = self.core.keys_values(memory, b, t)?;
+        self.projections.fetch_add(1, Ordering::Relaxed);
         CrossKv::new(k, v)
     }
 
-    fn queries(
+    /// Cross-attention over a memory whose keys and values were projected by
+    /// [`CrossAttention::project_memory`]; with [`Weights::Return`], also the
+    /// attention weights per head.
+    ///
+    /// # Shapes
+    /// - `queries: (batch, q_len, query_dim)`, `batch` a multiple of `kv.batch()`
+    /// - `mask: (batch | 1, q_len | 1, mem_len)`, `1` = may attend
+    /// - returns `output (batch, q_len, out_dim)` and `weights (batch,
+    ///   heads, q_len, mem_len)`
+    ///
+    /// # Errors
+    /// Shape, dtype and device errors naming `queries`, `cross kv` or
+    /// `mask`; `backend` when [`Backend::Fused`] is asked for weights.
+    pub fn attend(
         &self,
         queries: &Tensor,
         kv: &CrossKv,
         mask: Option<&Mask>,
-    ) -> Result<(Tensor, usize, usize)> {
-        let (b, t) = check_input("queries", queries, self.cfg.query_dim, "query_dim")?;
-        check_dtype_device(
-            "queries",
-            queries,
-            "the weights",
-            self.dtype(),
-            self.q_proj.device(),
-        )?;
-        if b % kv.batch().max(1) != 0 || kv.batch() == 0 {
+        weights: Weights,
+    ) -> Result<AttnOutput> {
+        let (b, t) = self
+            .core
+            .check_input("queries", queries, self.cfg.query_dim, "query_dim")?;
+        if kv.batch() == 0 || b % kv.batch() != 0 {
             return Err(AttnError::Shape {
                 arg: "queries",
                 expected: format!(
@@ -323,13 +303,12 @@ impl CrossAttention {
                 actual: queries.dims().to_vec(),
             });
         }
-        if kv.k().dims()[1] != self.heads.num_kv_heads || kv.k().dims()[3] != self.heads.head_dim {
+        let hl = self.core.heads();
+        let (_, kv_heads, _, head_dim) = kv.k().dims4()?;
+        if kv_heads != hl.num_kv_heads || head_dim != hl.head_dim {
             return Err(AttnError::Shape {
                 arg: "cross kv",
-                expected: format!(
-                    "(batch, {}, len, {})",
-                    self.heads.num_kv_heads, self.heads.head_dim
-                ),
+                expected: format!("(batch, {}, len, {})", hl.num_kv_heads, hl.head_dim),
                 actual: kv.k().dims().to_vec(),
             });
         }
@@ -337,54 +316,13 @@ impl CrossAttention {
             m.check(b, t, kv.len())?;
         }
         // (b, t, inner) -> (b, heads, t, head_dim)
-        let q = split_heads(
-            &self.q_proj.forward(queries)?,
-            b,
-            t,
-            self.heads.num_heads,
-            self.heads.head_dim,
-        )?;
-        Ok((q, b, t))
+        let q = self.core.queries(queries, b, t)?;
+        self.core.attend(&q, kv.k(), kv.v(), mask, weights, b, t)
     }
 
-    fn output(&self, attn: &Tensor, b: usize, t: usize, mask: Option<&Mask>) -> Result<Tensor> {
-        let out = self.o_proj.forward(&merge_heads(attn, b, t)?)?;
-        silence_unattending(out, mask)
-    }
-
-    /// Cross-attention over a memory whose keys and values were projected by
-    /// [`CrossAttention::project_memory`].
-    ///
-    /// # Shapes
-    /// - `queries: (batch, q_len, query_dim)`, `batch` a multiple of `kv.batch()`
-    /// - `mask: (batch | 1, q_len | 1, mem_len)`, `1` = may attend
-    /// - returns `(batch, q_len, out_dim)`
-    pub fn forward_cached(
-        &self,
-        queries: &Tensor,
-        kv: &CrossKv,
-        mask: Option<&Mask>,
-    ) -> Result<Tensor> {
-        let (q, b, t) = self.queries(queries, kv, mask)?;
-        let attn = kernel::attention(&q, kv.k(), kv.v(), mask, self.heads.scale(), self.backend)?;
-        self.output(&attn, b, t, mask)
-    }
-
-    /// As [`CrossAttention::forward_cached`], also returning the attention
-    /// weights per head `(batch, heads, q_len, mem_len)`.
-    pub fn forward_cached_with_weights(
-        &self,
-        queries: &Tensor,
-        kv: &CrossKv,
-        mask: Option<&Mask>,
-    ) -> Result<(Tensor, Tensor)> {
-        let (q, b, t) = self.queries(queries, kv, mask)?;
-        let (attn, w) =
-            kernel::attention_with_weights(&q, kv.k(), kv.v(), mask, self.heads.scale())?;
-        Ok((self.output(&attn, b, t, mask)?, w))
-    }
-
-    /// Cross-attention of `queries` over `memory`.
+    /// Cross-attention of `queries` over `memory`, projected on the spot
+    /// (use [`CrossAttention::project_memory`] and [`CrossAttention::attend`]
+    /// to project once and reuse, or to get the weights).
     ///
     /// # Shapes
     /// - `queries: (batch, q_len, query_dim)`
@@ -397,31 +335,47 @@ impl CrossAttention {
         memory: &Tensor,
         mask: Option<&Mask>,
     ) -> Result<Tensor> {
-        check_dtype_device(
-            "memory",
-            memory,
-            "queries",
-            queries.dtype(),
-            queries.device(),
-        )?;
-        self.forward_cached(queries, &self.project_memory(memory)?, mask)
+        Ok(self
+            .attend(queries, &self.project_memory(memory)?, mask, Weights::Skip)?
+            .output)
     }
+}
 
-    /// As [`CrossAttention::forward`], also returning the attention weights
-    /// per head `(batch, heads, q_len, mem_len)`.
-    pub fn forward_with_weights(
-        &self,
-        queries: &Tensor,
-        memory: &Tensor,
-        mask: Option<&Mask>,
-    ) -> Result<(Tensor, Tensor)> {
-        check_dtype_device(
-            "memory",
-            memory,
-            "queries",
-            queries.dtype(),
-            queries.device(),
-        )?;
-        self.forward_cached_with_weights(queries, &self.project_memory(memory)?, mask)
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+    use candle_nn::VarMap;
+
+    /// Every `project_memory` counts once, `forward` included; `attend`
+    /// over an already projected memory does not count; clones share the
+    /// count and a quantized copy starts its own.
+    #[test]
+    fn memory_projections_are_counted() -> Result<()> {
+        let dev = Device::Cpu;
+        let vars = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev);
+        let attn = CrossAttention::load(vb, &CrossAttentionConfig::new(32, 32, 2))?;
+        assert_eq!(attn.memory_projections(), 0);
+        let memory = Tensor::randn(0f32, 1., (2, 5, 32), &dev)?;
+        let text = Tensor::randn(0f32, 1., (2, 1, 32), &dev)?;
+        let kv = attn.project_memory(&memory)?;
+        for _ in 0..4 {
+            attn.attend(&text, &kv, None, Weights::Skip)?;
+        }
+        assert_eq!(attn.memory_projections(), 1);
+        attn.forward(&text, &memory, None)?;
+        assert_eq!(attn.memory_projections(), 2);
+        let clone = attn.clone().with_backend(Backend::Reference);
+        clone.project_memory(&memory)?;
+        assert_eq!(attn.memory_projections(), 3);
+        assert_eq!(clone.memory_projections(), 3);
+        let q = clone.quantize(GgmlDType::Q8_0)?;
+        assert_eq!(q.memory_projections(), 0);
+        assert_eq!(q.backend(), Backend::Reference);
+        // A memory refused by its shape is not counted.
+        assert!(attn.project_memory(&text.narrow(2, 0, 8)?).is_err());
+        assert_eq!(attn.memory_projections(), 3);
+        Ok(())
     }
 }

@@ -7,7 +7,7 @@ use candle_nn::{Linear, Module, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
-use crate::linear::Proj;
+use crate::proj::Proj;
 
 /// The feed-forward activation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]

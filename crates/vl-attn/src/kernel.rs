@@ -24,19 +24,46 @@ pub enum Backend {
     /// [`Backend::Fused`] for short query blocks (decode steps, up to
     /// [`AUTO_FUSED_MAX_Q_LEN`] queries) and for score tensors larger than
     /// [`FUSED_BLOCK_BYTES`]; [`Backend::Reference`] otherwise, where its
-    /// matrix products are faster (see BENCHMARKS.md).
+    /// matrix products are faster (see BENCHMARKS.md), and whenever the
+    /// weights are asked for or an input tracks gradients.
     #[default]
     Auto,
     /// Materialises the `(batch, heads, q_len, k_len)` scores with matrix
-    /// products; differentiable. Always used when weights are requested or
-    /// when an input tracks gradients.
+    /// products; differentiable; the only path that returns weights.
     Reference,
     /// Never materialises the score tensor: on CPU, one fused kernel (one
     /// query row at a time, scores in f32, multi-threaded); on other devices,
     /// the reference path over blocks of queries whose scores fit in
-    /// [`FUSED_BLOCK_BYTES`]. Falls back to [`Backend::Reference`] for inputs
-    /// that track gradients.
+    /// [`FUSED_BLOCK_BYTES`].
+    ///
+    /// Strict: a call that the fused path cannot serve — weights asked for
+    /// ([`Weights::Return`]), or an input that tracks gradients (a `Var`) —
+    /// is an [`AttnError::Argument`] naming `backend`, never a silent
+    /// fallback to [`Backend::Reference`]. [`Backend::Auto`] is the choice
+    /// that falls back.
     Fused,
+}
+
+/// Whether an attention call returns its weights besides its output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Weights {
+    /// Only the output (any backend).
+    #[default]
+    Skip,
+    /// The output and the weights `(batch, heads, q_len, k_len)`; served by
+    /// the reference path ([`Backend::Auto`] or [`Backend::Reference`]).
+    Return,
+}
+
+/// What an attention call returns.
+#[derive(Debug, Clone)]
+pub struct AttnOutput {
+    /// The attention output; its shape is documented by each caller.
+    pub output: Tensor,
+    /// The attention weights per head `(batch, heads, q_len, k_len)`, whose
+    /// rows sum to 1, or to 0 where the mask leaves no key; `Some` exactly
+    /// when [`Weights::Return`] was asked.
+    pub weights: Option<Tensor>,
 }
 
 /// The longest query block that [`Backend::Auto`] sends to the fused path.
@@ -55,6 +82,8 @@ struct Dims {
     batch_k: usize,
     kv_heads: usize,
     k_len: usize,
+    /// `batch_q * heads * q_len * k_len`, checked not to overflow.
+    score_elems: usize,
 }
 
 impl Dims {
@@ -93,6 +122,19 @@ impl Dims {
             m.check(batch_q, q_len, k_len)?;
             crate::error::check_dtype_device("mask", m.tensor(), "u8 mask", DType::U8, q.device())?;
         }
+        // The scores are never materialised by the fused path, but their
+        // count sizes the paths' blocks: it must fit in memory sizes.
+        let score_elems = [heads, q_len, k_len, std::mem::size_of::<f32>()]
+            .iter()
+            .try_fold(batch_q, |acc, &n| acc.checked_mul(n))
+            .map(|bytes| bytes / std::mem::size_of::<f32>())
+            .ok_or_else(|| AttnError::Argument {
+                arg: "q, k",
+                reason: format!(
+                    "the scores (batch {batch_q}, heads {heads}, q_len {q_len}, k_len {k_len}) \
+                     overflow the address space"
+                ),
+            })?;
         Ok(Self {
             batch_q,
             heads,
@@ -101,6 +143,7 @@ impl Dims {
             batch_k,
             kv_heads,
             k_len,
+            score_elems,
         })
     }
 
@@ -115,13 +158,26 @@ impl Dims {
     }
 }
 
-/// Attention output `(batch_q, heads, q_len, head_dim)`.
+/// Scaled dot-product attention: the output `(batch_q, heads, q_len,
+/// head_dim)` and, when `weights` is [`Weights::Return`], the weights.
+///
+/// The one entry point of the kernels: `backend` picks the path (see
+/// [`Backend`]; [`Backend::Fused`] refuses what it cannot serve).
 ///
 /// # Shapes
 /// - `q`: `(batch_q, heads, q_len, head_dim)`
 /// - `k`, `v`: `(batch_k, kv_heads, k_len, head_dim)`, `batch_q % batch_k == 0`,
 ///   `heads % kv_heads == 0`
 /// - `mask`: `(batch_q | 1, q_len | 1, k_len)`, `1` = may attend
+/// - returns `output (batch_q, heads, q_len, head_dim)` and
+///   `weights (batch_q, heads, q_len, k_len)`
+///
+/// # Errors
+/// [`AttnError::Shape`], [`AttnError::DType`] or [`AttnError::Device`]
+/// naming the argument that does not match; [`AttnError::Argument`] naming
+/// `q, k` when the score count overflows `usize`, or `backend` when
+/// [`Backend::Fused`] is asked for weights or given inputs that track
+/// gradients.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -129,38 +185,48 @@ pub fn attention(
     mask: Option<&Mask>,
     scale: f64,
     backend: Backend,
-) -> Result<Tensor> {
+    weights: Weights,
+) -> Result<AttnOutput> {
     let dims = Dims::check(q, k, v, mask)?;
     let tracks = q.track_op() || k.track_op() || v.track_op();
-    let score_bytes =
-        dims.batch_q * dims.heads * dims.q_len * dims.k_len * std::mem::size_of::<f32>();
+    let want_weights = weights == Weights::Return;
     let use_fused = match backend {
         Backend::Reference => false,
-        Backend::Fused => true,
-        Backend::Auto => dims.q_len <= AUTO_FUSED_MAX_Q_LEN || score_bytes > FUSED_BLOCK_BYTES,
+        Backend::Fused => {
+            let refuse = |reason: &str| {
+                Err(AttnError::Argument {
+                    arg: "backend",
+                    reason: format!(
+                        "Backend::Fused {reason}; use Backend::Auto or Backend::Reference"
+                    ),
+                })
+            };
+            if want_weights {
+                return refuse("never materialises the weights, but they were asked for");
+            }
+            if tracks {
+                return refuse("is not differentiable, but an input tracks gradients");
+            }
+            true
+        }
+        Backend::Auto => {
+            !want_weights
+                && !tracks
+                && (dims.q_len <= AUTO_FUSED_MAX_Q_LEN
+                    || dims.score_elems > FUSED_BLOCK_BYTES / std::mem::size_of::<f32>())
+        }
     };
-    if use_fused && !tracks {
-        fused(q, k, v, mask, scale, dims)
-    } else {
-        Ok(reference(q, k, v, mask, scale, dims)?.0)
+    if use_fused {
+        return Ok(AttnOutput {
+            output: fused(q, k, v, mask, scale, dims)?,
+            weights: None,
+        });
     }
-}
-
-/// Attention output and weights, always on the reference path.
-///
-/// # Shapes
-/// As [`attention`]; returns `(batch_q, heads, q_len, head_dim)` and the
-/// weights `(batch_q, heads, q_len, k_len)`, whose rows sum to 1, or to 0
-/// where the mask leaves no key.
-pub fn attention_with_weights(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Mask>,
-    scale: f64,
-) -> Result<(Tensor, Tensor)> {
-    let dims = Dims::check(q, k, v, mask)?;
-    reference(q, k, v, mask, scale, dims)
+    let (output, w) = reference(q, k, v, mask, scale, dims)?;
+    Ok(AttnOutput {
+        output,
+        weights: want_weights.then_some(w),
+    })
 }
 
 /// The mask as `(batch_k | 1, 1, r | 1, 1, q_len | 1, k_len)`, to broadcast
@@ -192,6 +258,7 @@ fn reference(
         batch_k,
         kv_heads,
         k_len,
+        ..
     } = dims;
     let (r, g) = (dims.r(), dims.g());
     // f16 queries and keys are widened first: their logits may pass f16's
@@ -291,7 +358,8 @@ fn blocked_reference(
     scale: f64,
     dims: Dims,
 ) -> Result<Tensor> {
-    let row_bytes = dims.batch_q * dims.heads * dims.k_len * std::mem::size_of::<f32>();
+    // Checked by `Dims::check`: the whole score count, in bytes, fits.
+    let row_bytes = (dims.score_elems / dims.q_len.max(1)) * std::mem::size_of::<f32>();
     let block = (FUSED_BLOCK_BYTES / row_bytes.max(1)).clamp(1, dims.q_len.max(1));
     if block >= dims.q_len {
         return Ok(reference(q, k, v, mask, scale, dims)?.0);
@@ -434,7 +502,19 @@ impl CustomOp3 for FusedCpu {
             slice(s3, l3, "v")?,
         );
         let d = self.dims;
-        let mut out = vec![0f32; d.batch_q * d.heads * d.q_len * d.head_dim];
+        let len = [d.heads, d.q_len, d.head_dim]
+            .iter()
+            .try_fold(d.batch_q, |acc, &n| acc.checked_mul(n));
+        let Some(len) = len else {
+            candle_core::bail!(
+                "fused attention: output ({}, {}, {}, {}) overflows usize",
+                d.batch_q,
+                d.heads,
+                d.q_len,
+                d.head_dim
+            )
+        };
+        let mut out = vec![0f32; len];
         if d.head_dim > 0 {
             out.par_chunks_mut(d.head_dim).enumerate().for_each_init(
                 || vec![0f32; d.k_len],
@@ -462,10 +542,19 @@ mod tests {
         let k = Tensor::full(300f32, (1, 1, 3, 16), &dev)?;
         let v = Tensor::arange(0f32, 48., &dev)?.reshape((1, 1, 3, 16))?;
         let scale = 0.25;
-        let want = attention(&q, &k, &v, None, scale, Backend::Reference)?;
+        let want = attention(&q, &k, &v, None, scale, Backend::Reference, Weights::Skip)?.output;
         let half = |t: &Tensor| t.to_dtype(DType::F16);
         for backend in [Backend::Reference, Backend::Fused, Backend::Auto] {
-            let got = attention(&half(&q)?, &half(&k)?, &half(&v)?, None, scale, backend)?;
+            let got = attention(
+                &half(&q)?,
+                &half(&k)?,
+                &half(&v)?,
+                None,
+                scale,
+                backend,
+                Weights::Skip,
+            )?
+            .output;
             let diff = (got.to_dtype(DType::F32)? - &want)?
                 .abs()?
                 .flatten_all()?
@@ -473,6 +562,80 @@ mod tests {
                 .to_scalar::<f32>()?;
             assert!(diff <= 1e-2, "{backend:?}: {diff}");
         }
+        Ok(())
+    }
+
+    /// Queries and keys of 2^33 tokens each (broadcast views of one
+    /// element: nothing is allocated) have 2^66 scores: an error naming the
+    /// inputs on every backend, not an overflow panic (in debug) or a
+    /// wrapped size (in release).
+    #[test]
+    fn score_count_overflow_is_an_error() -> Result<()> {
+        let dev = Device::Cpu;
+        let huge = 1usize << 33;
+        let q = Tensor::zeros((), DType::F32, &dev)?.broadcast_as((1, 1, huge, 1))?;
+        for backend in [Backend::Reference, Backend::Fused, Backend::Auto] {
+            let err = attention(&q, &q, &q, None, 1.0, backend, Weights::Skip)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(
+                err.contains("q, k") && err.contains(&huge.to_string()),
+                "{backend:?}: {err}"
+            );
+        }
+        Ok(())
+    }
+
+    /// `Backend::Fused` refuses what it cannot serve instead of running the
+    /// reference path behind the caller's back; `Auto` falls back.
+    #[test]
+    fn fused_refuses_weights_and_gradients() -> Result<()> {
+        let dev = Device::Cpu;
+        let q = Tensor::randn(0f32, 1., (1, 2, 3, 4), &dev)?;
+        let k = Tensor::randn(0f32, 1., (1, 2, 5, 4), &dev)?;
+        let err = attention(&q, &k, &k, None, 0.5, Backend::Fused, Weights::Return)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.starts_with("backend:") && err.contains("weights"),
+            "{err}"
+        );
+        let var = candle_core::Var::from_tensor(&q)?;
+        let err = attention(
+            var.as_tensor(),
+            &k,
+            &k,
+            None,
+            0.5,
+            Backend::Fused,
+            Weights::Skip,
+        )
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+        assert!(
+            err.starts_with("backend:") && err.contains("gradients"),
+            "{err}"
+        );
+        let auto = attention(&q, &k, &k, None, 0.5, Backend::Auto, Weights::Return)?;
+        assert_eq!(
+            auto.weights.map(|w| w.dims().to_vec()),
+            Some(vec![1, 2, 3, 5])
+        );
+        let plain = attention(&q, &k, &k, None, 0.5, Backend::Fused, Weights::Skip)?;
+        assert!(plain.weights.is_none());
+        let grads = attention(
+            var.as_tensor(),
+            &k,
+            &k,
+            None,
+            0.5,
+            Backend::Auto,
+            Weights::Skip,
+        )?;
+        assert!(grads.output.track_op());
         Ok(())
     }
 }

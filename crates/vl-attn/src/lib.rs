@@ -1,24 +1,32 @@
-//! Cross-attention and causal self-attention for [candle](https://github.com/huggingface/candle).
+//! Cross-attention and self-attention for [candle](https://github.com/huggingface/candle).
 //!
 //! - [`CrossAttention`]: queries of one width attend to a memory of another
 //!   (text over image tokens, audio over video), with grouped-query heads,
 //!   optional biases, and a [`CrossKv`] cache so that the memory's keys and
 //!   values are projected once and shared, without copies, by every beam or
 //!   sample that reads it.
+//! - [`SelfAttention`]: bidirectional self-attention with an optional key
+//!   mask, for encoders (a ViT's blocks).
 //! - [`CausalSelfAttention`] with a preallocated, growable [`KvCache`]
 //!   (bottom-right aligned causal masks, left padding through key masks).
+//! - All three share one core (the `heads` module: the projections
+//!   `q_proj`, `k_proj`, `v_proj`, `o_proj` and their head layout), and each
+//!   has one method, `attend`, that returns an [`AttnOutput`]: the output
+//!   and, when [`Weights::Return`] is asked, the attention weights; `forward`
+//!   is `attend` without the weights.
 //! - [`mask`]: every mask, with one polarity — `1` = may attend.
-//! - [`kernel`]: the reference and the fused attention paths; a query row
-//!   with nothing to attend to yields zeros, never NaN.
+//! - [`kernel`]: the reference and the fused attention paths behind one
+//!   entry point, [`kernel::attention`]; a query row with nothing to attend
+//!   to yields zeros, never NaN.
 //! - [`Proj`]: the projections, dense or quantized (`q8_0`, `q4k`) through
-//!   `quantize` on either attention.
+//!   `quantize` on every attention and on [`FeedForward`].
 //! - [`TanhGate`] (Flamingo's gated cross-attention) and [`QueryPool`]
 //!   (learned queries that summarise a memory).
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
 //! use candle_nn::{VarBuilder, VarMap};
-//! use vl_attn::{CrossAttention, CrossAttentionConfig, Mask, mask};
+//! use vl_attn::{mask, CrossAttention, CrossAttentionConfig, Weights};
 //!
 //! # fn main() -> Result<(), vl_attn::AttnError> {
 //! let dev = Device::Cpu;
@@ -33,9 +41,12 @@
 //! let kv = attn.project_memory(&image)?;
 //! // The second sample has no image: its text attends to nothing.
 //! let has_image = mask::image_tokens(&[197, 0], 197, &dev)?;
-//! let out = attn.forward_cached(&text, &kv, Some(&has_image))?;
-//! assert_eq!(out.dims(), &[2, 5, 64]);
-//! assert_eq!(out.get(1)?.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+//! let out = attn.attend(&text, &kv, Some(&has_image), Weights::Return)?;
+//! assert_eq!(out.output.dims(), &[2, 5, 64]);
+//! assert_eq!(out.output.get(1)?.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+//! // Weights per head, (batch, heads, text_len, image_len).
+//! assert_eq!(out.weights.map(|w| w.dims().to_vec()), Some(vec![2, 4, 5, 197]));
+//! assert_eq!(attn.memory_projections(), 1);
 //! # Ok(())
 //! # }
 //! ```
@@ -45,12 +56,12 @@ pub mod cross;
 pub mod error;
 pub mod ffn;
 pub mod gate;
+mod heads;
 pub mod kernel;
-pub mod linear;
 pub mod mask;
 pub mod norm;
 pub mod pool;
-mod proj;
+pub mod proj;
 pub mod self_attn;
 
 pub use cache::KvCache;
@@ -58,9 +69,9 @@ pub use cross::{CrossAttention, CrossAttentionConfig, CrossKv};
 pub use error::{AttnError, Result};
 pub use ffn::{Activation, FeedForward};
 pub use gate::TanhGate;
-pub use kernel::Backend;
-pub use linear::Proj;
+pub use kernel::{AttnOutput, Backend, Weights};
 pub use mask::Mask;
 pub use norm::LayerNorm;
 pub use pool::QueryPool;
-pub use self_attn::{CausalSelfAttention, SelfAttentionConfig};
+pub use proj::Proj;
+pub use self_attn::{CausalSelfAttention, SelfAttention, SelfAttentionConfig};

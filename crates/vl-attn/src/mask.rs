@@ -15,6 +15,26 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::{AttnError, Result};
 
+/// The most elements a mask built here may have: 2^30 bytes (1 GiB of `u8`),
+/// e.g. a causal mask of 32768 × 32768. Larger sizes are refused with an
+/// error naming the argument before anything is allocated, rather than
+/// aborting on the allocation or overflowing the size product.
+pub const MAX_MASK_ELEMENTS: usize = 1 << 30;
+
+/// `dims`' product when it is at most [`MAX_MASK_ELEMENTS`]; otherwise an
+/// [`AttnError::Argument`] naming `arg`, with the sizes.
+fn checked_elements(arg: &'static str, dims: &[usize]) -> Result<usize> {
+    dims.iter()
+        .try_fold(1usize, |acc, &n| acc.checked_mul(n))
+        .filter(|&n| n <= MAX_MASK_ELEMENTS)
+        .ok_or_else(|| AttnError::Argument {
+            arg,
+            reason: format!(
+                "a mask of shape {dims:?} has more than MAX_MASK_ELEMENTS = {MAX_MASK_ELEMENTS} elements"
+            ),
+        })
+}
+
 /// An attention mask: `u8`, shape `(batch | 1, q_len | 1, k_len)`, `1` = may attend.
 #[derive(Debug, Clone)]
 pub struct Mask(Tensor);
@@ -134,8 +154,18 @@ pub fn causal(len: usize, device: &Device) -> Result<Tensor> {
 /// The causal mask for `q_len` new queries after `offset` cached keys:
 /// `(q_len, offset + q_len)`, query `i` may attend to keys `0..=offset + i`
 /// (bottom-right alignment).
+///
+/// # Errors
+/// [`AttnError::Argument`] naming `q_len, offset` when `offset + q_len`
+/// overflows or the mask has more than [`MAX_MASK_ELEMENTS`] elements.
 pub fn causal_with_offset(q_len: usize, offset: usize, device: &Device) -> Result<Tensor> {
-    let k_len = offset + q_len;
+    let k_len = offset
+        .checked_add(q_len)
+        .ok_or_else(|| AttnError::Argument {
+            arg: "q_len, offset",
+            reason: format!("offset {offset} + q_len {q_len} overflows usize"),
+        })?;
+    checked_elements("q_len, offset", &[q_len, k_len])?;
     let data: Vec<u8> = (0..q_len)
         .flat_map(|i| (0..k_len).map(move |j| u8::from(j <= offset + i)))
         .collect();
@@ -155,6 +185,10 @@ pub enum PaddingSide {
 
 /// The key-padding mask `(batch, max_len)` of samples with `lengths` real
 /// tokens each, padded on `side`.
+///
+/// # Errors
+/// [`AttnError::Argument`] naming `lengths` when one is past `max_len`, or
+/// `max_len` when the mask has more than [`MAX_MASK_ELEMENTS`] elements.
 pub fn key_padding(
     lengths: &[usize],
     max_len: usize,
@@ -167,6 +201,7 @@ pub fn key_padding(
             reason: format!("sample {i} has length {len}, more than max_len {max_len}"),
         });
     }
+    checked_elements("max_len", &[lengths.len(), max_len])?;
     let data: Vec<u8> = lengths
         .iter()
         .flat_map(|&len| {
@@ -215,6 +250,12 @@ pub struct MediaSpan {
 ///
 /// `samples[b]` lists sample `b`'s images in text order. Text before any
 /// image sees nothing; memory slots past a sample's images are padding.
+///
+/// # Errors
+/// [`AttnError::Argument`] naming `text_len, memory_len` when the mask has
+/// more than [`MAX_MASK_ELEMENTS`] elements, or `media spans` when a
+/// sample's images hold more than `memory_len` tokens (their sum may
+/// overflow) or are out of text order.
 pub fn interleaved(
     samples: &[Vec<MediaSpan>],
     text_len: usize,
@@ -222,14 +263,22 @@ pub fn interleaved(
     mode: MediaAttention,
     device: &Device,
 ) -> Result<Mask> {
-    let mut data = vec![0u8; samples.len() * text_len * memory_len];
+    let len = checked_elements(
+        "text_len, memory_len",
+        &[samples.len(), text_len, memory_len],
+    )?;
+    let mut data = vec![0u8; len];
     for (b, spans) in samples.iter().enumerate() {
-        let total: usize = spans.iter().map(|s| s.tokens).sum();
-        if total > memory_len {
+        let total = spans
+            .iter()
+            .try_fold(0usize, |acc, s| acc.checked_add(s.tokens))
+            .filter(|&total| total <= memory_len);
+        if total.is_none() {
             return Err(AttnError::Argument {
                 arg: "media spans",
                 reason: format!(
-                    "sample {b} has {total} image tokens, more than memory_len {memory_len}"
+                    "sample {b} has more image tokens than memory_len {memory_len}: {:?}",
+                    spans.iter().map(|s| s.tokens).collect::<Vec<_>>()
                 ),
             });
         }
@@ -356,5 +405,68 @@ mod tests {
         let wrong = Mask::new(Tensor::zeros((2, 2), DType::F32, &Device::Cpu)?);
         assert!(wrong.is_err());
         Ok(())
+    }
+
+    /// Absurd sizes are errors naming the argument, before any allocation:
+    /// the old code aborted allocating (or overflowed `offset + q_len` /
+    /// `batch * text_len * memory_len`).
+    #[test]
+    fn absurd_sizes_are_errors() {
+        let dev = Device::Cpu;
+        let msg = |r: Result<Tensor>| r.err().map(|e| e.to_string()).unwrap_or_default();
+        // Overflowing sum.
+        let err = msg(causal_with_offset(2, usize::MAX, &dev));
+        assert!(
+            err.starts_with("q_len, offset:") && err.contains("overflows"),
+            "{err}"
+        );
+        // A product of 2^40 bytes.
+        let err = msg(causal_with_offset(1 << 20, 0, &dev));
+        assert!(
+            err.contains("MAX_MASK_ELEMENTS") && err.contains("1048576"),
+            "{err}"
+        );
+        // A product that overflows usize.
+        let err = msg(causal_with_offset(1 << 40, 1 << 40, &dev));
+        assert!(err.contains("MAX_MASK_ELEMENTS"), "{err}");
+        // The limit itself is not refused by the check (not built here: 1 GiB).
+        assert!(checked_elements("x", &[1 << 15, 1 << 15]).is_ok());
+        assert!(checked_elements("x", &[1 << 15, (1 << 15) + 1]).is_err());
+        let err = msg(key_padding(&[1], usize::MAX, PaddingSide::Right, &dev));
+        assert!(err.starts_with("max_len:"), "{err}");
+
+        let span = |tokens| MediaSpan {
+            text_start: 0,
+            tokens,
+        };
+        let mask_msg = |r: Result<Mask>| r.err().map(|e| e.to_string()).unwrap_or_default();
+        let err = mask_msg(interleaved(
+            &[vec![span(1)], vec![span(1)]],
+            usize::MAX / 2,
+            3,
+            MediaAttention::MostRecent,
+            &dev,
+        ));
+        assert!(err.starts_with("text_len, memory_len:"), "{err}");
+        let err = mask_msg(interleaved(
+            &[vec![span(1)]],
+            1 << 16,
+            1 << 16,
+            MediaAttention::AllPrevious,
+            &dev,
+        ));
+        assert!(err.contains("MAX_MASK_ELEMENTS"), "{err}");
+        // Token counts whose sum overflows.
+        let err = mask_msg(interleaved(
+            &[vec![span(usize::MAX), span(2)]],
+            2,
+            3,
+            MediaAttention::AllPrevious,
+            &dev,
+        ));
+        assert!(
+            err.starts_with("media spans:") && err.contains("sample 0"),
+            "{err}"
+        );
     }
 }

@@ -1,17 +1,19 @@
-//! Causal self-attention with a text key/value cache.
+//! Self-attention: bidirectional ([`SelfAttention`], for encoders such as a
+//! ViT) and causal with a text key/value cache ([`CausalSelfAttention`]).
+//! Both share [`SelfAttentionConfig`] and the projection core.
 
 use candle_core::quantized::GgmlDType;
-use candle_core::{DType, Tensor};
-use candle_nn::{Linear, Module, VarBuilder};
+use candle_core::{Device, Tensor};
+use candle_nn::{Linear, VarBuilder};
 
 use crate::cache::KvCache;
-use crate::error::{check_dtype_device, Result};
-use crate::kernel::{self, Backend};
-use crate::linear::Proj;
+use crate::error::Result;
+use crate::heads::{AttnCore, CoreDims};
+use crate::kernel::{AttnOutput, Backend, Weights};
 use crate::mask::{self, Mask};
-use crate::proj::{check_input, merge_heads, silence_unattending, split_heads, HeadLayout};
+use crate::proj::Proj;
 
-/// The sizes of a [`CausalSelfAttention`].
+/// The sizes of a [`SelfAttention`] or a [`CausalSelfAttention`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SelfAttentionConfig {
     /// Width of the input and output.
@@ -37,13 +39,165 @@ impl SelfAttentionConfig {
 
     /// Rejects impossible sizes before any tensor is built.
     pub fn validate(&self) -> Result<()> {
-        HeadLayout::new(
-            "CausalSelfAttention",
-            self.hidden,
-            self.num_heads,
-            self.num_kv_heads,
-        )
-        .map(|_| ())
+        self.dims("SelfAttention").layout().map(|_| ())
+    }
+
+    fn dims(&self, module: &'static str) -> CoreDims {
+        CoreDims {
+            module,
+            query_dim: self.hidden,
+            kv_dim: self.hidden,
+            inner: self.hidden,
+            out: self.hidden,
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            bias: self.bias,
+        }
+    }
+}
+
+/// The constructors, quantization and backend of a self-attention type,
+/// written once over its core.
+macro_rules! self_attention_common {
+    ($ty:ident, $module:literal) => {
+        impl $ty {
+            /// Loads or initialises the projections under `vb`
+            /// (`q_proj`, `k_proj`, `v_proj`, `o_proj`).
+            pub fn load(vb: VarBuilder, cfg: &SelfAttentionConfig) -> Result<Self> {
+                Ok(Self {
+                    core: AttnCore::load(vb, &cfg.dims($module))?,
+                    cfg: cfg.clone(),
+                })
+            }
+
+            /// Builds from existing projections (e.g. split from a fused
+            /// `c_attn`); their shapes must match `cfg`.
+            pub fn from_parts(
+                q_proj: Linear,
+                k_proj: Linear,
+                v_proj: Linear,
+                o_proj: Linear,
+                cfg: &SelfAttentionConfig,
+            ) -> Result<Self> {
+                Self::from_projs(
+                    q_proj.into(),
+                    k_proj.into(),
+                    v_proj.into(),
+                    o_proj.into(),
+                    cfg,
+                )
+            }
+
+            /// As `from_parts`, from dense or quantized projections.
+            pub fn from_projs(
+                q_proj: Proj,
+                k_proj: Proj,
+                v_proj: Proj,
+                o_proj: Proj,
+                cfg: &SelfAttentionConfig,
+            ) -> Result<Self> {
+                Ok(Self {
+                    core: AttnCore::from_projs(
+                        [q_proj, k_proj, v_proj, o_proj],
+                        &cfg.dims($module),
+                    )?,
+                    cfg: cfg.clone(),
+                })
+            }
+
+            /// A copy with the four projections quantized to `format` (e.g.
+            /// [`GgmlDType::Q8_0`]); activations keep their dtype.
+            ///
+            /// # Errors
+            /// [`crate::AttnError::Quantize`] naming `q_proj` when `hidden`
+            /// is not a multiple of the format's block size (32 for `q8_0`,
+            /// 256 for `q4k`).
+            pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
+                Ok(Self {
+                    core: self.core.quantize(format)?,
+                    cfg: self.cfg.clone(),
+                })
+            }
+
+            /// The quantized format of the projections, `None` when dense.
+            pub fn quantization(&self) -> Option<GgmlDType> {
+                self.core.quantization()
+            }
+
+            /// Chooses the attention implementation (the default is
+            /// [`Backend::Auto`]).
+            pub fn with_backend(mut self, backend: Backend) -> Self {
+                self.core.set_backend(backend);
+                self
+            }
+
+            /// The attention implementation in use.
+            pub fn backend(&self) -> Backend {
+                self.core.backend()
+            }
+
+            /// The sizes this module was built with.
+            pub fn config(&self) -> &SelfAttentionConfig {
+                &self.cfg
+            }
+
+            /// Checks `x (b, t, hidden)` and projects it: queries `(b,
+            /// heads, t, hd)`, keys and values `(b, kv_heads, t, hd)`.
+            fn project(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor, usize, usize)> {
+                let (b, t) = self.core.check_input("x", x, self.cfg.hidden, "hidden")?;
+                let q = self.core.queries(x, b, t)?;
+                let (k, v) = self.core.keys_values(x, b, t)?;
+                Ok((q, k, v, b, t))
+            }
+        }
+    };
+}
+
+/// Bidirectional multi-head self-attention (grouped-query when
+/// `num_kv_heads < num_heads`): every token attends to every token the key
+/// mask allows, before or after it. For encoders (a ViT's blocks).
+///
+/// Weights: `q_proj (hidden, hidden)`, `k_proj`, `v_proj (kv_inner,
+/// hidden)`, `o_proj (hidden, hidden)`, with biases when configured; dense
+/// or, after [`SelfAttention::quantize`], quantized.
+#[derive(Debug, Clone)]
+pub struct SelfAttention {
+    core: AttnCore,
+    cfg: SelfAttentionConfig,
+}
+
+self_attention_common!(SelfAttention, "SelfAttention");
+
+impl SelfAttention {
+    /// Self-attention of `x` over itself; with [`Weights::Return`], also the
+    /// attention weights per head.
+    ///
+    /// # Shapes
+    /// - `x: (batch, len, hidden)`
+    /// - `key_mask: (batch | 1, len | 1, len)`, `1` = may attend (e.g.
+    ///   [`Mask::from_keys`] of a right-padding mask)
+    /// - returns `output (batch, len, hidden)` and `weights (batch, heads,
+    ///   len, len)`
+    pub fn attend(
+        &self,
+        x: &Tensor,
+        key_mask: Option<&Mask>,
+        weights: Weights,
+    ) -> Result<AttnOutput> {
+        let (q, k, v, b, t) = self.project(x)?;
+        if let Some(m) = key_mask {
+            m.check(b, t, t)?;
+        }
+        self.core.attend(&q, &k, &v, key_mask, weights, b, t)
+    }
+
+    /// [`SelfAttention::attend`] without the weights.
+    ///
+    /// # Shapes
+    /// `x: (batch, len, hidden)`, `key_mask: (batch | 1, len | 1, len)` →
+    /// `(batch, len, hidden)`.
+    pub fn forward(&self, x: &Tensor, key_mask: Option<&Mask>) -> Result<Tensor> {
+        Ok(self.attend(x, key_mask, Weights::Skip)?.output)
     }
 }
 
@@ -56,185 +210,62 @@ impl SelfAttentionConfig {
 /// quantized.
 #[derive(Debug, Clone)]
 pub struct CausalSelfAttention {
-    q_proj: Proj,
-    k_proj: Proj,
-    v_proj: Proj,
-    o_proj: Proj,
-    heads: HeadLayout,
+    core: AttnCore,
     cfg: SelfAttentionConfig,
-    backend: Backend,
 }
 
+self_attention_common!(CausalSelfAttention, "CausalSelfAttention");
+
 impl CausalSelfAttention {
-    /// Loads or initialises the projections under `vb`
-    /// (`q_proj`, `k_proj`, `v_proj`, `o_proj`).
-    pub fn load(vb: VarBuilder, cfg: &SelfAttentionConfig) -> Result<Self> {
-        cfg.validate()?;
-        let heads = HeadLayout::new(
-            "CausalSelfAttention",
-            cfg.hidden,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-        )?;
-        let lin = |o, name| candle_nn::linear_b(cfg.hidden, o, cfg.bias, vb.pp(name));
-        Self::from_parts(
-            lin(cfg.hidden, "q_proj")?,
-            lin(heads.kv_inner(), "k_proj")?,
-            lin(heads.kv_inner(), "v_proj")?,
-            lin(cfg.hidden, "o_proj")?,
-            cfg,
-        )
-    }
-
-    /// Builds from existing projections (e.g. split from a fused `c_attn`).
-    pub fn from_parts(
-        q_proj: Linear,
-        k_proj: Linear,
-        v_proj: Linear,
-        o_proj: Linear,
-        cfg: &SelfAttentionConfig,
-    ) -> Result<Self> {
-        Self::from_projs(
-            q_proj.into(),
-            k_proj.into(),
-            v_proj.into(),
-            o_proj.into(),
-            cfg,
-        )
-    }
-
-    /// As [`CausalSelfAttention::from_parts`], from dense or quantized
-    /// projections.
-    pub fn from_projs(
-        q_proj: Proj,
-        k_proj: Proj,
-        v_proj: Proj,
-        o_proj: Proj,
-        cfg: &SelfAttentionConfig,
-    ) -> Result<Self> {
-        cfg.validate()?;
-        let heads = HeadLayout::new(
-            "CausalSelfAttention",
-            cfg.hidden,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-        )?;
-        for (name, p, out) in [
-            ("q_proj", &q_proj, cfg.hidden),
-            ("k_proj", &k_proj, heads.kv_inner()),
-            ("v_proj", &v_proj, heads.kv_inner()),
-            ("o_proj", &o_proj, cfg.hidden),
-        ] {
-            p.check(name, out, cfg.hidden)?;
-        }
-        Ok(Self {
-            q_proj,
-            k_proj,
-            v_proj,
-            o_proj,
-            heads,
-            cfg: cfg.clone(),
-            backend: Backend::default(),
-        })
-    }
-
-    /// A copy with the four projections quantized to `format` (e.g.
-    /// [`GgmlDType::Q8_0`]); activations keep their dtype.
+    /// An empty cache sized for `capacity` tokens.
     ///
     /// # Errors
-    /// [`crate::AttnError::Quantize`] naming `q_proj` when `hidden` is not a
-    /// multiple of the format's block size (32 for `q8_0`, 256 for `q4k`).
-    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
-        Ok(Self {
-            q_proj: self.q_proj.quantize("q_proj", format)?,
-            k_proj: self.k_proj.quantize("k_proj", format)?,
-            v_proj: self.v_proj.quantize("v_proj", format)?,
-            o_proj: self.o_proj.quantize("o_proj", format)?,
-            ..self.clone()
-        })
-    }
-
-    /// The quantized format of the projections, `None` when dense.
-    pub fn quantization(&self) -> Option<GgmlDType> {
-        self.q_proj.quantization()
-    }
-
-    /// Chooses the attention implementation (the default is [`Backend::Auto`]).
-    pub fn with_backend(mut self, backend: Backend) -> Self {
-        self.backend = backend;
-        self
-    }
-
-    /// The sizes this module was built with.
-    pub fn config(&self) -> &SelfAttentionConfig {
-        &self.cfg
-    }
-
-    fn dtype(&self) -> DType {
-        self.q_proj.dtype()
-    }
-
-    /// An empty cache sized for `capacity` tokens.
-    pub fn new_cache(&self, capacity: usize) -> KvCache {
+    /// As [`KvCache::new`]: `capacity` past [`KvCache::MAX_CAPACITY`].
+    pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
         KvCache::new(capacity)
     }
 
-    fn project(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor, usize, usize)> {
-        let (b, t) = check_input("x", x, self.cfg.hidden, "hidden")?;
-        check_dtype_device("x", x, "the weights", self.dtype(), self.q_proj.device())?;
-        let hl = &self.heads;
-        // each (b, heads, t, head_dim)
-        let q = split_heads(&self.q_proj.forward(x)?, b, t, hl.num_heads, hl.head_dim)?;
-        let k = split_heads(&self.k_proj.forward(x)?, b, t, hl.num_kv_heads, hl.head_dim)?;
-        let v = split_heads(&self.v_proj.forward(x)?, b, t, hl.num_kv_heads, hl.head_dim)?;
-        Ok((q, k, v, b, t))
-    }
-
-    /// Causal self-attention over `x` alone (no cache).
+    /// Causal self-attention of the new tokens `x`; with [`Weights::Return`],
+    /// also the attention weights per head.
     ///
-    /// # Shapes
-    /// - `x: (batch, len, hidden)`
-    /// - `key_mask: (batch | 1, len | 1, len)`, `1` = may attend (e.g.
-    ///   [`Mask::from_keys`] of a left-padding mask); it is combined with the
-    ///   causal mask
-    /// - returns `(batch, len, hidden)`
-    pub fn forward(&self, x: &Tensor, key_mask: Option<&Mask>) -> Result<Tensor> {
-        let (q, k, v, b, t) = self.project(x)?;
-        let mask = combined_mask(t, 0, key_mask, x.device())?;
-        let attn = kernel::attention(&q, &k, &v, mask.as_ref(), self.heads.scale(), self.backend)?;
-        silence_unattending(
-            self.o_proj.forward(&merge_heads(&attn, b, t)?)?,
-            mask.as_ref(),
-        )
-    }
-
-    /// Causal self-attention of the new tokens `x` over the cached tokens and
-    /// themselves; appends their keys and values to `cache`. With `p` tokens
-    /// cached, new query `i` sees keys `0..=p + i`.
+    /// Without a cache, over `x` alone. With `cache` holding `p` tokens, over
+    /// the cached tokens and themselves: new query `i` sees keys `0..=p + i`,
+    /// and the new keys and values are appended to `cache`.
     ///
     /// # Shapes
     /// - `x: (batch, new, hidden)`
     /// - `key_mask: (batch | 1, new | 1, p + new)`, `1` = may attend, over
-    ///   every key after the append (e.g. left padding)
-    /// - returns `(batch, new, hidden)`
-    pub fn forward_cached(
+    ///   every key after the append (e.g. [`Mask::from_keys`] of a
+    ///   left-padding mask); it is combined with the causal mask
+    /// - returns `output (batch, new, hidden)` and `weights (batch, heads,
+    ///   new, p + new)`
+    pub fn attend(
         &self,
         x: &Tensor,
-        cache: &mut KvCache,
+        cache: Option<&mut KvCache>,
         key_mask: Option<&Mask>,
-    ) -> Result<Tensor> {
+        weights: Weights,
+    ) -> Result<AttnOutput> {
         let (q, k, v, b, t) = self.project(x)?;
-        let offset = cache.len();
+        let offset = cache.as_ref().map_or(0, |c| c.len());
         if let Some(m) = key_mask {
             m.check(b, t, offset + t)?;
         }
-        let (k, v) = cache.append(&k, &v)?;
+        let (k, v) = match cache {
+            Some(cache) => cache.append(&k, &v)?,
+            None => (k, v),
+        };
         let mask = combined_mask(t, offset, key_mask, x.device())?;
-        let attn = kernel::attention(&q, &k, &v, mask.as_ref(), self.heads.scale(), self.backend)?;
-        silence_unattending(
-            self.o_proj.forward(&merge_heads(&attn, b, t)?)?,
-            mask.as_ref(),
-        )
+        self.core.attend(&q, &k, &v, mask.as_ref(), weights, b, t)
+    }
+
+    /// [`CausalSelfAttention::attend`] over `x` alone, without the weights.
+    ///
+    /// # Shapes
+    /// `x: (batch, len, hidden)`, `key_mask: (batch | 1, len | 1, len)` →
+    /// `(batch, len, hidden)`.
+    pub fn forward(&self, x: &Tensor, key_mask: Option<&Mask>) -> Result<Tensor> {
+        Ok(self.attend(x, None, key_mask, Weights::Skip)?.output)
     }
 }
 
@@ -245,7 +276,7 @@ fn combined_mask(
     t: usize,
     offset: usize,
     key_mask: Option<&Mask>,
-    device: &candle_core::Device,
+    device: &Device,
 ) -> Result<Option<Mask>> {
     if t == 1 {
         return Ok(key_mask.cloned());

@@ -6,17 +6,45 @@ mod common;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::VarMap;
 use common::*;
-use vl_attn::kernel::{self, Backend};
-use vl_attn::{mask, AttnError, CrossAttention, CrossAttentionConfig, Mask};
+use vl_attn::kernel::{self, Backend, Weights};
+use vl_attn::{mask, AttnError, CrossAttention, CrossAttentionConfig, CrossKv, Mask};
 
+/// A module over plain tensors (initialised through a `VarMap`, then
+/// detached), so that `Backend::Fused` really runs the fused kernel: it
+/// refuses, with an error, inputs that track gradients.
 fn module(q: usize, m: usize, heads: usize, kv_heads: usize) -> (VarMap, CrossAttention) {
     let vars = VarMap::new();
     let cfg = CrossAttentionConfig {
         num_kv_heads: kv_heads,
         ..CrossAttentionConfig::new(q, m, heads)
     };
-    let attn = CrossAttention::load(vb(&vars, DType::F32), &cfg).expect("load");
+    CrossAttention::load(vb(&vars, DType::F32), &cfg).expect("init");
+    let attn = CrossAttention::load(frozen(&vars, DType::F32), &cfg).expect("load");
     (vars, attn)
+}
+
+/// The output over projected keys and values, without weights.
+fn cached(
+    attn: &CrossAttention,
+    q: &Tensor,
+    kv: &CrossKv,
+    mask: Option<&Mask>,
+) -> anyhow::Result<Tensor> {
+    Ok(attn.attend(q, kv, mask, Weights::Skip)?.output)
+}
+
+/// The output and the weights over an unprojected memory.
+fn with_weights(
+    attn: &CrossAttention,
+    q: &Tensor,
+    memory: &Tensor,
+    mask: Option<&Mask>,
+) -> anyhow::Result<(Tensor, Tensor)> {
+    let out = attn.attend(q, &attn.project_memory(memory)?, mask, Weights::Return)?;
+    let w = out
+        .weights
+        .ok_or_else(|| anyhow::anyhow!("weights were asked for"))?;
+    Ok((out.output, w))
 }
 
 #[test]
@@ -25,8 +53,7 @@ fn output_shape_whatever_the_key_length() -> anyhow::Result<()> {
     for k_len in [1, 7, 197] {
         let out = attn.forward(&randn(&[2, 5, 32]), &randn(&[2, k_len, 48]), None)?;
         assert_eq!(out.dims(), &[2, 5, 32]);
-        let (_, w) =
-            attn.forward_with_weights(&randn(&[2, 5, 32]), &randn(&[2, k_len, 48]), None)?;
+        let (_, w) = with_weights(&attn, &randn(&[2, 5, 32]), &randn(&[2, k_len, 48]), None)?;
         assert_eq!(w.dims(), &[2, 4, 5, k_len]);
     }
     Ok(())
@@ -39,12 +66,12 @@ fn cached_equals_uncached() -> anyhow::Result<()> {
     let kv = attn.project_memory(&m)?;
     let direct = attn.forward(&q, &m, None)?;
     // The same queries: within 1e-6.
-    assert!(max_abs_diff(&attn.forward_cached(&q, &kv, None)?, &direct) <= 1e-6);
+    assert!(max_abs_diff(&cached(&attn, &q, &kv, None)?, &direct) <= 1e-6);
     // Reused at several "steps" of one query each: within 1e-5, since the
     // query projection of 1 row and of 6 rows runs different gemm kernels,
     // which round differently (~1e-6).
     for t in 0..6 {
-        let step = attn.forward_cached(&q.narrow(1, t, 1)?, &kv, None)?;
+        let step = cached(&attn, &q.narrow(1, t, 1)?, &kv, None)?;
         assert!(max_abs_diff(&step, &direct.narrow(1, t, 1)?) <= 1e-5);
     }
     Ok(())
@@ -57,7 +84,7 @@ fn beams_share_one_memory_without_copies() -> anyhow::Result<()> {
     let m = randn(&[2, 9, 16]);
     let q = randn(&[6, 4, 16]);
     let kv = attn.project_memory(&m)?;
-    let shared = attn.forward_cached(&q, &kv, None)?;
+    let shared = cached(&attn, &q, &kv, None)?;
     let repeated = attn.forward(&q, &m.repeat_interleave(3)?, None)?;
     // Within 1e-5: projecting 2 or 6 memories runs different gemm blockings.
     let d = max_abs_diff(&shared, &repeated);
@@ -66,7 +93,7 @@ fn beams_share_one_memory_without_copies() -> anyhow::Result<()> {
     let masks = random_mask(&[6, 4, 9], 0.6).to_dtype(DType::U8)?;
     let masks = Mask::new(masks)?;
     let ref_attn = attn.clone().with_backend(Backend::Reference);
-    let a = attn.forward_cached(&q, &kv, Some(&masks))?;
+    let a = cached(&attn, &q, &kv, Some(&masks))?;
     let b = ref_attn.forward(&q, &m.repeat_interleave(3)?, Some(&masks))?;
     assert!(max_abs_diff(&a, &b) <= 1e-5);
     Ok(())
@@ -93,7 +120,7 @@ fn cross_kv_index_select_reorders() -> anyhow::Result<()> {
     let picked = kv.index_select(&Tensor::new(&[2u32, 0], &Device::Cpu)?)?;
     assert_eq!(picked.batch(), 2);
     let q = randn(&[2, 1, 8]);
-    let out = attn.forward_cached(&q, &picked, None)?;
+    let out = cached(&attn, &q, &picked, None)?;
     let want = attn.forward(&q, &Tensor::stack(&[m.i(2)?, m.i(0)?], 0)?, None)?;
     assert!(max_abs_diff(&out, &want) <= 1e-6);
     Ok(())
@@ -110,12 +137,14 @@ fn a_sample_without_image_gets_exact_zeros() -> anyhow::Result<()> {
             let a = if dtype == DType::F32 {
                 a
             } else {
-                let _ = &vars;
-                CrossAttention::load(vb(&vars, dtype), a.config())?.with_backend(backend)
+                CrossAttention::load(vb(&vars, dtype), a.config())?;
+                CrossAttention::load(frozen(&vars, dtype), a.config())?.with_backend(backend)
             };
             let q = randn(&[3, 4, 8]).to_dtype(dtype)?;
             let mem = randn(&[3, 5, 12]).to_dtype(dtype)?;
-            let (out, w) = a.forward_with_weights(&q, &mem, Some(&m))?;
+            // Weights come from the reference path only.
+            let reference = a.clone().with_backend(Backend::Reference);
+            let (out, w) = with_weights(&reference, &q, &mem, Some(&m))?;
             let fused = a.forward(&q, &mem, Some(&m))?;
             for t in [&out, &w, &fused] {
                 assert!(all_finite(t), "{backend:?} {dtype:?}");
@@ -220,6 +249,43 @@ fn construction_rejects_impossible_heads() {
 fn kernel_rejects_bad_shapes() {
     let q = randn(&[2, 4, 3, 8]);
     let k = randn(&[2, 3, 5, 8]);
-    let err = kernel::attention(&q, &k, &k, None, 1.0, Backend::Fused).unwrap_err();
+    let err = kernel::attention(&q, &k, &k, None, 1.0, Backend::Fused, Weights::Skip).unwrap_err();
     assert!(matches!(err, AttnError::Shape { arg: "k", .. }), "{err}");
+}
+
+/// `Backend::Fused` never falls back silently: a module whose weights track
+/// gradients (built from a `VarMap`) and a request for weights are errors
+/// naming `backend`, so that every `Fused` test above, which succeeds, ran
+/// the fused kernel. `Auto` serves both through the reference path.
+#[test]
+fn fused_backend_refuses_what_it_cannot_run() -> anyhow::Result<()> {
+    let vars = VarMap::new();
+    let cfg = CrossAttentionConfig::new(16, 16, 2);
+    let trainable = CrossAttention::load(vb(&vars, DType::F32), &cfg)?;
+    let (q, m) = (randn(&[1, 3, 16]), randn(&[1, 4, 16]));
+    let err = trainable
+        .clone()
+        .with_backend(Backend::Fused)
+        .forward(&q, &m, None)
+        .unwrap_err();
+    assert!(
+        matches!(err, AttnError::Argument { arg: "backend", .. })
+            && err.to_string().contains("gradients"),
+        "{err}"
+    );
+    assert!(trainable.forward(&q, &m, None)?.track_op());
+    let frozen =
+        CrossAttention::load(frozen(&vars, DType::F32), &cfg)?.with_backend(Backend::Fused);
+    let kv = frozen.project_memory(&m)?;
+    let err = frozen.attend(&q, &kv, None, Weights::Return).unwrap_err();
+    assert!(
+        matches!(err, AttnError::Argument { arg: "backend", .. })
+            && err.to_string().contains("weights"),
+        "{err}"
+    );
+    // The frozen fused module agrees with the trainable reference one.
+    let fused = frozen.forward(&q, &m, None)?;
+    assert!(!fused.track_op());
+    assert!(max_abs_diff(&fused, &trainable.forward(&q, &m, None)?) <= 1e-5);
+    Ok(())
 }

@@ -10,7 +10,7 @@ use candle_core::{DType, Device, IndexOp, Tensor, D};
 use candle_nn::VarMap;
 use common::*;
 use proptest::prelude::*;
-use vl_attn::kernel::{attention, attention_with_weights, AUTO_FUSED_MAX_Q_LEN};
+use vl_attn::kernel::{attention, Weights, AUTO_FUSED_MAX_Q_LEN};
 use vl_attn::mask::{self, PaddingSide};
 use vl_attn::{
     Backend, CausalSelfAttention, CrossAttention, CrossAttentionConfig, KvCache, Mask,
@@ -285,11 +285,12 @@ proptest! {
                 let k = cast(rows_of_norm(&kv_shape, c.seed + 1, norm));
                 let v = cast((seeded(&kv_shape, c.seed + 2) * norm.min(1e4)).expect("v"));
                 for backend in BACKENDS {
-                    let out = attention(&q, &k, &v, mask.as_ref(), scale, backend).expect("attention");
+                    let out = attention(&q, &k, &v, mask.as_ref(), scale, backend, Weights::Skip).expect("attention").output;
                     prop_assert_eq!(out.dtype(), dtype);
                     check_output(&out, &live, &format!("{backend:?} {dtype:?} logits <= {bound:e}"))?;
                 }
-                let (out, w) = attention_with_weights(&q, &k, &v, mask.as_ref(), scale).expect("weights");
+                let got = attention(&q, &k, &v, mask.as_ref(), scale, Backend::Reference, Weights::Return).expect("weights");
+                let (out, w) = (got.output, got.weights.expect("weights were asked for"));
                 let what = format!("weights {dtype:?} logits <= {bound:e}");
                 check_output(&out, &live, &what)?;
                 check_output(&w, &live, &what)?;
@@ -307,8 +308,11 @@ proptest! {
         let cfg = CrossAttentionConfig { num_kv_heads: c.kv_heads, ..CrossAttentionConfig::new(qd, md, heads) };
         for dtype in DTYPES {
             let vars = VarMap::new();
-            let attn = CrossAttention::load(vb(&vars, dtype), &cfg).expect("load");
+            CrossAttention::load(vb(&vars, dtype), &cfg).expect("init");
             normalise_weights(&vars);
+            // Plain tensors: `Backend::Fused` runs the fused kernel (it
+            // refuses, with an error, weights that track gradients).
+            let attn = CrossAttention::load(frozen(&vars, dtype), &cfg).expect("load");
             for &bound in logit_bounds(dtype) {
                 // Projections keep norms at most about 1: inputs of norm
                 // sqrt(bound) give logits up to about bound / sqrt(head_dim).
@@ -320,9 +324,11 @@ proptest! {
                     let what = format!("cross {backend:?} {dtype:?} logits <= {bound:e}");
                     check_output(&a.forward(&q, &m, mask.as_ref()).expect("forward"), &live, &what)?;
                     let kv = a.project_memory(&m).expect("kv");
-                    check_output(&a.forward_cached(&q, &kv, mask.as_ref()).expect("cached"), &live, &what)?;
+                    check_output(&a.attend(&q, &kv, mask.as_ref(), Weights::Skip).expect("cached").output, &live, &what)?;
                 }
-                let (out, w) = attn.forward_with_weights(&q, &m, mask.as_ref()).expect("weights");
+                let kv = attn.project_memory(&m).expect("kv");
+                let got = attn.attend(&q, &kv, mask.as_ref(), Weights::Return).expect("weights");
+                let (out, w) = (got.output, got.weights.expect("weights were asked for"));
                 let what = format!("cross weights {dtype:?} logits <= {bound:e}");
                 check_output(&out, &live, &what)?;
                 check_output(&w, &live, &what)?;
@@ -346,8 +352,9 @@ proptest! {
         let cfg = SelfAttentionConfig { num_kv_heads: c.kv_heads, ..SelfAttentionConfig::new(hidden, heads) };
         for dtype in DTYPES {
             let vars = VarMap::new();
-            let attn = CausalSelfAttention::load(vb(&vars, dtype), &cfg).expect("load");
+            CausalSelfAttention::load(vb(&vars, dtype), &cfg).expect("init");
             normalise_weights(&vars);
+            let attn = CausalSelfAttention::load(frozen(&vars, dtype), &cfg).expect("load");
             for &bound in logit_bounds(dtype) {
                 let x = rows_of_norm(&[b, t, hidden], c.seed, bound.sqrt()).to_dtype(dtype).expect("x");
                 for backend in BACKENDS {
@@ -356,7 +363,7 @@ proptest! {
                     check_output(&a.forward(&x, key_mask.as_ref()).expect("forward"), &live, &what)?;
                     // A prompt, then one token at a time through the cache.
                     let p = t.div_ceil(2);
-                    let mut cache = KvCache::new(1);
+                    let mut cache = KvCache::new(1).expect("cache");
                     let step_mask = |from: usize, len: usize| {
                         key_mask.as_ref().map(|m| {
                             let (_, mq, _) = m.dims();
@@ -364,9 +371,9 @@ proptest! {
                             Mask::new(rows.narrow(2, 0, from + len).expect("keys")).expect("mask")
                         })
                     };
-                    let mut outs = vec![a.forward_cached(&x.narrow(1, 0, p).expect("prompt"), &mut cache, step_mask(0, p).as_ref()).expect("prompt")];
+                    let mut outs = vec![a.attend(&x.narrow(1, 0, p).expect("prompt"), Some(&mut cache), step_mask(0, p).as_ref(), Weights::Skip).expect("prompt").output];
                     for i in p..t {
-                        outs.push(a.forward_cached(&x.narrow(1, i, 1).expect("step"), &mut cache, step_mask(i, 1).as_ref()).expect("step"));
+                        outs.push(a.attend(&x.narrow(1, i, 1).expect("step"), Some(&mut cache), step_mask(i, 1).as_ref(), Weights::Skip).expect("step").output);
                     }
                     check_output(&Tensor::cat(&outs, 1).expect("cat"), &live, &format!("{what}, cached"))?;
                 }

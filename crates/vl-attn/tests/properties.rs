@@ -10,7 +10,7 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::VarMap;
 use common::*;
 use proptest::prelude::*;
-use vl_attn::kernel::{attention, attention_with_weights, Backend};
+use vl_attn::kernel::{attention, Backend, Weights};
 use vl_attn::{CrossAttention, CrossAttentionConfig, Mask};
 
 #[derive(Debug, Clone)]
@@ -93,8 +93,8 @@ proptest! {
     fn fused_equals_reference(c in cases()) {
         let (q, k, v, m) = c.tensors();
         for mask in [None, Some(&m)] {
-            let a = attention(&q, &k, &v, mask, c.scale(), Backend::Fused).unwrap();
-            let b = attention(&q, &k, &v, mask, c.scale(), Backend::Reference).unwrap();
+            let a = attention(&q, &k, &v, mask, c.scale(), Backend::Fused, Weights::Skip).unwrap().output;
+            let b = attention(&q, &k, &v, mask, c.scale(), Backend::Reference, Weights::Skip).unwrap().output;
             prop_assert!(max_abs_diff(&a, &b) <= 1e-5);
             prop_assert!(all_finite(&a));
         }
@@ -103,7 +103,10 @@ proptest! {
     #[test]
     fn weight_rows_sum_to_one_or_zero(c in cases()) {
         let (q, k, v, m) = c.tensors();
-        let (_, w) = attention_with_weights(&q, &k, &v, Some(&m), c.scale()).unwrap();
+        let w = attention(&q, &k, &v, Some(&m), c.scale(), Backend::Reference, Weights::Return)
+            .unwrap()
+            .weights
+            .unwrap();
         let sums = w.sum(3).unwrap(); // (bq, h, tq)
         let any = m.tensor().max_keepdim(2).unwrap().to_dtype(DType::F32).unwrap(); // (bq, mq, 1)
         let want = any.squeeze(2).unwrap().unsqueeze(1).unwrap().broadcast_as(sums.shape()).unwrap();
@@ -114,19 +117,25 @@ proptest! {
     #[test]
     fn masked_keys_change_nothing(c in cases()) {
         let (q, k, v, m) = c.tensors();
-        // Replace every key and value with garbage where no query of the
-        // sample may see it... simplest: where the mask is shared by queries.
-        let keys = m.tensor().max_keepdim(1).unwrap(); // (bq, 1, tk): seen by some query
+        // Replace with garbage every key and value that no query may see:
+        // a key of memory sample `kb` is read by the `r` query samples
+        // `kb * r..(kb + 1) * r`, so it is hidden when none of their queries
+        // may attend to it. Every case checks, shared keys (r > 1) included.
         let (bq, _, tk) = m.dims();
-        if bq != c.batch_k { return Ok(()); } // keys shared by r > 1 samples
-        let hidden = keys.eq(0u8).unwrap().reshape((bq, 1, tk, 1)).unwrap()
+        prop_assert_eq!(bq, c.batch_k * c.r);
+        // (bq, mq, tk) -> (bq, 1, tk) -> (batch_k, r, tk) -> (batch_k, 1, tk)
+        let seen = m.tensor().max_keepdim(1).unwrap()
+            .reshape((c.batch_k, c.r, tk)).unwrap()
+            .max_keepdim(1).unwrap();
+        // (batch_k, 1, tk, 1) over (batch_k, kv_heads, tk, head_dim)
+        let hidden = seen.eq(0u8).unwrap().reshape((c.batch_k, 1, tk, 1)).unwrap()
             .broadcast_as(k.shape()).unwrap();
         let junk = (seeded(k.dims(), c.seed + 9) * 1e3).unwrap();
         let k2 = hidden.where_cond(&junk, &k).unwrap();
         let v2 = hidden.where_cond(&junk, &v).unwrap();
         for backend in [Backend::Fused, Backend::Reference] {
-            let a = attention(&q, &k, &v, Some(&m), c.scale(), backend).unwrap();
-            let b = attention(&q, &k2, &v2, Some(&m), c.scale(), backend).unwrap();
+            let a = attention(&q, &k, &v, Some(&m), c.scale(), backend, Weights::Skip).unwrap().output;
+            let b = attention(&q, &k2, &v2, Some(&m), c.scale(), backend, Weights::Skip).unwrap().output;
             prop_assert!(max_abs_diff(&a, &b) <= 1e-5);
         }
     }
@@ -137,15 +146,15 @@ proptest! {
         let perm: Vec<u32> = (0..c.k_len as u32).rev().collect();
         let idx = Tensor::new(perm, &Device::Cpu).unwrap();
         let mp = Mask::new(m.tensor().index_select(&idx, 2).unwrap()).unwrap();
-        let a = attention(&q, &k, &v, Some(&m), c.scale(), Backend::Fused).unwrap();
-        let b = attention(&q, &k.index_select(&idx, 2).unwrap(), &v.index_select(&idx, 2).unwrap(), Some(&mp), c.scale(), Backend::Fused).unwrap();
+        let a = attention(&q, &k, &v, Some(&m), c.scale(), Backend::Fused, Weights::Skip).unwrap().output;
+        let b = attention(&q, &k.index_select(&idx, 2).unwrap(), &v.index_select(&idx, 2).unwrap(), Some(&mp), c.scale(), Backend::Fused, Weights::Skip).unwrap().output;
         prop_assert!(max_abs_diff(&a, &b) <= 1e-5);
     }
 
     #[test]
     fn batch_equals_per_sample(c in cases()) {
         let (q, k, v, m) = c.tensors();
-        let all = attention(&q, &k, &v, Some(&m), c.scale(), Backend::Fused).unwrap();
+        let all = attention(&q, &k, &v, Some(&m), c.scale(), Backend::Fused, Weights::Skip).unwrap().output;
         for b in 0..c.batch_k * c.r {
             let kb = b / c.r;
             let one = attention(
@@ -155,7 +164,8 @@ proptest! {
                 Some(&Mask::new(m.tensor().i(b..b + 1).unwrap()).unwrap()),
                 c.scale(),
                 Backend::Reference,
-            ).unwrap();
+                Weights::Skip,
+            ).unwrap().output;
             prop_assert!(max_abs_diff(&all.i(b..b + 1).unwrap(), &one) <= 1e-5);
         }
     }
@@ -163,11 +173,11 @@ proptest! {
     #[test]
     fn half_precision_is_close_to_f32(c in cases()) {
         let (q, k, v, m) = c.tensors();
-        let want = attention(&q, &k, &v, Some(&m), c.scale(), Backend::Reference).unwrap();
+        let want = attention(&q, &k, &v, Some(&m), c.scale(), Backend::Reference, Weights::Skip).unwrap().output;
         for (dtype, tol) in [(DType::F16, 2e-2f32), (DType::BF16, 1e-1)] {
             let cast = |t: &Tensor| t.to_dtype(dtype).unwrap();
             for backend in [Backend::Fused, Backend::Reference] {
-                let got = attention(&cast(&q), &cast(&k), &cast(&v), Some(&m), c.scale(), backend).unwrap();
+                let got = attention(&cast(&q), &cast(&k), &cast(&v), Some(&m), c.scale(), backend, Weights::Skip).unwrap().output;
                 prop_assert_eq!(got.dtype(), dtype);
                 prop_assert!(all_finite(&got));
                 prop_assert!(max_abs_diff(&got, &want) <= tol, "{:?} {:?}", dtype, backend);

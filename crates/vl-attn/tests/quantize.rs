@@ -17,7 +17,8 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use common::*;
 use vl_attn::{
-    AttnError, CausalSelfAttention, CrossAttention, CrossAttentionConfig, SelfAttentionConfig,
+    AttnError, CausalSelfAttention, CrossAttention, CrossAttentionConfig, SelfAttention,
+    SelfAttentionConfig, Weights,
 };
 
 const Q8_TOL: f32 = 0.02;
@@ -54,7 +55,8 @@ fn cross_attention_close_to_dense() -> anyhow::Result<()> {
         assert!(err < tol, "{format:?}: relative error {err} >= {tol}");
         // The projected memory is used the same way as the dense one.
         let kv = q.project_memory(&image)?;
-        assert!(max_abs_diff(&q.forward_cached(&text, &kv, None)?, &got) < 1e-6);
+        let cached = q.attend(&text, &kv, None, Weights::Skip)?.output;
+        assert!(max_abs_diff(&cached, &got) < 1e-6);
     }
     Ok(())
 }
@@ -67,9 +69,12 @@ fn self_attention_cached_equals_uncached() -> anyhow::Result<()> {
     let x = seeded(&[2, 6, 64], 3);
     let full = q.forward(&x, None)?;
     assert!(rel_err(&full, &dense.forward(&x, None)?)? < Q8_TOL);
-    let mut cache = q.new_cache(4);
+    let mut cache = q.new_cache(4)?;
     let steps = (0..6)
-        .map(|i| q.forward_cached(&x.narrow(1, i, 1)?, &mut cache, None))
+        .map(|i| {
+            q.attend(&x.narrow(1, i, 1)?, Some(&mut cache), None, Weights::Skip)
+                .map(|o| o.output)
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let diff = max_abs_diff(&Tensor::cat(&steps, 1)?, &full);
     assert!(diff < 1e-4, "cached vs uncached: {diff}");
@@ -132,6 +137,32 @@ fn unsupported_width_names_the_projection() -> anyhow::Result<()> {
             layer,
             in_dim: 64,
             block: 256,
+            ..
+        }) => assert_eq!(layer, "q_proj"),
+        other => panic!("expected a Quantize error, got {other:?}"),
+    }
+    Ok(())
+}
+
+/// The bidirectional self-attention quantizes like the others: q8_0 within
+/// the same tolerance of the dense module, and a hidden width of 48 is
+/// refused naming `q_proj`.
+#[test]
+fn bidirectional_self_attention_quantizes() -> anyhow::Result<()> {
+    let vars = VarMap::new();
+    let dense = SelfAttention::load(vb(&vars, DType::F32), &SelfAttentionConfig::new(64, 4))?;
+    let q = dense.quantize(GgmlDType::Q8_0)?;
+    assert_eq!(q.quantization(), Some(GgmlDType::Q8_0));
+    let x = seeded(&[2, 9, 64], 6);
+    let err = rel_err(&q.forward(&x, None)?, &dense.forward(&x, None)?)?;
+    assert!(err < Q8_TOL, "relative error {err} >= {Q8_TOL}");
+    let vars = VarMap::new();
+    let narrow = SelfAttention::load(vb(&vars, DType::F32), &SelfAttentionConfig::new(48, 4))?;
+    match narrow.quantize(GgmlDType::Q8_0) {
+        Err(AttnError::Quantize {
+            layer,
+            in_dim: 48,
+            block: 32,
             ..
         }) => assert_eq!(layer, "q_proj"),
         other => panic!("expected a Quantize error, got {other:?}"),

@@ -1,4 +1,5 @@
-//! Causal self-attention: step-by-step == full, padding, the cache.
+//! Self-attention: causal (step-by-step == full, padding, the cache) and
+//! bidirectional (future tokens count, masks, the ViT's old construction).
 #![allow(missing_docs)]
 
 mod common;
@@ -7,16 +8,32 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::VarMap;
 use common::*;
 use vl_attn::mask::{self, PaddingSide};
-use vl_attn::{Backend, CausalSelfAttention, KvCache, Mask, SelfAttentionConfig};
+use vl_attn::{
+    AttnError, Backend, CausalSelfAttention, CrossAttention, CrossAttentionConfig, KvCache, Mask,
+    SelfAttention, SelfAttentionConfig, Weights,
+};
 
+/// A module over plain tensors (initialised through a `VarMap`, then
+/// detached), so that `Backend::Fused` really runs the fused kernel.
 fn module(hidden: usize, heads: usize, kv_heads: usize) -> (VarMap, CausalSelfAttention) {
     let vars = VarMap::new();
     let cfg = SelfAttentionConfig {
         num_kv_heads: kv_heads,
         ..SelfAttentionConfig::new(hidden, heads)
     };
-    let attn = CausalSelfAttention::load(vb(&vars, DType::F32), &cfg).expect("load");
+    CausalSelfAttention::load(vb(&vars, DType::F32), &cfg).expect("init");
+    let attn = CausalSelfAttention::load(frozen(&vars, DType::F32), &cfg).expect("load");
     (vars, attn)
+}
+
+/// The new tokens' output through `cache`, without weights.
+fn cached(
+    attn: &CausalSelfAttention,
+    x: &Tensor,
+    cache: &mut KvCache,
+    mask: Option<&Mask>,
+) -> Result<Tensor, AttnError> {
+    Ok(attn.attend(x, Some(cache), mask, Weights::Skip)?.output)
 }
 
 #[test]
@@ -27,10 +44,10 @@ fn step_by_step_equals_full() -> anyhow::Result<()> {
         let x = randn(&[2, 9, 32]);
         let full = attn.forward(&x, None)?;
         // A prompt of 4, then one token at a time; a capacity of 2 forces growth.
-        let mut cache = KvCache::new(2);
-        let mut outs = vec![attn.forward_cached(&x.narrow(1, 0, 4)?, &mut cache, None)?];
+        let mut cache = KvCache::new(2)?;
+        let mut outs = vec![cached(&attn, &x.narrow(1, 0, 4)?, &mut cache, None)?];
         for t in 4..9 {
-            outs.push(attn.forward_cached(&x.narrow(1, t, 1)?, &mut cache, None)?);
+            outs.push(cached(&attn, &x.narrow(1, t, 1)?, &mut cache, None)?);
         }
         assert_eq!(cache.len(), 9);
         assert!(cache.capacity() >= 9);
@@ -77,12 +94,12 @@ fn left_padding_equals_unpadded() -> anyhow::Result<()> {
     );
 
     // The same with a cache, then one decode step with the grown key mask.
-    let mut cache = KvCache::new(8);
-    let pre = attn.forward_cached(&batch, &mut cache, Some(&key_mask))?;
+    let mut cache = KvCache::new(8)?;
+    let pre = cached(&attn, &batch, &mut cache, Some(&key_mask))?;
     assert!(max_abs_diff(&pre, &out) <= 1e-6);
     let next = randn(&[2, 1, 16]);
     let keys6 = mask::key_padding(&[4, 6], 6, PaddingSide::Left, &Device::Cpu)?;
-    let step = attn.forward_cached(&next, &mut cache, Some(&Mask::from_keys(&keys6)?))?;
+    let step = cached(&attn, &next, &mut cache, Some(&Mask::from_keys(&keys6)?))?;
     let alone6 = attn.forward(&Tensor::cat(&[short, next.i(0..1)?], 1)?, None)?;
     assert!(max_abs_diff(&step.i(0)?, &alone6.i(0)?.narrow(0, 3, 1)?) <= 1e-5);
     Ok(())
@@ -93,18 +110,18 @@ fn cache_index_select_and_reset() -> anyhow::Result<()> {
     let (_v, attn) = module(16, 2, 1);
     let x = randn(&[2, 4, 16]);
     // Room for 8: the cached rows are a non-contiguous view of the buffer.
-    let mut cache = KvCache::new(8);
-    attn.forward_cached(&x, &mut cache, None)?;
+    let mut cache = KvCache::new(8)?;
+    cached(&attn, &x, &mut cache, None)?;
     // Keep sample 1 twice (two beams of it).
     cache.index_select(&Tensor::new(&[1u32, 1], &Device::Cpu)?)?;
     let next = randn(&[1, 1, 16]).repeat((2, 1, 1))?;
-    let out = attn.forward_cached(&next, &mut cache, None)?;
+    let out = cached(&attn, &next, &mut cache, None)?;
     let want = attn.forward(&Tensor::cat(&[x.i(1..2)?, next.i(0..1)?], 1)?, None)?;
     assert!(max_abs_diff(&out.i(0)?, &want.i(0)?.narrow(0, 4, 1)?) <= 1e-5);
     assert!(max_abs_diff(&out.i(0)?, &out.i(1)?) == 0.0);
     cache.reset();
     assert!(cache.is_empty());
-    let again = attn.forward_cached(&x.i(0..2)?, &mut cache, None)?;
+    let again = cached(&attn, &x.i(0..2)?, &mut cache, None)?;
     assert!(max_abs_diff(&again, &attn.forward(&x, None)?) <= 1e-6);
     Ok(())
 }
@@ -117,24 +134,103 @@ fn wrong_inputs_are_errors() -> anyhow::Result<()> {
         err.to_string().contains("x:") && err.to_string().contains("16"),
         "{err}"
     );
-    let mut cache = KvCache::new(4);
-    attn.forward_cached(&randn(&[2, 3, 16]), &mut cache, None)?;
+    let mut cache = KvCache::new(4)?;
+    cached(&attn, &randn(&[2, 3, 16]), &mut cache, None)?;
     // A different batch than the cache holds.
-    let err = attn
-        .forward_cached(&randn(&[3, 1, 16]), &mut cache, None)
-        .unwrap_err();
+    let err = cached(&attn, &randn(&[3, 1, 16]), &mut cache, None).unwrap_err();
     assert!(err.to_string().contains("cache"), "{err}");
-    let err = attn
-        .forward_cached(
-            &randn(&[2, 1, 16]),
-            &mut cache,
-            Some(&Mask::from_keys(&Tensor::ones(
-                (2, 3),
-                DType::U8,
-                &Device::Cpu,
-            )?)?),
-        )
-        .unwrap_err();
+    let err = cached(
+        &attn,
+        &randn(&[2, 1, 16]),
+        &mut cache,
+        Some(&Mask::from_keys(&Tensor::ones(
+            (2, 3),
+            DType::U8,
+            &Device::Cpu,
+        )?)?),
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("mask"), "{err}");
+    Ok(())
+}
+
+fn bidirectional(hidden: usize, heads: usize, kv_heads: usize) -> (VarMap, SelfAttention) {
+    let vars = VarMap::new();
+    let cfg = SelfAttentionConfig {
+        num_kv_heads: kv_heads,
+        ..SelfAttentionConfig::new(hidden, heads)
+    };
+    SelfAttention::load(vb(&vars, DType::F32), &cfg).expect("init");
+    let attn = SelfAttention::load(frozen(&vars, DType::F32), &cfg).expect("load");
+    (vars, attn)
+}
+
+/// The non-causal attention is the attention of the tokens over
+/// themselves that the ViT used to build from a `CrossAttention(x, x)`:
+/// same weights, same output within 1e-6, on both backends.
+#[test]
+fn bidirectional_equals_cross_attention_over_itself() -> anyhow::Result<()> {
+    let (vars, attn) = bidirectional(32, 4, 4);
+    let cross = CrossAttention::load(
+        frozen(&vars, DType::F32),
+        &CrossAttentionConfig::new(32, 32, 4),
+    )?;
+    let x = randn(&[2, 7, 32]);
+    let want = cross.forward(&x, &x, None)?;
+    for backend in [Backend::Reference, Backend::Fused] {
+        let got = attn.clone().with_backend(backend).forward(&x, None)?;
+        let d = max_abs_diff(&got, &want);
+        assert!(d <= 1e-6, "{backend:?}: {d}");
+    }
+    Ok(())
+}
+
+/// Later tokens change earlier outputs (unlike the causal attention), the
+/// weights of every query cover every key, and rows sum to 1.
+#[test]
+fn bidirectional_sees_the_future() -> anyhow::Result<()> {
+    let (_v, attn) = bidirectional(16, 2, 1);
+    let x = randn(&[1, 5, 16]);
+    let y = Tensor::cat(&[x.narrow(1, 0, 4)?, randn(&[1, 1, 16])], 1)?;
+    let (a, b) = (attn.forward(&x, None)?, attn.forward(&y, None)?);
+    assert!(max_abs_diff(&a.narrow(1, 0, 1)?, &b.narrow(1, 0, 1)?) > 1e-4);
+    let out = attn.attend(&x, None, Weights::Return)?;
+    let w = out
+        .weights
+        .ok_or_else(|| anyhow::anyhow!("weights were asked for"))?;
+    assert_eq!(w.dims(), &[1, 2, 5, 5]);
+    assert!(
+        max_abs_diff(
+            &w.sum(3)?,
+            &Tensor::ones((1, 2, 5), DType::F32, &Device::Cpu)?
+        ) <= 1e-6
+    );
+    // The first query gives the last key some weight: no causal mask.
+    assert!(w.i((0, 0, 0, 4))?.to_scalar::<f32>()? > 0.0);
+    assert!(max_abs_diff(&out.output, &a) <= 1e-6);
+    Ok(())
+}
+
+/// A right-padded sample equals the unpadded one (padding keys are masked,
+/// whatever they hold); a query whose keys are all masked gets zeros.
+#[test]
+fn bidirectional_key_mask() -> anyhow::Result<()> {
+    for backend in [Backend::Reference, Backend::Fused] {
+        let (_v, attn) = bidirectional(16, 4, 2);
+        let attn = attn.with_backend(backend);
+        let short = randn(&[1, 3, 16]);
+        let padded = Tensor::cat(&[short.clone(), (randn(&[1, 2, 16]) * 1e3)?], 1)?;
+        let keys = mask::key_padding(&[3, 0], 5, PaddingSide::Right, &Device::Cpu)?;
+        let batch = Tensor::cat(&[padded, randn(&[1, 5, 16])], 0)?;
+        let out = attn.forward(&batch, Some(&Mask::from_keys(&keys)?))?;
+        let alone = attn.forward(&short, None)?;
+        let d = max_abs_diff(&out.i(0)?.narrow(0, 0, 3)?, &alone.i(0)?);
+        assert!(d <= 1e-5, "{backend:?}: {d}");
+        assert_eq!(out.i(1)?.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+        let err = attn
+            .forward(&batch, Some(&Mask::from_keys(&keys.narrow(1, 0, 4)?)?))
+            .unwrap_err();
+        assert!(matches!(err, AttnError::Shape { arg: "mask", .. }), "{err}");
+    }
     Ok(())
 }

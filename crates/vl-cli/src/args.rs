@@ -26,7 +26,7 @@ pub struct ModelArgs {
     /// f32, f16 or bf16.
     #[arg(long, default_value = "f32", value_parser = dtype)]
     pub dtype: DType,
-    /// Decoder linear layers in 8-bit (q8_0) or 4-bit (q4k) blocks at load; none = as stored.
+    /// Linear layers (decoder and ViT) in 8-bit (q8_0) or 4-bit (q4k) blocks at load; none = as stored.
     #[arg(long, default_value = "none")]
     pub quantize: Quantization,
 }
@@ -84,12 +84,9 @@ impl ModelArgs {
             )
             .context("cannot load the embedded shapes captioner")?,
         };
-        if let Some(format) = self.quantize.ggml_dtype() {
-            model.decoder = model
-                .decoder
-                .quantize(format)
-                .with_context(|| format!("--quantize {}", self.quantize))?;
-        }
+        model
+            .quantize(self.quantize)
+            .with_context(|| format!("--quantize {}", self.quantize))?;
         Ok(model)
     }
 

@@ -181,6 +181,11 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             .collect();
         margin = Some(median(gaps));
         model.decoder = model.decoder.quantize(format)?;
+        // The encoder too, as `vl caption --quantize` does.
+        model.vision = match &model.vision {
+            Some(v) => Some(v.quantize(format)?),
+            None => None,
+        };
         let quant = logits_of(&model.decoder)?;
         let same = dense
             .iter()

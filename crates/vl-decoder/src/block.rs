@@ -14,7 +14,7 @@ use candle_core::Tensor;
 use candle_nn::VarBuilder;
 use vl_attn::{
     CausalSelfAttention, CrossAttention, CrossAttentionConfig, CrossKv, FeedForward, KvCache, Mask,
-    SelfAttentionConfig, TanhGate,
+    SelfAttentionConfig, TanhGate, Weights,
 };
 
 use crate::config::DecoderConfig;
@@ -200,6 +200,10 @@ impl DecoderBlock {
     /// `x: (batch, len, hidden)` → `(batch, len, hidden)`, and the
     /// cross-attention weights `(batch, heads, len, image_len)` when asked
     /// for and the block has cross-attention.
+    ///
+    /// # Errors
+    /// Asking for weights from a block set to [`vl_attn::Backend::Fused`]
+    /// is an error naming `backend` (the fused path has no weights).
     pub fn forward(
         &self,
         x: &Tensor,
@@ -208,10 +212,10 @@ impl DecoderBlock {
         inputs: BlockInputs<'_>,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let h = self.self_attn_norm.forward(x)?;
-        let h = match cache {
-            Some(cache) => self.self_attn.forward_cached(&h, cache, inputs.text_mask)?,
-            None => self.self_attn.forward(&h, inputs.text_mask)?,
-        };
+        let h = self
+            .self_attn
+            .attend(&h, cache, inputs.text_mask, Weights::Skip)?
+            .output;
         let mut x = (x + h)?;
         let mut weights = None;
         if let Some(c) = &self.cross {
@@ -226,15 +230,14 @@ impl DecoderBlock {
             };
             if let Some(kv) = kv {
                 let q = c.cross_attn_norm.forward(&x)?;
-                let out = if inputs.want_weights {
-                    let (out, w) =
-                        c.cross_attn
-                            .forward_cached_with_weights(&q, kv, inputs.image_mask)?;
-                    weights = Some(w);
-                    out
+                let want = if inputs.want_weights {
+                    Weights::Return
                 } else {
-                    c.cross_attn.forward_cached(&q, kv, inputs.image_mask)?
+                    Weights::Skip
                 };
+                let attended = c.cross_attn.attend(&q, kv, inputs.image_mask, want)?;
+                weights = attended.weights;
+                let out = attended.output;
                 let out = match &c.gate {
                     Some(g) => g.forward(&out)?,
                     None => out,

@@ -583,7 +583,7 @@ impl VisionLanguageDecoder {
             image_mask,
             caches: (0..self.blocks.len())
                 .map(|_| KvCache::new(capacity))
-                .collect(),
+                .collect::<vl_attn::Result<Vec<_>>>()?,
             rows,
             per_image,
             offset: 0,

@@ -131,9 +131,10 @@ fn beams_share_one_image_context_without_copies() -> anyhow::Result<()> {
     let ctx = model.image_context(&memory(2, 7), Some(img_mask))?;
     let projected = kv_identity(&ctx);
     assert!(projected.iter().all(|l| l.is_some_and(|(_, _, b)| b == 2)));
-    // PROJECTION COUNT: when `CrossAttention::memory_projections()` lands,
-    // assert that every block's counter stays where `image_context` left
-    // it through the steps and reorders below.
+    // Projected once per block, in `image_context`; steps and reorders
+    // below never project again.
+    let projections = projection_counts(&model);
+    assert!(projections.iter().all(|&n| n == 1), "{projections:?}");
     let prompt = tokens(&[&[1, 5], &[1, 6], &[1, 7], &[1, 8], &[1, 9], &[1, 3]]);
     let reorders: [[u32; 6]; 3] = [[2, 0, 1, 5, 5, 3], [1, 1, 1, 3, 4, 5], [0, 2, 1, 4, 3, 3]];
     let next = tokens(&[&[4], &[5], &[6], &[7], &[8], &[9]]);
@@ -152,6 +153,7 @@ fn beams_share_one_image_context_without_copies() -> anyhow::Result<()> {
     };
     let (mut a, mut b) = (decode()?, decode()?);
     assert_eq!(kv_identity(&ctx), projected);
+    assert_eq!(projection_counts(&model), projections);
     // The state reads the context's storage itself: overwriting the
     // context's values in place changes what the state computes. (A state
     // holding a copy would not see it.)
@@ -167,6 +169,40 @@ fn beams_share_one_image_context_without_copies() -> anyhow::Result<()> {
         d > 1e-3,
         "zeroing the context's values changed nothing: {d}"
     );
+    Ok(())
+}
+
+/// How many times each cross-attention block has projected an image.
+fn projection_counts(m: &VisionLanguageDecoder) -> Vec<usize> {
+    m.blocks()
+        .iter()
+        .filter_map(|b| b.cross_branch())
+        .map(|c| c.cross_attn.memory_projections())
+        .collect()
+}
+
+/// Each block's cross-attention projects an image's keys and values once,
+/// in `image_context`, however many rows (beams) and steps read them.
+#[test]
+fn the_image_is_projected_once_per_image() -> anyhow::Result<()> {
+    let (_v, model) = build(&DecoderConfig::tiny(VOCAB, MEM));
+    let counts = projection_counts;
+    let n = counts(&model).len();
+    assert!(n > 0, "the tiny decoder has cross-attention");
+    assert_eq!(counts(&model), vec![0; n]);
+    let ctx = model.image_context(&memory(2, 9), None)?;
+    assert_eq!(counts(&model), vec![1; n]);
+    // 2 images, 3 rows each: a prompt, then 4 steps.
+    let mut state = model.start(&ctx, 3)?;
+    let prompt: &[u32] = &[1, 5];
+    model.step(&mut state, &tokens(&[prompt; 6]))?;
+    for t in 0..4u32 {
+        let next: &[u32] = &[2 + t];
+        model.step(&mut state, &tokens(&[next; 6]))?;
+    }
+    assert_eq!(counts(&model), vec![1; n]);
+    model.image_context(&memory(1, 4), None)?;
+    assert_eq!(counts(&model), vec![2; n]);
     Ok(())
 }
 

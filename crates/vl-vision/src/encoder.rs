@@ -64,6 +64,20 @@ impl VisionEncoder {
         })
     }
 
+    /// A copy with the ViT's projections quantized to `format` (see
+    /// [`Vit::quantize`]); the mock ViT has no weights and is returned as
+    /// it is.
+    ///
+    /// # Errors
+    /// As [`Vit::quantize`]: a width that does not fit the format's block
+    /// size, naming the layer.
+    pub fn quantize(&self, format: candle_core::quantized::GgmlDType) -> Result<Self> {
+        Ok(match self {
+            Self::MockVit(m) => Self::MockVit(m.clone()),
+            Self::Vit(v) => Self::Vit(v.quantize(format).map_err(|e| e.within("vision"))?),
+        })
+    }
+
     /// Image tokens of normalised pixels.
     ///
     /// # Shapes

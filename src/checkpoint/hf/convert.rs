@@ -10,7 +10,9 @@
 //! and `attn.masked_bias` of older checkpoints are never read.
 
 use candle_nn::{Embedding, Linear, VarBuilder};
-use vl_attn::{CausalSelfAttention, CrossAttention, CrossAttentionConfig, SelfAttentionConfig};
+use vl_attn::{
+    CausalSelfAttention, CrossAttention, CrossAttentionConfig, SelfAttention, SelfAttentionConfig,
+};
 
 use vl_decoder::block::{CrossBranch, DecoderBlock};
 use vl_decoder::{DecoderConfig, VisionLanguageDecoder};
@@ -81,13 +83,16 @@ pub fn vit(vb: VarBuilder, cfg: &HfConfig, vit_cfg: &VitConfig) -> Result<Vit> {
     );
     let cls = emb.get((1, 1, d), "cls_token")?;
     let positions = emb.get((1, 1 + vit_cfg.num_patches(), d), "position_embeddings")?;
-    let attn_cfg = CrossAttentionConfig::new(d, d, e.num_attention_heads);
+    let attn_cfg = SelfAttentionConfig {
+        bias: e.qkv_bias,
+        ..SelfAttentionConfig::new(d, e.num_attention_heads)
+    };
     let blocks = (0..e.num_hidden_layers)
         .map(|i| {
             let l = enc.pp("encoder").pp("layer").pp(i);
             let a = l.pp("attention");
             let qkv = a.pp("attention");
-            let attn = CrossAttention::from_parts(
+            let attn = SelfAttention::from_parts(
                 linear(qkv.pp("query"), d, d, e.qkv_bias)?,
                 linear(qkv.pp("key"), d, d, e.qkv_bias)?,
                 linear(qkv.pp("value"), d, d, e.qkv_bias)?,
@@ -98,14 +103,16 @@ pub fn vit(vb: VarBuilder, cfg: &HfConfig, vit_cfg: &VitConfig) -> Result<Vit> {
                 layer_norm(l.pp("layernorm_before"), d, e.layer_norm_eps)?,
                 attn,
                 layer_norm(l.pp("layernorm_after"), d, e.layer_norm_eps)?,
-                linear(
-                    l.pp("intermediate").pp("dense"),
-                    d,
-                    e.intermediate_size,
-                    true,
-                )?,
-                linear(l.pp("output").pp("dense"), e.intermediate_size, d, true)?,
-                e.hidden_act,
+                FeedForward::from_parts(
+                    linear(
+                        l.pp("intermediate").pp("dense"),
+                        d,
+                        e.intermediate_size,
+                        true,
+                    )?,
+                    linear(l.pp("output").pp("dense"), e.intermediate_size, d, true)?,
+                    e.hidden_act,
+                ),
             ))
         })
         .collect::<Result<Vec<_>>>()?;

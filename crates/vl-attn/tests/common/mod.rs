@@ -8,6 +8,20 @@ pub fn vb(vars: &VarMap, dtype: DType) -> VarBuilder<'static> {
     VarBuilder::from_varmap(vars, dtype, &Device::Cpu)
 }
 
+/// A builder over plain tensors (not `Var`s) holding copies of `vars`'
+/// current values: modules loaded from it do not track gradients, so that
+/// `Backend::Fused` serves them (it refuses inputs that track gradients).
+pub fn frozen(vars: &VarMap, dtype: DType) -> VarBuilder<'static> {
+    let tensors = vars
+        .data()
+        .lock()
+        .expect("vars")
+        .iter()
+        .map(|(name, var)| (name.clone(), var.as_tensor().detach()))
+        .collect::<std::collections::HashMap<_, _>>();
+    VarBuilder::from_tensors(tensors, dtype, &Device::Cpu)
+}
+
 pub fn randn(shape: &[usize]) -> Tensor {
     Tensor::randn(0f32, 1., shape, &Device::Cpu).expect("randn")
 }

@@ -1,0 +1,257 @@
+//! How the attention modules split their width into heads, and the core
+//! they share: the four projections `q_proj`, `k_proj`, `v_proj`, `o_proj`
+//! with their shape checks, loading, quantization and backend, written once
+//! for [`crate::CrossAttention`], [`crate::SelfAttention`] and
+//! [`crate::CausalSelfAttention`].
+
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::VarBuilder;
+
+use crate::error::{check_dtype_device, AttnError, Result};
+use crate::kernel::{self, AttnOutput, Backend, Weights};
+use crate::mask::Mask;
+use crate::proj::Proj;
+
+/// How an inner width splits into heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct HeadLayout {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl HeadLayout {
+    pub fn new(
+        module: &'static str,
+        inner: usize,
+        num_heads: usize,
+        num_kv_heads: usize,
+    ) -> Result<Self> {
+        let err = |reason: String| Err(AttnError::Config { module, reason });
+        if num_heads == 0 || num_kv_heads == 0 {
+            return err(format!(
+                "heads ({num_heads}) and kv heads ({num_kv_heads}) must be positive"
+            ));
+        }
+        if inner == 0 || inner % num_heads != 0 {
+            return err(format!(
+                "inner width {inner} is not a positive multiple of heads {num_heads}"
+            ));
+        }
+        if num_heads % num_kv_heads != 0 {
+            return err(format!(
+                "heads {num_heads} is not divisible by kv heads {num_kv_heads}"
+            ));
+        }
+        Ok(Self {
+            num_heads,
+            num_kv_heads,
+            head_dim: inner / num_heads,
+        })
+    }
+
+    pub fn kv_inner(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    pub fn scale(&self) -> f64 {
+        1.0 / (self.head_dim as f64).sqrt()
+    }
+}
+
+/// The widths of an attention module, from its public config.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CoreDims {
+    /// The module, named in config errors.
+    pub module: &'static str,
+    /// Input width of `q_proj`.
+    pub query_dim: usize,
+    /// Input width of `k_proj` and `v_proj`.
+    pub kv_dim: usize,
+    /// `num_heads * head_dim`.
+    pub inner: usize,
+    /// Output width of `o_proj`.
+    pub out: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub bias: bool,
+}
+
+impl CoreDims {
+    /// The head layout; rejects impossible head counts before any tensor is
+    /// built (the widths themselves are checked by each config's `validate`).
+    pub fn layout(&self) -> Result<HeadLayout> {
+        HeadLayout::new(self.module, self.inner, self.num_heads, self.num_kv_heads)
+    }
+}
+
+/// The projections, head layout and backend of an attention module.
+///
+/// Weights: `q_proj (inner, query_dim)`, `k_proj`, `v_proj (kv_inner,
+/// kv_dim)`, `o_proj (out, inner)`, where `kv_inner = num_kv_heads *
+/// head_dim`; dense or quantized.
+#[derive(Debug, Clone)]
+pub(crate) struct AttnCore {
+    q_proj: Proj,
+    k_proj: Proj,
+    v_proj: Proj,
+    o_proj: Proj,
+    heads: HeadLayout,
+    backend: Backend,
+}
+
+impl AttnCore {
+    /// Loads or initialises `q_proj`, `k_proj`, `v_proj`, `o_proj` under `vb`.
+    pub fn load(vb: VarBuilder, d: &CoreDims) -> Result<Self> {
+        let heads = d.layout()?;
+        let lin = |i, o, name| candle_nn::linear_b(i, o, d.bias, vb.pp(name));
+        Self::from_projs(
+            [
+                lin(d.query_dim, d.inner, "q_proj")?.into(),
+                lin(d.kv_dim, heads.kv_inner(), "k_proj")?.into(),
+                lin(d.kv_dim, heads.kv_inner(), "v_proj")?.into(),
+                lin(d.inner, d.out, "o_proj")?.into(),
+            ],
+            d,
+        )
+    }
+
+    /// Builds from `[q_proj, k_proj, v_proj, o_proj]`, checking each shape
+    /// (the error names the projection, expected and actual shape).
+    pub fn from_projs(projs: [Proj; 4], d: &CoreDims) -> Result<Self> {
+        let heads = d.layout()?;
+        let [q_proj, k_proj, v_proj, o_proj] = projs;
+        for (name, p, out, inp) in [
+            ("q_proj", &q_proj, d.inner, d.query_dim),
+            ("k_proj", &k_proj, heads.kv_inner(), d.kv_dim),
+            ("v_proj", &v_proj, heads.kv_inner(), d.kv_dim),
+            ("o_proj", &o_proj, d.out, d.inner),
+        ] {
+            p.check(name, out, inp)?;
+        }
+        Ok(Self {
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            heads,
+            backend: Backend::default(),
+        })
+    }
+
+    /// A copy with the four projections quantized to `format`; the error
+    /// names the first projection (`q_proj`, `k_proj`, `v_proj`, `o_proj`)
+    /// whose input width is not a multiple of the block size.
+    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
+        Ok(Self {
+            q_proj: self.q_proj.quantize("q_proj", format)?,
+            k_proj: self.k_proj.quantize("k_proj", format)?,
+            v_proj: self.v_proj.quantize("v_proj", format)?,
+            o_proj: self.o_proj.quantize("o_proj", format)?,
+            ..self.clone()
+        })
+    }
+
+    /// The quantized format of the projections, `None` when dense.
+    pub fn quantization(&self) -> Option<GgmlDType> {
+        self.q_proj.quantization()
+    }
+
+    pub fn set_backend(&mut self, backend: Backend) {
+        self.backend = backend;
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    pub fn heads(&self) -> &HeadLayout {
+        &self.heads
+    }
+
+    fn dtype(&self) -> DType {
+        self.q_proj.dtype()
+    }
+
+    fn device(&self) -> &Device {
+        self.q_proj.device()
+    }
+
+    /// Checks a `(batch, len, width)` input against the weights' dtype and
+    /// device, and returns `(batch, len)`.
+    pub fn check_input(
+        &self,
+        arg: &'static str,
+        x: &Tensor,
+        width: usize,
+        width_name: &str,
+    ) -> Result<(usize, usize)> {
+        let bt = match x.dims() {
+            &[b, t, d] if d == width => (b, t),
+            dims => {
+                return Err(AttnError::Shape {
+                    arg,
+                    expected: format!("(batch, len, {width}) with {width_name} = {width}"),
+                    actual: dims.to_vec(),
+                })
+            }
+        };
+        check_dtype_device(arg, x, "the weights", self.dtype(), self.device())?;
+        Ok(bt)
+    }
+
+    /// Queries `(b, heads, t, head_dim)` of a checked input `(b, t, query_dim)`.
+    pub fn queries(&self, x: &Tensor, b: usize, t: usize) -> Result<Tensor> {
+        let hl = &self.heads;
+        split_heads(&self.q_proj.forward(x)?, b, t, hl.num_heads, hl.head_dim)
+    }
+
+    /// Keys and values, each `(b, kv_heads, t, head_dim)`, of a checked
+    /// input `(b, t, kv_dim)`.
+    pub fn keys_values(&self, x: &Tensor, b: usize, t: usize) -> Result<(Tensor, Tensor)> {
+        let hl = &self.heads;
+        let k = split_heads(&self.k_proj.forward(x)?, b, t, hl.num_kv_heads, hl.head_dim)?;
+        let v = split_heads(&self.v_proj.forward(x)?, b, t, hl.num_kv_heads, hl.head_dim)?;
+        Ok((k, v))
+    }
+
+    /// Attention of `q (b, heads, t, hd)` over `k`, `v`, merged and put
+    /// through `o_proj`: output `(b, t, out)`, whose rows are zero for
+    /// queries that the mask lets attend to nothing (not even a bias).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Mask>,
+        weights: Weights,
+        b: usize,
+        t: usize,
+    ) -> Result<AttnOutput> {
+        let AttnOutput { output, weights } =
+            kernel::attention(q, k, v, mask, self.heads.scale(), self.backend, weights)?;
+        let out = self.o_proj.forward(&merge_heads(&output, b, t)?)?;
+        let output = match mask {
+            None => out,
+            Some(m) => out.broadcast_mul(&m.any_key(out.dtype())?)?,
+        };
+        Ok(AttnOutput { output, weights })
+    }
+}
+
+/// `(b, t, heads * head_dim)` -> `(b, heads, t, head_dim)`, contiguous.
+fn split_heads(x: &Tensor, b: usize, t: usize, heads: usize, head_dim: usize) -> Result<Tensor> {
+    // (b, t, h, hd) -> (b, h, t, hd)
+    Ok(x.reshape((b, t, heads, head_dim))?
+        .transpose(1, 2)?
+        .contiguous()?)
+}
+
+/// `(b, heads, t, head_dim)` -> `(b, t, heads * head_dim)`.
+fn merge_heads(x: &Tensor, b: usize, t: usize) -> Result<Tensor> {
+    let (_, h, _, hd) = x.dims4()?;
+    // (b, h, t, hd) -> (b, t, h, hd) -> (b, t, h * hd)
+    Ok(x.transpose(1, 2)?.reshape((b, t, h * hd))?)
+}
