@@ -77,6 +77,7 @@ fn cached_equals_uncached() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Values only; that no copy is made is measured in `tests/beam_memory.rs`.
 #[test]
 fn beams_share_one_memory_without_copies() -> anyhow::Result<()> {
     // 2 images, 3 beams each: queries (6, t, d) over a memory of batch 2.
