@@ -58,11 +58,12 @@ fn beams_attend_without_copying_the_memory() -> anyhow::Result<()> {
     // new token per beam (a decode step).
     let (images, beams, mem_len, d) = (2, 3, 4096, 64);
     let vars = VarMap::new();
-    let attn = CrossAttention::load(
+    // Initialised weights in `vars`...
+    CrossAttention::load(
         VarBuilder::from_varmap(&vars, DType::F32, &dev),
         &CrossAttentionConfig::new(d, d, 4),
     )?;
-    // Detached weights: plain tensors, so the fused kernel may run.
+    // ...detached: plain tensors, so the fused kernel may run.
     let tensors = vars
         .data()
         .lock()

@@ -1,121 +1,27 @@
-//! The JSON files of a transformers `VisionEncoderDecoderModel` directory,
-//! and their translation into vl's configurations.
+//! The JSON files of a transformers `VisionEncoderDecoderModel` directory
+//! that are not one family's: `config.json`'s frame around the encoder and
+//! decoder configs (which [`super::vit`] and [`super::gpt2`] define),
+//! `preprocessor_config.json` and the generation settings; and their
+//! translation into vl's configurations.
 
 use std::collections::BTreeMap;
 
 use serde::Deserialize;
 use serde_json::Value;
 
-use vl_decoder::{Activation, DecoderConfig, EarlyStopping, GenerationConfig, Strategy};
+use vl_decoder::{DecoderConfig, EarlyStopping, GenerationConfig, Strategy};
 use vl_vision::{PixelSpec, Resample, VitConfig};
+
+use super::gpt2::HfGpt2Config;
+use super::vit::HfVitConfig;
 
 use crate::error::{config_err, Error, Result};
 
 /// The `model_type` of a transformers vision-encoder-decoder checkpoint.
 pub const MODEL_TYPE: &str = "vision-encoder-decoder";
 
-fn vit_eps() -> f64 {
-    1e-12
-}
-fn gpt2_eps() -> f64 {
-    1e-5
-}
 fn default_true() -> bool {
     true
-}
-fn gelu() -> Activation {
-    Activation::Gelu
-}
-fn gelu_new() -> Activation {
-    Activation::GeluTanh
-}
-fn size_224() -> usize {
-    224
-}
-fn patch_16() -> usize {
-    16
-}
-fn channels_3() -> usize {
-    3
-}
-
-/// `config.json`'s `encoder`: a transformers `ViTConfig`.
-#[derive(Debug, Clone, Deserialize)]
-pub struct HfVitConfig {
-    /// Must be `"vit"`.
-    pub model_type: String,
-    /// Token width.
-    pub hidden_size: usize,
-    /// Encoder layers.
-    pub num_hidden_layers: usize,
-    /// Attention heads.
-    pub num_attention_heads: usize,
-    /// Feed-forward width.
-    pub intermediate_size: usize,
-    /// Feed-forward activation (default `gelu`).
-    #[serde(default = "gelu")]
-    pub hidden_act: Activation,
-    /// Layer-norm epsilon (default 1e-12).
-    #[serde(default = "vit_eps")]
-    pub layer_norm_eps: f64,
-    /// Input size (default 224).
-    #[serde(default = "size_224")]
-    pub image_size: usize,
-    /// Patch size (default 16).
-    #[serde(default = "patch_16")]
-    pub patch_size: usize,
-    /// Input channels (default 3).
-    #[serde(default = "channels_3")]
-    pub num_channels: usize,
-    /// Whether query, key and value have biases (default true).
-    #[serde(default = "default_true")]
-    pub qkv_bias: bool,
-}
-
-/// `config.json`'s `decoder`: a transformers `GPT2Config` with
-/// cross-attention.
-#[derive(Debug, Clone, Deserialize)]
-pub struct HfGpt2Config {
-    /// Must be `"gpt2"`.
-    pub model_type: String,
-    /// Tokens in the vocabulary.
-    pub vocab_size: usize,
-    /// Width.
-    pub n_embd: usize,
-    /// Blocks.
-    pub n_layer: usize,
-    /// Heads.
-    pub n_head: usize,
-    /// Positions.
-    pub n_positions: usize,
-    /// Feed-forward width; `null` means `4 * n_embd`.
-    #[serde(default)]
-    pub n_inner: Option<usize>,
-    /// Feed-forward activation (default `gelu_new`).
-    #[serde(default = "gelu_new")]
-    pub activation_function: Activation,
-    /// Layer-norm epsilon (default 1e-5).
-    #[serde(default = "gpt2_eps")]
-    pub layer_norm_epsilon: f64,
-    /// Must be true: the blocks must have cross-attention.
-    #[serde(default)]
-    pub add_cross_attention: bool,
-    /// Scores divided by `sqrt(head_dim)`; must be true (default).
-    #[serde(default = "default_true")]
-    pub scale_attn_weights: bool,
-    /// Scores also divided by the layer number; must be false (default).
-    #[serde(default)]
-    pub scale_attn_by_inverse_layer_idx: bool,
-    /// Width of the encoder states the cross-attention reads; GPT-2 reads
-    /// `n_embd`, so this must be unset or equal.
-    #[serde(default)]
-    pub cross_attention_hidden_size: Option<usize>,
-    /// Whether `lm_head` is `wte` (default true).
-    #[serde(default = "default_true")]
-    pub tie_word_embeddings: bool,
-    /// Every other key: generation settings of older checkpoints.
-    #[serde(flatten)]
-    pub rest: BTreeMap<String, Value>,
 }
 
 /// `config.json` of a vision-encoder-decoder checkpoint.

@@ -19,9 +19,14 @@
 //!
 //! A directory with only `pytorch_model.bin` is refused: pickle is never
 //! parsed. Shard names must be plain file names inside the directory.
+//!
+//! One file per model family ([`vit`], [`gpt2`]): its config and its
+//! tensors onto vl's modules; a new family is a new file beside them.
 
 pub mod config;
-mod convert;
+pub mod gpt2;
+mod tensors;
+pub mod vit;
 
 use std::collections::BTreeMap;
 use std::path::{Component, Path, PathBuf};
@@ -211,8 +216,8 @@ pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<VlModel> {
     let tokenizer = load_hf_tokenizer(dir, dec_cfg.vocab_size)?;
     let (label, files) = weight_files(dir)?;
     let vb = open_weights(&files, dtype, device)?;
-    let vit = convert::vit(vb.clone(), &cfg, &vit_cfg).map_err(weights_error(&label))?;
-    let decoder = convert::gpt2(vb, &dec_cfg).map_err(weights_error(&label))?;
+    let vit = vit::load(vb.clone(), &cfg, &vit_cfg).map_err(weights_error(&label))?;
+    let decoder = gpt2::load(vb, &dec_cfg).map_err(weights_error(&label))?;
     Ok(VlModel {
         path: dir.to_path_buf(),
         config: VlConfig {

@@ -1,6 +1,6 @@
-//! transformers' tensors mapped onto vl's own modules, through their
-//! `from_parts` constructors: the ViT onto [`Vit`], GPT-2 onto
-//! [`DecoderBlock`]s — one implementation of each, whatever the checkpoint.
+//! The GPT-2 decoder family (`decoder.model_type` `gpt2` with
+//! `add_cross_attention`): its config and its tensors mapped onto vl's
+//! [`DecoderBlock`]s through `from_parts`.
 //!
 //! GPT-2 stores its projections as `Conv1D`, whose weight is `(in, out)`:
 //! each is transposed to a `Linear`'s `(out, in)`. Its fused `c_attn`
@@ -9,30 +9,74 @@
 //! `(hidden, 2 * hidden)` splits into key | value. The buffers `attn.bias`
 //! and `attn.masked_bias` of older checkpoints are never read.
 
+use std::collections::BTreeMap;
+
 use candle_nn::{Embedding, Linear, VarBuilder};
+use serde::Deserialize;
+use serde_json::Value;
 use vl_attn::{
-    CausalSelfAttention, CrossAttention, CrossAttentionConfig, SelfAttention, SelfAttentionConfig,
+    CausalSelfAttention, CrossAttention, CrossAttentionConfig, FeedForward, SelfAttentionConfig,
 };
-
 use vl_decoder::block::{CrossBranch, DecoderBlock};
-use vl_decoder::{DecoderConfig, VisionLanguageDecoder};
-use vl_vision::{Vit, VitBlock, VitConfig};
+use vl_decoder::{Activation, DecoderConfig, VisionLanguageDecoder};
 
+use super::tensors::layer_norm;
 use crate::error::Result;
-use vl_attn::FeedForward;
-use vl_attn::LayerNorm;
 
-use super::config::HfConfig;
+fn gpt2_eps() -> f64 {
+    1e-5
+}
+fn default_true() -> bool {
+    true
+}
+fn gelu_new() -> Activation {
+    Activation::GeluTanh
+}
 
-/// A `torch.nn.Linear` `weight (out, in)`, `bias (out)`.
-fn linear(vb: VarBuilder, inp: usize, out: usize, bias: bool) -> Result<Linear> {
-    let w = vb.get((out, inp), "weight")?;
-    let b = if bias {
-        Some(vb.get(out, "bias")?)
-    } else {
-        None
-    };
-    Ok(Linear::new(w, b))
+/// `config.json`'s `decoder`: a transformers `GPT2Config` with
+/// cross-attention.
+#[derive(Debug, Clone, Deserialize)]
+pub struct HfGpt2Config {
+    /// Must be `"gpt2"`.
+    pub model_type: String,
+    /// Tokens in the vocabulary.
+    pub vocab_size: usize,
+    /// Width.
+    pub n_embd: usize,
+    /// Blocks.
+    pub n_layer: usize,
+    /// Heads.
+    pub n_head: usize,
+    /// Positions.
+    pub n_positions: usize,
+    /// Feed-forward width; `null` means `4 * n_embd`.
+    #[serde(default)]
+    pub n_inner: Option<usize>,
+    /// Feed-forward activation (default `gelu_new`).
+    #[serde(default = "gelu_new")]
+    pub activation_function: Activation,
+    /// Layer-norm epsilon (default 1e-5).
+    #[serde(default = "gpt2_eps")]
+    pub layer_norm_epsilon: f64,
+    /// Must be true: the blocks must have cross-attention.
+    #[serde(default)]
+    pub add_cross_attention: bool,
+    /// Scores divided by `sqrt(head_dim)`; must be true (default).
+    #[serde(default = "default_true")]
+    pub scale_attn_weights: bool,
+    /// Scores also divided by the layer number; must be false (default).
+    #[serde(default)]
+    pub scale_attn_by_inverse_layer_idx: bool,
+    /// Width of the encoder states the cross-attention reads; GPT-2 reads
+    /// `n_embd`, so this must be unset or equal.
+    #[serde(default)]
+    pub cross_attention_hidden_size: Option<usize>,
+    /// Whether `lm_head` is `wte` (default true).
+    #[serde(default = "default_true")]
+    pub tie_word_embeddings: bool,
+    /// Every other key: generation settings of older checkpoints.
+    #[serde(flatten)]
+    pub rest: BTreeMap<String, Value>,
 }
 
 /// A GPT-2 `Conv1D(out, in)`: `weight (in, out)`, `bias (out)`, split
@@ -62,79 +106,9 @@ fn conv1d(vb: VarBuilder, inp: usize, out: usize) -> Result<Linear> {
     Ok(l)
 }
 
-fn layer_norm(vb: VarBuilder, width: usize, eps: f64) -> Result<LayerNorm> {
-    Ok(LayerNorm::load(width, eps, vb)?)
-}
-
-/// The ViT under `encoder.` (and `enc_to_dec_proj.` when the widths
-/// differ). The pooler, if saved, is not read.
-pub fn vit(vb: VarBuilder, cfg: &HfConfig, vit_cfg: &VitConfig) -> Result<Vit> {
-    let e = &cfg.encoder;
-    let d = e.hidden_size;
-    let enc = vb.pp("encoder");
-    let emb = enc.pp("embeddings");
-    let (c, p) = (e.num_channels, e.patch_size);
-    // Conv2d (hidden, channels, patch, patch) with stride = kernel = patch
-    // is a linear layer over patches flattened channel-major.
-    let conv = emb.pp("patch_embeddings").pp("projection");
-    let patch_embed = Linear::new(
-        conv.get((d, c, p, p), "weight")?.reshape((d, c * p * p))?,
-        Some(conv.get(d, "bias")?),
-    );
-    let cls = emb.get((1, 1, d), "cls_token")?;
-    let positions = emb.get((1, 1 + vit_cfg.num_patches(), d), "position_embeddings")?;
-    let attn_cfg = SelfAttentionConfig {
-        bias: e.qkv_bias,
-        ..SelfAttentionConfig::new(d, e.num_attention_heads)
-    };
-    let blocks = (0..e.num_hidden_layers)
-        .map(|i| {
-            let l = enc.pp("encoder").pp("layer").pp(i);
-            let a = l.pp("attention");
-            let qkv = a.pp("attention");
-            let attn = SelfAttention::from_parts(
-                linear(qkv.pp("query"), d, d, e.qkv_bias)?,
-                linear(qkv.pp("key"), d, d, e.qkv_bias)?,
-                linear(qkv.pp("value"), d, d, e.qkv_bias)?,
-                linear(a.pp("output").pp("dense"), d, d, true)?,
-                &attn_cfg,
-            )?;
-            Ok(VitBlock::from_parts(
-                layer_norm(l.pp("layernorm_before"), d, e.layer_norm_eps)?,
-                attn,
-                layer_norm(l.pp("layernorm_after"), d, e.layer_norm_eps)?,
-                FeedForward::from_parts(
-                    linear(
-                        l.pp("intermediate").pp("dense"),
-                        d,
-                        e.intermediate_size,
-                        true,
-                    )?,
-                    linear(l.pp("output").pp("dense"), e.intermediate_size, d, true)?,
-                    e.hidden_act,
-                ),
-            ))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let final_norm = layer_norm(enc.pp("layernorm"), d, e.layer_norm_eps)?;
-    let output_proj = match vit_cfg.output_size {
-        Some(out) => Some(linear(vb.pp("enc_to_dec_proj"), d, out, true)?),
-        None => None,
-    };
-    Ok(Vit::from_parts(
-        patch_embed,
-        cls,
-        positions,
-        blocks,
-        final_norm,
-        output_proj,
-        vit_cfg,
-    )?)
-}
-
 /// GPT-2 under `decoder.` onto vl's decoder; `lm_head` is `wte` unless the
 /// decoder is untied (then `decoder.lm_head.weight` is read).
-pub fn gpt2(vb: VarBuilder, cfg: &DecoderConfig) -> Result<VisionLanguageDecoder> {
+pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<VisionLanguageDecoder> {
     let dec = vb.pp("decoder");
     let t = dec.pp("transformer");
     let h = cfg.hidden_size;
