@@ -78,6 +78,7 @@ pub fn captioner_config(hidden: usize, layers: usize, patch_size: usize) -> VlCo
             tie_word_embeddings: true,
             cross_attention_every: 1,
             gated_cross_attention: false,
+            gated_cross_ffn: false,
             attention_bias: true,
             bos_token_id: 1,
             eos_token_id: 2,

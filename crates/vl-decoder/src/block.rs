@@ -3,11 +3,14 @@
 //! ```text
 //! x += self_attn(self_attn_norm(x))                 causal
 //! x += [tanh(gate) *] cross_attn(cross_attn_norm(x), image)   no causal mask
+//! x += tanh(cross_ffn_gate) * cross_ffn(cross_ffn_norm(x))     gated_cross_ffn only
 //! x += ffn(ffn_norm(x))
 //! ```
 //!
 //! Blocks without cross-attention (when `cross_attention_every > 1`) skip
-//! the middle line.
+//! the middle lines, and so does every block when there is no image. The
+//! second middle line is Flamingo's gated dense layer: a feed-forward of
+//! the cross-attention branch's own, behind a tanh gate that starts at 0.
 
 use candle_core::quantized::GgmlDType;
 use candle_core::Tensor;
@@ -30,6 +33,47 @@ pub struct CrossBranch {
     pub cross_attn: CrossAttention,
     /// Flamingo's tanh gate, when configured.
     pub gate: Option<TanhGate>,
+    /// Flamingo's gated feed-forward after the cross-attention, when
+    /// configured (`gated_cross_ffn`).
+    pub ffn: Option<GatedFeedForward>,
+}
+
+/// A feed-forward branch behind a tanh gate (zero-initialised, so that it
+/// starts closed): `x += tanh(gate) * ffn(ffn_norm(x))`.
+#[derive(Debug, Clone)]
+pub struct GatedFeedForward {
+    /// Pre-norm of the branch.
+    pub ffn_norm: LayerNorm,
+    /// The feed-forward layer.
+    pub ffn: FeedForward,
+    /// The gate.
+    pub gate: TanhGate,
+}
+
+impl GatedFeedForward {
+    /// Loads `cross_ffn_norm`, `cross_ffn.{up,down}` and `cross_ffn_gate`
+    /// under `vb`, with the decoder's widths and activation.
+    pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<Self> {
+        Ok(Self {
+            ffn_norm: layer_norm(vb.pp("cross_ffn_norm"), cfg)?,
+            ffn: FeedForward::load(
+                vb.pp("cross_ffn"),
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                cfg.hidden_act,
+            )?,
+            gate: TanhGate::load(vb, "cross_ffn_gate", 1)?,
+        })
+    }
+
+    /// `tanh(gate) * ffn(ffn_norm(x))`, the branch's residual update.
+    ///
+    /// # Shapes
+    /// `x: (batch, len, hidden)` → `(batch, len, hidden)`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.ffn.forward(&self.ffn_norm.forward(x)?)?;
+        Ok(self.gate.forward(&h)?)
+    }
 }
 
 /// What a block reads besides its input.
@@ -72,7 +116,8 @@ pub(crate) fn layer_norm(vb: VarBuilder, cfg: &DecoderConfig) -> Result<LayerNor
 impl DecoderBlock {
     /// Loads block `layer` under `vb`: `self_attn_norm`, `self_attn.*`,
     /// `cross_attn_norm`, `cross_attn.*`, `cross_attn_gate` (gated only),
-    /// `ffn_norm`, `ffn.*`.
+    /// `cross_ffn_norm`, `cross_ffn.*`, `cross_ffn_gate` (`gated_cross_ffn`
+    /// only), `ffn_norm`, `ffn.*`.
     pub fn load(vb: VarBuilder, cfg: &DecoderConfig, layer: usize) -> Result<Self> {
         let self_cfg = SelfAttentionConfig {
             hidden: cfg.hidden_size,
@@ -95,6 +140,11 @@ impl DecoderBlock {
                 cross_attn: CrossAttention::load(vb.pp("cross_attn"), &cross_cfg)?,
                 gate: if cfg.gated_cross_attention {
                     Some(TanhGate::load(vb.clone(), "cross_attn_gate", 1)?)
+                } else {
+                    None
+                },
+                ffn: if cfg.gated_cross_ffn {
+                    Some(GatedFeedForward::load(vb.clone(), cfg)?)
                 } else {
                     None
                 },
@@ -152,6 +202,13 @@ impl DecoderBlock {
                     .cross_attn
                     .quantize(format)
                     .map_err(|e| e.within("cross_attn"))?,
+                ffn: match &c.ffn {
+                    None => None,
+                    Some(f) => Some(GatedFeedForward {
+                        ffn: f.ffn.quantize(format).map_err(|e| e.within("cross_ffn"))?,
+                        ..f.clone()
+                    }),
+                },
                 ..c.clone()
             }),
         };
@@ -243,6 +300,9 @@ impl DecoderBlock {
                     None => out,
                 };
                 x = (x + out)?;
+                if let Some(f) = &c.ffn {
+                    x = (&x + f.forward(&x)?)?;
+                }
             }
         }
         let h = self.ffn.forward(&self.ffn_norm.forward(&x)?)?;

@@ -67,6 +67,11 @@ pub struct DecoderConfig {
     /// Flamingo's tanh gate on the cross-attention branch (default false).
     #[serde(default)]
     pub gated_cross_attention: bool,
+    /// Flamingo's gated dense layer: a feed-forward of the cross-attention
+    /// branch's own after it, behind a zero-initialised tanh gate (default
+    /// false).
+    #[serde(default)]
+    pub gated_cross_ffn: bool,
     /// Whether the attention projections have biases (default true).
     #[serde(default = "default_true")]
     pub attention_bias: bool,
@@ -163,6 +168,7 @@ impl DecoderConfig {
             tie_word_embeddings: true,
             cross_attention_every: 1,
             gated_cross_attention: false,
+            gated_cross_ffn: false,
             attention_bias: true,
             bos_token_id: 1,
             eos_token_id: 2,

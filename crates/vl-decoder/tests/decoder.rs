@@ -258,24 +258,39 @@ fn images_of_unequal_token_counts_and_a_missing_image() -> anyhow::Result<()> {
 
 #[test]
 fn zero_gates_equal_the_decoder_without_cross_attention() -> anyhow::Result<()> {
-    let cfg = DecoderConfig {
-        gated_cross_attention: true,
-        ..DecoderConfig::tiny(VOCAB, MEM)
-    };
-    let (vars, gated) = build(&cfg);
-    // Gates start at zero: tanh(0) = 0 closes every cross-attention branch.
-    let toks = tokens(&[&[1, 5, 7, 3]]);
-    let with_image = gated.forward(&toks, Some(&memory(1, 5)), ForwardMasks::default())?;
-    let text_only = gated.forward(&toks, None, ForwardMasks::default())?;
-    assert!(max_abs_diff(&with_image, &text_only) <= 1e-6);
-    // Opening a gate lets the image in.
-    for (name, var) in vars.data().lock().expect("lock").iter() {
-        if name.ends_with("cross_attn_gate") {
-            var.set(&Tensor::new(&[0.5f32], &Device::Cpu)?)?;
+    for gated_cross_ffn in [false, true] {
+        let cfg = DecoderConfig {
+            gated_cross_attention: true,
+            gated_cross_ffn,
+            ..DecoderConfig::tiny(VOCAB, MEM)
+        };
+        let (vars, gated) = build(&cfg);
+        // Gates start at zero: tanh(0) = 0 closes every cross-attention
+        // branch, and the gated feed-forward after it.
+        let toks = tokens(&[&[1, 5, 7, 3]]);
+        let with_image = gated.forward(&toks, Some(&memory(1, 5)), ForwardMasks::default())?;
+        let text_only = gated.forward(&toks, None, ForwardMasks::default())?;
+        assert!(max_abs_diff(&with_image, &text_only) <= 1e-6);
+        // Opening a gate lets the image in: each gate on its own.
+        let names: &[&str] = if gated_cross_ffn {
+            &["cross_attn_gate", "cross_ffn_gate"]
+        } else {
+            &["cross_attn_gate"]
+        };
+        for open in names {
+            for (name, var) in vars.data().lock().expect("lock").iter() {
+                let value = if name.ends_with(open) { 0.5f32 } else { 0.0 };
+                if name.ends_with("_gate") {
+                    var.set(&Tensor::new(&[value], &Device::Cpu)?)?;
+                }
+            }
+            let opened = gated.forward(&toks, Some(&memory(1, 5)), ForwardMasks::default())?;
+            assert!(
+                max_abs_diff(&opened, &text_only) > 1e-4,
+                "opening {open} changed nothing"
+            );
         }
     }
-    let opened = gated.forward(&toks, Some(&memory(1, 5)), ForwardMasks::default())?;
-    assert!(max_abs_diff(&opened, &text_only) > 1e-4);
     Ok(())
 }
 

@@ -140,6 +140,7 @@ impl HfConfig {
             tie_word_embeddings: d.tie_word_embeddings,
             cross_attention_every: 1,
             gated_cross_attention: false,
+            gated_cross_ffn: false,
             attention_bias: true,
             bos_token_id: generation.start_token_id,
             eos_token_id: eos,

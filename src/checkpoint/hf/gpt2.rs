@@ -133,6 +133,7 @@ pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<VisionLanguageDecoder
             let x = b.pp("crossattention");
             let [k, v] = conv1d_split::<2>(x.pp("c_attn"), h, 2 * h)?;
             let cross = CrossBranch {
+                ffn: None,
                 cross_attn_norm: layer_norm(b.pp("ln_cross_attn"), h, eps)?,
                 cross_attn: CrossAttention::from_parts(
                     conv1d(x.pp("q_attn"), h, h)?,
