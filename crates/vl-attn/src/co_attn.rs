@@ -101,10 +101,9 @@ impl CoAttentionConfig {
 /// [`Weights::Return`] was asked, both weight tensors.
 #[derive(Debug, Clone)]
 pub struct CoAttentionOutput {
-    /// Stream A's update (or, from [`crate::CoAttentionBlock`], its new
-    /// value), `(batch, a_len, a_dim)`.
+    /// Stream A's update (to be added to A), `(batch, a_len, a_dim)`.
     pub a: Tensor,
-    /// Stream B's update (or new value), `(batch, b_len, b_dim)`.
+    /// Stream B's update (to be added to B), `(batch, b_len, b_dim)`.
     pub b: Tensor,
     /// A's queries over B's keys, `(batch, heads, a_len, b_len)`; rows sum
     /// to 1, or to 0 where `b_keys` leaves no key.

@@ -10,7 +10,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
-use crate::co_attn::{check_stream, CoAttention, CoAttentionConfig, CoAttentionOutput};
+use crate::co_attn::{check_stream, CoAttention, CoAttentionConfig};
 use crate::error::{check_dtype_device, AttnError, Result};
 use crate::ffn::{Activation, FeedForward};
 use crate::kernel::{Backend, Weights};
@@ -77,6 +77,20 @@ impl CoAttentionBlockConfig {
         }
         Ok(())
     }
+}
+
+/// What a [`CoAttentionBlock`] returns: both new streams (not updates) and,
+/// when [`Weights::Return`] was asked, its co-attention weights.
+#[derive(Debug, Clone)]
+pub struct CoAttentionBlockOutput {
+    /// The new stream A, `(batch, a_len, a_dim)`.
+    pub a: Tensor,
+    /// The new stream B, `(batch, b_len, b_dim)`.
+    pub b: Tensor,
+    /// A's queries over B's keys, `(batch, heads, a_len, b_len)`.
+    pub a_weights: Option<Tensor>,
+    /// B's queries over A's keys, `(batch, heads, b_len, a_len)`.
+    pub b_weights: Option<Tensor>,
 }
 
 /// A pre-LN block in which streams A and B attend to each other, then each
@@ -170,7 +184,7 @@ impl CoAttentionBlock {
         a_keys: Option<&Mask>,
         b_keys: Option<&Mask>,
         weights: Weights,
-    ) -> Result<CoAttentionOutput> {
+    ) -> Result<CoAttentionBlockOutput> {
         let cfg = self.co_attn.config();
         // Checked before the norms, so that a wrong width names its argument.
         let (batch, _) = check_stream("a", a, None, cfg.a_dim, "a_dim")?;
@@ -188,7 +202,7 @@ impl CoAttentionBlock {
         let b = (b + co.b)?;
         let a = (&a + self.ffn_a.forward(&self.ffn_norm_a.forward(&a)?)?)?;
         let b = (&b + self.ffn_b.forward(&self.ffn_norm_b.forward(&b)?)?)?;
-        Ok(CoAttentionOutput {
+        Ok(CoAttentionBlockOutput {
             a,
             b,
             a_weights: co.a_weights,

@@ -72,7 +72,7 @@ pub mod self_attn;
 
 pub use cache::KvCache;
 pub use co_attn::{CoAttention, CoAttentionConfig, CoAttentionOutput};
-pub use co_block::{CoAttentionBlock, CoAttentionBlockConfig};
+pub use co_block::{CoAttentionBlock, CoAttentionBlockConfig, CoAttentionBlockOutput};
 pub use cross::{CrossAttention, CrossAttentionConfig, CrossKv};
 pub use error::{AttnError, Result};
 pub use ffn::{Activation, FeedForward};
