@@ -14,6 +14,10 @@
 //!   has one method, `attend`, that returns an [`AttnOutput`]: the output
 //!   and, when [`Weights::Return`] is asked, the attention weights; `forward`
 //!   is `attend` without the weights.
+//! - [`CoAttention`]: two streams attend to each other in one call (A's
+//!   queries over B, B's over A, each with its own key mask; ViLBERT/LXMERT,
+//!   audio ↔ video), returning both updates and, when asked, both weight
+//!   tensors; [`CoAttentionBlock`] is the pre-LN block built from it.
 //! - [`mask`]: every mask, with one polarity — `1` = may attend.
 //! - [`kernel`]: the reference and the fused attention paths behind one
 //!   entry point, [`kernel::attention`]; a query row with nothing to attend
@@ -52,6 +56,8 @@
 //! ```
 
 pub mod cache;
+pub mod co_attn;
+pub mod co_block;
 pub mod cross;
 pub mod error;
 pub mod ffn;
@@ -65,6 +71,8 @@ pub mod proj;
 pub mod self_attn;
 
 pub use cache::KvCache;
+pub use co_attn::{CoAttention, CoAttentionConfig, CoAttentionOutput};
+pub use co_block::{CoAttentionBlock, CoAttentionBlockConfig, CoAttentionBlockOutput};
 pub use cross::{CrossAttention, CrossAttentionConfig, CrossKv};
 pub use error::{AttnError, Result};
 pub use ffn::{Activation, FeedForward};
