@@ -263,11 +263,33 @@ pub fn interleaved(
     mode: MediaAttention,
     device: &Device,
 ) -> Result<Mask> {
-    let len = checked_elements(
-        "text_len, memory_len",
-        &[samples.len(), text_len, memory_len],
-    )?;
-    let mut data = vec![0u8; len];
+    interleaved_rows(samples, 0, text_len, memory_len, mode, device)
+}
+
+/// Rows `offset..offset + len` of the interleaved media mask:
+/// `(batch, len, memory_len)`, row `i` being text position `offset + i` —
+/// what a cached decode step at `offset` needs. Rows `0..text_len` are
+/// [`interleaved`]'s mask.
+///
+/// # Errors
+/// As [`interleaved`], with `text_len, memory_len` named when `offset + len`
+/// overflows.
+pub fn interleaved_rows(
+    samples: &[Vec<MediaSpan>],
+    offset: usize,
+    len: usize,
+    memory_len: usize,
+    mode: MediaAttention,
+    device: &Device,
+) -> Result<Mask> {
+    let elements = checked_elements("text_len, memory_len", &[samples.len(), len, memory_len])?;
+    if offset.checked_add(len).is_none() {
+        return Err(AttnError::Argument {
+            arg: "text_len, memory_len",
+            reason: format!("offset {offset} + len {len} overflows usize"),
+        });
+    }
+    let mut data = vec![0u8; elements];
     for (b, spans) in samples.iter().enumerate() {
         let total = spans
             .iter()
@@ -300,8 +322,9 @@ pub fn interleaved(
                 (s.text_start, r)
             })
             .collect();
-        for t in 0..text_len {
-            let row = &mut data[(b * text_len + t) * memory_len..][..memory_len];
+        for i in 0..len {
+            let t = offset + i;
+            let row = &mut data[(b * len + i) * memory_len..][..memory_len];
             let mut seen = ranges.iter().filter(|(start, _)| *start <= t);
             let seen: Vec<_> = match mode {
                 MediaAttention::AllPrevious => seen.collect(),
@@ -314,7 +337,7 @@ pub fn interleaved(
     }
     Mask::new(Tensor::from_vec(
         data,
-        (samples.len(), text_len, memory_len),
+        (samples.len(), len, memory_len),
         device,
     )?)
 }
@@ -387,6 +410,36 @@ mod tests {
             all.tensor().squeeze(0)?.to_vec2::<u8>()?[3],
             vec![1, 1, 1, 1, 0]
         );
+        Ok(())
+    }
+
+    /// Every window of rows equals the same rows of the whole mask.
+    #[test]
+    fn interleaved_rows_are_windows_of_the_whole() -> Result<()> {
+        let span = |text_start, tokens| MediaSpan { text_start, tokens };
+        let samples = vec![vec![span(2, 3), span(5, 2)], vec![span(0, 1), span(4, 4)]];
+        for mode in [MediaAttention::MostRecent, MediaAttention::AllPrevious] {
+            let whole = interleaved(&samples, 8, 6, mode, &Device::Cpu)?;
+            for offset in 0..8 {
+                for len in 1..=8 - offset {
+                    let rows = interleaved_rows(&samples, offset, len, 6, mode, &Device::Cpu)?;
+                    assert_eq!(
+                        rows.tensor().to_vec3::<u8>()?,
+                        whole.tensor().narrow(1, offset, len)?.to_vec3::<u8>()?,
+                        "{mode:?} offset {offset} len {len}"
+                    );
+                }
+            }
+        }
+        let err = interleaved_rows(
+            &samples,
+            usize::MAX,
+            2,
+            6,
+            MediaAttention::MostRecent,
+            &Device::Cpu,
+        );
+        assert!(err.is_err());
         Ok(())
     }
 

@@ -1,11 +1,17 @@
 //! The vision-language decoder: token embedding + learned positions →
 //! blocks → final norm → LM head; and its incremental use, an image context
 //! built once per image and a decode state with the text caches.
+//!
+//! An image context may also hold several images per sample, interleaved
+//! with the text (Flamingo-style, [`VisionLanguageDecoder::interleaved_context`]):
+//! every decode step then builds the media-mask rows of the positions it
+//! feeds, the same rows [`vl_attn::mask::interleaved`] gives a full forward.
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Embedding, Linear, Module, VarBuilder};
 
+use vl_attn::mask::{self, MediaAttention, MediaSpan};
 use vl_attn::LayerNorm;
 use vl_attn::{CrossKv, KvCache, Mask, Proj};
 
@@ -24,20 +30,50 @@ pub struct ForwardMasks<'a> {
     pub image: Option<&'a Mask>,
 }
 
+/// Where each sample's images sit in its text, for an interleaved context.
+#[derive(Debug, Clone)]
+struct Media {
+    /// Per sample, its images in text order.
+    spans: Vec<Vec<MediaSpan>>,
+    mode: MediaAttention,
+    /// Memory tokens per sample (images and padding).
+    memory_len: usize,
+}
+
 /// Every block's image keys and values, projected once per image batch and
 /// reused at every decode step; `None` in blocks without cross-attention
 /// and in text-only mode.
+///
+/// An interleaved context ([`VisionLanguageDecoder::interleaved_context`])
+/// holds one memory row per sample, each with several images, and the
+/// spans that say which text positions see which image.
 #[derive(Debug, Clone)]
 pub struct ImageContext {
     layers: Vec<Option<CrossKv>>,
     mask: Option<Mask>,
+    /// Memory rows: images, or samples of an interleaved context.
     images: usize,
+    media: Option<Media>,
 }
 
 impl ImageContext {
-    /// The number of images (0 in text-only mode).
+    /// The number of memory rows: images, or samples of an interleaved
+    /// context (each holding several images); 0 in text-only mode. Decode
+    /// rows are laid out by it (see [`DecodeState`]).
     pub fn images(&self) -> usize {
         self.images
+    }
+
+    /// An interleaved context's images, per sample in text order; `None`
+    /// for a context of one image per row.
+    pub fn media_spans(&self) -> Option<&[Vec<MediaSpan>]> {
+        self.media.as_ref().map(|m| m.spans.as_slice())
+    }
+
+    /// An interleaved context's media attention; `None` for a context of
+    /// one image per row.
+    pub fn media_attention(&self) -> Option<MediaAttention> {
+        self.media.as_ref().map(|m| m.mode)
     }
 
     /// Whether there is no image.
@@ -50,7 +86,9 @@ impl ImageContext {
         self.layers.get(layer).and_then(Option::as_ref)
     }
 
-    /// The per-image token mask `(images | 1, 1, image_len)`, if any.
+    /// The per-image token mask `(images | 1, 1, image_len)`, if any
+    /// (never for an interleaved context, whose mask depends on the
+    /// position).
     pub fn mask(&self) -> Option<&Mask> {
         self.mask.as_ref()
     }
@@ -72,12 +110,16 @@ pub(crate) fn decode_rows(images: usize, per_image: usize) -> Option<usize> {
 /// position offset, over an [`ImageContext`] shared by every row.
 ///
 /// Rows are laid out image by image: with `images` images and `per_image`
-/// rows each (beams or samples), row `b` reads image `b / per_image`.
+/// rows each (beams or samples), row `b` reads image `b / per_image` — for
+/// an interleaved context, sample `b / per_image` and its spans.
 #[derive(Debug)]
 pub struct DecodeState {
     image: ImageContext,
     /// The image mask expanded to one row per decode row, built once.
     image_mask: Option<Mask>,
+    /// Interleaved context with several rows per sample: each row's
+    /// sample, `(rows,)` u32, to expand the per-step media mask.
+    row_samples: Option<Tensor>,
     caches: Vec<KvCache>,
     rows: usize,
     per_image: usize,
@@ -534,7 +576,113 @@ impl VisionLanguageDecoder {
             layers,
             mask,
             images,
+            media: None,
         })
+    }
+
+    /// Projects every block's keys and values of interleaved images
+    /// (Flamingo-style: text, image, text, image, …), once per batch.
+    ///
+    /// `memory` row `b` holds sample `b`'s images' tokens in order from
+    /// slot 0 (then padding); `spans[b]` lists those images in text order.
+    /// At every decode step, text position `p` of sample `b` attends to the
+    /// images with `text_start <= p` — all of them
+    /// ([`MediaAttention::AllPrevious`]) or the last one
+    /// ([`MediaAttention::MostRecent`]); text before any image attends to
+    /// nothing and gets an exactly zero cross-attention output. These are
+    /// the rows [`vl_attn::mask::interleaved`] gives a full
+    /// [`VisionLanguageDecoder::forward`].
+    ///
+    /// # Shapes
+    /// - `memory: (batch, memory_len, memory_dim)`
+    /// - `spans`: `batch` lists, the token counts of each summing to at most
+    ///   `memory_len`
+    ///
+    /// # Errors
+    /// [`DecoderError::Argument`] naming `memory` when its shape is not
+    /// `(batch, memory_len, memory_dim)` with `batch` and `memory_len`
+    /// positive, or `spans` when there is not one list per sample, an
+    /// image has no token, an image's `text_start` is past the model's last
+    /// position or before the previous image's, or a sample's images hold
+    /// more than `memory_len` tokens.
+    pub fn interleaved_context(
+        &self,
+        memory: &Tensor,
+        spans: &[Vec<MediaSpan>],
+        mode: MediaAttention,
+    ) -> Result<ImageContext> {
+        self.check_memory(memory)?;
+        // (batch, memory_len, memory_dim)
+        let (batch, memory_len, _) = memory.dims3()?;
+        if batch == 0 || memory_len == 0 {
+            return arg_err(
+                "memory",
+                format!(
+                    "expected at least one sample and one token, got shape {:?}",
+                    memory.dims()
+                ),
+            );
+        }
+        if spans.len() != batch {
+            return arg_err(
+                "spans",
+                format!(
+                    "expected one list of images per sample of memory ({batch}), got {}",
+                    spans.len()
+                ),
+            );
+        }
+        let max = self.cfg.max_position_embeddings;
+        for (b, images) in spans.iter().enumerate() {
+            let mut total = 0usize;
+            let mut previous = 0;
+            for (i, span) in images.iter().enumerate() {
+                if span.tokens == 0 {
+                    return arg_err("spans", format!("sample {b}, image {i}: has 0 tokens"));
+                }
+                if span.text_start >= max {
+                    return arg_err(
+                        "spans",
+                        format!(
+                            "sample {b}, image {i}: expected text_start below \
+                             max_position_embeddings {max}, got {}",
+                            span.text_start
+                        ),
+                    );
+                }
+                if span.text_start < previous {
+                    return arg_err(
+                        "spans",
+                        format!(
+                            "sample {b}, image {i}: images must be in text order, got \
+                             text_start {} after {previous}",
+                            span.text_start
+                        ),
+                    );
+                }
+                previous = span.text_start;
+                total = match total.checked_add(span.tokens) {
+                    Some(t) if t <= memory_len => t,
+                    _ => {
+                        return arg_err(
+                            "spans",
+                            format!(
+                                "sample {b}: expected at most memory_len {memory_len} image \
+                                 tokens, got {:?}",
+                                images.iter().map(|s| s.tokens).collect::<Vec<_>>()
+                            ),
+                        )
+                    }
+                };
+            }
+        }
+        let mut ctx = self.image_context(memory, None)?;
+        ctx.media = Some(Media {
+            spans: spans.to_vec(),
+            mode,
+            memory_len,
+        });
+        Ok(ctx)
     }
 
     /// A context with no image: cross-attention is skipped.
@@ -543,7 +691,30 @@ impl VisionLanguageDecoder {
             layers: vec![None; self.blocks.len()],
             mask: None,
             images: 0,
+            media: None,
         }
+    }
+
+    /// The media-mask rows of the `len` positions a step of `state` feeds,
+    /// one per decode row, for an interleaved context; `None` otherwise.
+    fn media_mask(&self, state: &DecodeState, len: usize) -> Result<Option<Mask>> {
+        let Some(media) = &state.image.media else {
+            return Ok(None);
+        };
+        // (samples, len, memory_len)
+        let rows = mask::interleaved_rows(
+            &media.spans,
+            state.offset,
+            len,
+            media.memory_len,
+            media.mode,
+            &state.device,
+        )?;
+        Ok(Some(match &state.row_samples {
+            // (rows, len, memory_len)
+            Some(idx) => rows.index_select(idx)?,
+            None => rows,
+        }))
     }
 
     /// A fresh decode state over `image`, with `per_image` rows per image
@@ -577,10 +748,19 @@ impl VisionLanguageDecoder {
             }
             other => other.clone(),
         };
+        let row_samples = if image.media.is_some() && image.images > 1 && per_image > 1 {
+            // Both fit in u32: rows <= MAX_ROWS and per_image <= rows.
+            let (rows, per_image) = (rows as u32, per_image as u32);
+            let idx: Vec<u32> = (0..rows).map(|r| r / per_image).collect();
+            Some(Tensor::new(idx, self.device())?)
+        } else {
+            None
+        };
         let capacity = self.cfg.max_position_embeddings.min(256);
         Ok(DecodeState {
             image: image.clone(),
             image_mask,
+            row_samples,
             caches: (0..self.blocks.len())
                 .map(|_| KvCache::new(capacity))
                 .collect::<vl_attn::Result<Vec<_>>>()?,
@@ -631,6 +811,8 @@ impl VisionLanguageDecoder {
                 format!("expected at least one token per row, got shape ({b}, 0)"),
             );
         }
+        let media_mask = self.media_mask(state, t)?;
+        let image_mask = media_mask.as_ref().or(state.image_mask.as_ref());
         let mut x = self.embed(tokens, state.offset, t)?;
         let mut weights = None;
         for (i, (block, cache)) in self.blocks.iter().zip(&mut state.caches).enumerate() {
@@ -640,7 +822,7 @@ impl VisionLanguageDecoder {
                 .map_or(ImageInput::None, ImageInput::Cached);
             let inputs = BlockInputs {
                 text_mask: None,
-                image_mask: state.image_mask.as_ref(),
+                image_mask,
                 want_weights: weights_of == Some(i),
             };
             let (y, w) = block.forward(&x, image, Some(cache), inputs)?;
