@@ -180,7 +180,10 @@ fn bidirectional_equals_cross_attention_over_itself() -> anyhow::Result<()> {
     for backend in [Backend::Reference, Backend::Fused] {
         let got = attn.clone().with_backend(backend).forward(&x, None)?;
         let d = max_abs_diff(&got, &want);
-        assert!(d <= 1e-6, "{backend:?}: {d}");
+        // The same arithmetic in another order (the two modules project
+        // keys and values in separate products): measured up to 1.4e-6 on
+        // unseeded inputs, so 1e-5.
+        assert!(d <= 1e-5, "{backend:?}: {d}");
     }
     Ok(())
 }
