@@ -10,7 +10,8 @@
 //! - [`DropoutRng`]: a seed and a draw counter shared by its clones. Draw
 //!   `n` of seed `s` is a pure function of `(s, n)` and the element index
 //!   (a SplitMix64 hash), so the same seed and the same sequence of calls
-//!   give the same masks on every run, thread count and device.
+//!   give the same masks on every run, thread count and device. Masks are
+//!   drawn on the CPU (in parallel) and copied to the tensor's device.
 //!
 //! Attention modules apply their [`Dropout`] to the attention probabilities
 //! (see [`crate::kernel::attention_with_dropout`] for the backends);

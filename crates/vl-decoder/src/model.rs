@@ -394,8 +394,10 @@ impl VisionLanguageDecoder {
     /// same seed and the same calls give the same masks. Attention dropout
     /// runs on the reference path: [`vl_attn::Backend::Auto`] takes it, and
     /// a decoder set to [`vl_attn::Backend::Fused`] is refused while the
-    /// dropout is active. In [`Mode::Inference`] nothing is dropped and the
-    /// outputs are bit-identical to those of a decoder without dropout.
+    /// dropout is active. Cached decoding and generation follow the mode
+    /// too: switch to inference to evaluate. In [`Mode::Inference`] nothing
+    /// is dropped and the outputs are bit-identical to those of a decoder
+    /// without dropout.
     pub fn set_mode(&mut self, mode: Mode) {
         for b in &mut self.blocks {
             b.set_mode(mode.clone());
