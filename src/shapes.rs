@@ -100,6 +100,8 @@ pub fn captioner_config(hidden: usize, layers: usize, patch_size: usize) -> VlCo
             image_std: [0.5; 3],
             hidden_act: Activation::Gelu,
             output_size: None,
+            attention_dropout: 0.0,
+            hidden_dropout: 0.0,
         })),
     }
 }

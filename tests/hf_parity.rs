@@ -174,8 +174,10 @@ fn generation_defaults_come_from_the_checkpoint() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// GPT-2's `attn_pdrop`, `resid_pdrop`, `embd_pdrop` are read on load
-/// (transformers' 0.1 when absent) and checked; they act only in training.
+/// GPT-2's `attn_pdrop`, `resid_pdrop`, `embd_pdrop` (transformers' 0.1
+/// when absent) and ViT's `attention_probs_dropout_prob`,
+/// `hidden_dropout_prob` are read on load and checked; they act only in
+/// training.
 #[test]
 fn dropout_is_read_on_load() -> anyhow::Result<()> {
     let dropouts = |m: &VlModel| {
@@ -188,6 +190,8 @@ fn dropout_is_read_on_load() -> anyhow::Result<()> {
         let tmp = copy_fixture("equal")?;
         let path = tmp.path().join("config.json");
         let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+        cfg["encoder"]["attention_probs_dropout_prob"] = 0.05.into();
+        cfg["encoder"]["hidden_dropout_prob"] = 0.15.into();
         f(&mut cfg["decoder"]);
         std::fs::write(&path, cfg.to_string())?;
         Ok(tmp)
@@ -199,6 +203,12 @@ fn dropout_is_read_on_load() -> anyhow::Result<()> {
     })?;
     let model = VlModel::load(tmp.path(), DType::F32, &Device::Cpu)?;
     assert_eq!(dropouts(&model), (0.25, 0.0, 0.1));
+    match &model.config.vision {
+        Some(vl::vl_vision::VisionConfig::Vit(v)) => {
+            assert_eq!((v.attention_dropout, v.hidden_dropout), (0.05, 0.15));
+        }
+        other => panic!("expected a ViT config, got {other:?}"),
+    }
     let tmp = edit(&|d| d["resid_pdrop"] = 1.0.into())?;
     let err = load_err(tmp.path());
     assert!(

@@ -126,6 +126,8 @@ impl HfConfig {
             image_std: pixels.std,
             hidden_act: e.hidden_act,
             output_size: self.projects_encoder().then_some(self.decoder.n_embd),
+            attention_dropout: e.attention_probs_dropout_prob,
+            hidden_dropout: e.hidden_dropout_prob,
         }
     }
 
