@@ -8,8 +8,9 @@
 //! (step, loss, running token accuracy) goes to stderr.
 //!
 //! `--dropout P` trains the decoder with attention, residual and embedding
-//! dropout `P` (masks seeded by `--dropout-seed`); evaluation runs in
-//! inference mode, without dropout.
+//! dropout `P`, and the ViT with attention and hidden dropout `P` (masks
+//! seeded by `--dropout-seed`); evaluation runs in inference mode, without
+//! dropout.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -23,7 +24,7 @@ use vl::shapes::{self, BOS, EOS, PAD};
 use vl::vl_decoder::init::seeded_init;
 use vl::vl_decoder::{generate, Dropout, ForwardMasks, Mode, VisionLanguageDecoder};
 use vl::vl_shapes::scene_accuracy;
-use vl::vl_vision::VisionEncoder;
+use vl::vl_vision::{VisionConfig, VisionEncoder};
 use vl::{VlConfig, VlModel};
 
 /// Train the shapes captioner.
@@ -66,8 +67,9 @@ pub struct Args {
     /// Blocks of the encoder and of the decoder.
     #[arg(long, default_value_t = 2)]
     layers: usize,
-    /// Dropout probability in [0, 1) of the decoder's attention
-    /// probabilities, residual branches and embeddings, during training.
+    /// Dropout probability in [0, 1) of the attention probabilities,
+    /// residual branches and embeddings of the decoder and the ViT, during
+    /// training.
     #[arg(long, default_value_t = 0.0, value_parser = parse_dropout)]
     dropout: f64,
     /// Seed of the dropout masks.
@@ -108,6 +110,10 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     cfg.decoder.attention_dropout = args.dropout;
     cfg.decoder.residual_dropout = args.dropout;
     cfg.decoder.embedding_dropout = args.dropout;
+    if let Some(VisionConfig::Vit(vit)) = &mut cfg.vision {
+        vit.attention_dropout = args.dropout;
+        vit.hidden_dropout = args.dropout;
+    }
     cfg.validate()?;
     let tok = shapes::tokenizer()?;
     let id = |w: &str| tok.token_to_id(w).with_context(|| format!("token {w}"));
@@ -126,9 +132,10 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let mut decoder = VisionLanguageDecoder::load(vb.pp("decoder"), &cfg.decoder)?;
     // Dropout acts in training only; evaluation switches to inference.
     let training = Mode::training(args.dropout_seed);
-    decoder.set_mode(training.clone());
     let vision_cfg = cfg.vision.clone().context("vision config")?;
-    let vision = VisionEncoder::load(vb.pp("vision"), &vision_cfg)?;
+    let mut vision = VisionEncoder::load(vb.pp("vision"), &vision_cfg)?;
+    decoder.set_mode(training.clone());
+    vision.set_mode(training.clone());
     seeded_init(&vars, args.init_seed)?;
     if let Some(dir) = &args.resume {
         let weights = dir.join(vl::checkpoint::WEIGHTS_FILE);
@@ -205,9 +212,11 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         bar.inc(1);
         if (step + 1) % args.eval_every == 0 || step + 1 == args.steps {
             decoder.set_mode(Mode::Inference);
+            vision.set_mode(Mode::Inference);
             let acc = evaluate(&decoder, &vision, &cfg, &tok, &dev)?;
             // The same generator: the masks go on where they left off.
             decoder.set_mode(training.clone());
+            vision.set_mode(training.clone());
             let secs = started.elapsed().as_secs_f64();
             bar.suspend(|| {
                 eprintln!("step {} ({secs:.0}s): scene accuracy {acc:.3} on {EVAL_SCENES} held-out scenes", step + 1)

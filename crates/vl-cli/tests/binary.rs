@@ -254,4 +254,7 @@ fn train_shapes_with_dropout() {
     for field in ["attention_dropout", "residual_dropout", "embedding_dropout"] {
         assert_eq!(cfg["decoder"][field], 0.25, "{field}: {cfg}");
     }
+    for field in ["attention_dropout", "hidden_dropout"] {
+        assert_eq!(cfg["vision"][field], 0.25, "{field}: {cfg}");
+    }
 }
