@@ -80,6 +80,9 @@ pub fn captioner_config(hidden: usize, layers: usize, patch_size: usize) -> VlCo
             gated_cross_attention: false,
             gated_cross_ffn: false,
             attention_bias: true,
+            attention_dropout: 0.0,
+            residual_dropout: 0.0,
+            embedding_dropout: 0.0,
             bos_token_id: 1,
             eos_token_id: 2,
             pad_token_id: 0,
@@ -97,6 +100,8 @@ pub fn captioner_config(hidden: usize, layers: usize, patch_size: usize) -> VlCo
             image_std: [0.5; 3],
             hidden_act: Activation::Gelu,
             output_size: None,
+            attention_dropout: 0.0,
+            hidden_dropout: 0.0,
         })),
     }
 }

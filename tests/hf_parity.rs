@@ -174,6 +174,65 @@ fn generation_defaults_come_from_the_checkpoint() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// GPT-2's `attn_pdrop`, `resid_pdrop`, `embd_pdrop` (transformers' 0.1
+/// when absent) and ViT's `attention_probs_dropout_prob`,
+/// `hidden_dropout_prob` are read on load and checked; they act only in
+/// training.
+#[test]
+fn dropout_is_read_on_load() -> anyhow::Result<()> {
+    let dropouts = |m: &VlModel| {
+        let c = m.decoder.config();
+        (c.attention_dropout, c.residual_dropout, c.embedding_dropout)
+    };
+    let f = load("equal")?;
+    assert_eq!(dropouts(&f.model), (0.1, 0.1, 0.1));
+    let edit = |f: &dyn Fn(&mut serde_json::Value)| -> anyhow::Result<tempfile::TempDir> {
+        let tmp = copy_fixture("equal")?;
+        let path = tmp.path().join("config.json");
+        let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+        cfg["encoder"]["attention_probs_dropout_prob"] = 0.05.into();
+        cfg["encoder"]["hidden_dropout_prob"] = 0.15.into();
+        f(&mut cfg["decoder"]);
+        std::fs::write(&path, cfg.to_string())?;
+        Ok(tmp)
+    };
+    let tmp = edit(&|d| {
+        d["attn_pdrop"] = 0.25.into();
+        d["resid_pdrop"] = 0.0.into();
+        d.as_object_mut().map(|o| o.remove("embd_pdrop"));
+    })?;
+    let model = VlModel::load(tmp.path(), DType::F32, &Device::Cpu)?;
+    assert_eq!(dropouts(&model), (0.25, 0.0, 0.1));
+    match &model.config.vision {
+        Some(vl::vl_vision::VisionConfig::Vit(v)) => {
+            assert_eq!((v.attention_dropout, v.hidden_dropout), (0.05, 0.15));
+        }
+        other => panic!("expected a ViT config, got {other:?}"),
+    }
+    let tmp = edit(&|d| d["resid_pdrop"] = 1.0.into())?;
+    let err = load_err(tmp.path());
+    assert!(
+        err.contains("decoder.resid_pdrop") && err.contains('1'),
+        "{err}"
+    );
+
+    // Inference ignores them (the parity tests above run with them); a
+    // decoder switched to training drops.
+    let memory = f
+        .model
+        .vision
+        .as_ref()
+        .expect("vision")
+        .forward(&f.tensors["pixel_values"])?;
+    let ids = f.tensors["decoder_input_ids"].to_dtype(DType::U32)?;
+    let mut decoder = f.model.decoder.clone();
+    let inference = decoder.forward(&ids, Some(&memory), ForwardMasks::default())?;
+    decoder.set_mode(vl::vl_decoder::Mode::training(0));
+    let training = decoder.forward(&ids, Some(&memory), ForwardMasks::default())?;
+    assert!(max_abs_diff(&inference, &training)? > 0.0);
+    Ok(())
+}
+
 /// Copies a fixture into a temporary directory to break it.
 fn copy_fixture(kind: &str) -> anyhow::Result<tempfile::TempDir> {
     let tmp = tempfile::tempdir()?;

@@ -17,6 +17,7 @@ use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
 use crate::cross::{CrossAttention, CrossAttentionConfig};
+use crate::dropout::{Dropout, Mode};
 use crate::error::{AttnError, Result};
 use crate::kernel::{Backend, Weights};
 use crate::mask::Mask;
@@ -169,6 +170,23 @@ impl CoAttention {
             b_to_a: self.b_to_a.with_backend(backend),
             cfg: self.cfg,
         }
+    }
+
+    /// Sets the dropout on the attention probabilities of both directions
+    /// (see [`CrossAttention::with_attention_dropout`]).
+    pub fn with_attention_dropout(self, dropout: Dropout) -> Self {
+        Self {
+            a_to_b: self.a_to_b.with_attention_dropout(dropout),
+            b_to_a: self.b_to_a.with_attention_dropout(dropout),
+            cfg: self.cfg,
+        }
+    }
+
+    /// Switches both directions between training and inference; they draw
+    /// from the same generator.
+    pub fn set_mode(&mut self, mode: Mode) {
+        self.a_to_b.set_mode(mode.clone());
+        self.b_to_a.set_mode(mode);
     }
 
     /// The sizes this module was built with.

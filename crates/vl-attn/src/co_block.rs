@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::co_attn::{check_stream, CoAttention, CoAttentionConfig};
+use crate::dropout::{Dropout, Mode};
 use crate::error::{check_dtype_device, AttnError, Result};
 use crate::ffn::{Activation, FeedForward};
 use crate::kernel::{Backend, Weights};
@@ -157,6 +158,20 @@ impl CoAttentionBlock {
             co_attn: self.co_attn.with_backend(backend),
             ..self
         }
+    }
+
+    /// Sets the dropout on the co-attention's probabilities, both
+    /// directions (see [`CoAttention::with_attention_dropout`]).
+    pub fn with_attention_dropout(self, dropout: Dropout) -> Self {
+        Self {
+            co_attn: self.co_attn.with_attention_dropout(dropout),
+            ..self
+        }
+    }
+
+    /// Switches the co-attention between training and inference.
+    pub fn set_mode(&mut self, mode: Mode) {
+        self.co_attn.set_mode(mode);
     }
 
     /// The co-attention between the streams.

@@ -8,6 +8,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 
+use crate::dropout::{Dropout, Mode};
 use crate::error::{check_dtype_device, AttnError, Result};
 use crate::kernel::{self, AttnOutput, Backend, Weights};
 use crate::mask::Mask;
@@ -99,6 +100,9 @@ pub(crate) struct AttnCore {
     o_proj: Proj,
     heads: HeadLayout,
     backend: Backend,
+    /// Dropout on the attention probabilities, active in training.
+    attn_dropout: Dropout,
+    mode: Mode,
 }
 
 impl AttnCore {
@@ -137,6 +141,8 @@ impl AttnCore {
             o_proj,
             heads,
             backend: Backend::default(),
+            attn_dropout: Dropout::NONE,
+            mode: Mode::Inference,
         })
     }
 
@@ -164,6 +170,22 @@ impl AttnCore {
 
     pub fn backend(&self) -> Backend {
         self.backend
+    }
+
+    pub fn set_attn_dropout(&mut self, dropout: Dropout) {
+        self.attn_dropout = dropout;
+    }
+
+    pub fn attn_dropout(&self) -> Dropout {
+        self.attn_dropout
+    }
+
+    pub fn set_mode(&mut self, mode: Mode) {
+        self.mode = mode;
+    }
+
+    pub fn mode(&self) -> &Mode {
+        &self.mode
     }
 
     pub fn heads(&self) -> &HeadLayout {
@@ -230,8 +252,16 @@ impl AttnCore {
         b: usize,
         t: usize,
     ) -> Result<AttnOutput> {
-        let AttnOutput { output, weights } =
-            kernel::attention(q, k, v, mask, self.heads.scale(), self.backend, weights)?;
+        let AttnOutput { output, weights } = kernel::attention_with_dropout(
+            q,
+            k,
+            v,
+            mask,
+            self.heads.scale(),
+            self.backend,
+            weights,
+            (self.attn_dropout, &self.mode),
+        )?;
         let out = self.o_proj.forward(&merge_heads(&output, b, t)?)?;
         let output = match mask {
             None => out,

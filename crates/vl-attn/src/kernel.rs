@@ -15,6 +15,7 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, D};
 use rayon::prelude::*;
 
+use crate::dropout::{Dropout, Mode};
 use crate::error::{AttnError, Result};
 use crate::mask::Mask;
 
@@ -25,7 +26,9 @@ pub enum Backend {
     /// [`AUTO_FUSED_MAX_Q_LEN`] queries) and for score tensors larger than
     /// [`FUSED_BLOCK_BYTES`]; [`Backend::Reference`] otherwise, where its
     /// matrix products are faster (see BENCHMARKS.md), and whenever the
-    /// weights are asked for or an input tracks gradients.
+    /// weights are asked for, an input tracks gradients, or attention
+    /// dropout is active (training with `p > 0`: only the reference path
+    /// applies it).
     #[default]
     Auto,
     /// Materialises the `(batch, heads, q_len, k_len)` scores with matrix
@@ -37,7 +40,9 @@ pub enum Backend {
     /// [`FUSED_BLOCK_BYTES`].
     ///
     /// Strict: a call that the fused path cannot serve — weights asked for
-    /// ([`Weights::Return`]), or an input that tracks gradients (a `Var`) —
+    /// ([`Weights::Return`]), an input that tracks gradients (a `Var`), or
+    /// active attention dropout (neither the fused kernel nor its tiled
+    /// off-CPU form draws masks) —
     /// is an [`AttnError::Argument`] naming `backend`, never a silent
     /// fallback to [`Backend::Reference`]. [`Backend::Auto`] is the choice
     /// that falls back.
@@ -187,9 +192,48 @@ pub fn attention(
     backend: Backend,
     weights: Weights,
 ) -> Result<AttnOutput> {
+    attention_with_dropout(
+        q,
+        k,
+        v,
+        mask,
+        scale,
+        backend,
+        weights,
+        (Dropout::NONE, &Mode::Inference),
+    )
+}
+
+/// [`attention`] with dropout on the attention probabilities: in
+/// [`Mode::Training`] with `p > 0`, each probability is zeroed with
+/// probability `p` and the others scaled by `1 / (1 - p)` before they weigh
+/// the values. Otherwise this is [`attention`], bit for bit.
+///
+/// Only the reference path applies dropout: while it is active,
+/// [`Backend::Auto`] takes the reference path and [`Backend::Fused`] is an
+/// error. The returned weights are the probabilities before dropout.
+///
+/// # Shapes
+/// As [`attention`].
+///
+/// # Errors
+/// As [`attention`]; also [`AttnError::Argument`] naming `backend` when
+/// [`Backend::Fused`] is asked while dropout is active.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_with_dropout(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Mask>,
+    scale: f64,
+    backend: Backend,
+    weights: Weights,
+    (dropout, mode): (Dropout, &Mode),
+) -> Result<AttnOutput> {
     let dims = Dims::check(q, k, v, mask)?;
     let tracks = q.track_op() || k.track_op() || v.track_op();
     let want_weights = weights == Weights::Return;
+    let drops = dropout.is_active(mode);
     let use_fused = match backend {
         Backend::Reference => false,
         Backend::Fused => {
@@ -207,11 +251,17 @@ pub fn attention(
             if tracks {
                 return refuse("is not differentiable, but an input tracks gradients");
             }
+            if drops {
+                return refuse(
+                    "does not apply attention dropout, but dropout is active (training, p > 0)",
+                );
+            }
             true
         }
         Backend::Auto => {
             !want_weights
                 && !tracks
+                && !drops
                 && (dims.q_len <= AUTO_FUSED_MAX_Q_LEN
                     || dims.score_elems > FUSED_BLOCK_BYTES / std::mem::size_of::<f32>())
         }
@@ -222,7 +272,7 @@ pub fn attention(
             weights: None,
         });
     }
-    let (output, w) = reference(q, k, v, mask, scale, dims)?;
+    let (output, w) = reference(q, k, v, mask, scale, dims, (dropout, mode))?;
     Ok(AttnOutput {
         output,
         weights: want_weights.then_some(w),
@@ -242,6 +292,7 @@ fn grouped_mask(mask: &Mask, dims: Dims) -> Result<Tensor> {
     Ok(t)
 }
 
+/// The reference path: the output and the weights (before dropout).
 fn reference(
     q: &Tensor,
     k: &Tensor,
@@ -249,6 +300,7 @@ fn reference(
     mask: Option<&Mask>,
     scale: f64,
     dims: Dims,
+    (dropout, mode): (Dropout, &Mode),
 ) -> Result<(Tensor, Tensor)> {
     let Dims {
         batch_q,
@@ -298,8 +350,10 @@ fn reference(
             ))?
         }
     };
+    // (bk, hkv, r*g*tq, tk); `weights` itself when dropout is off
+    let dropped = dropout.forward(&weights, mode)?;
     // (bk, hkv, r*g*tq, hd)
-    let out = weights.to_dtype(v.dtype())?.matmul(v)?;
+    let out = dropped.to_dtype(v.dtype())?.matmul(v)?;
     let ungroup = |t: Tensor, last: usize| -> Result<Tensor> {
         // (bk, hkv, r, g, tq, last) -> (bk, r, hkv, g, tq, last) -> (bq, h, tq, last)
         Ok(t.reshape((batch_k, kv_heads, r, g, q_len, last))?
@@ -362,7 +416,16 @@ fn blocked_reference(
     let row_bytes = (dims.score_elems / dims.q_len.max(1)) * std::mem::size_of::<f32>();
     let block = (FUSED_BLOCK_BYTES / row_bytes.max(1)).clamp(1, dims.q_len.max(1));
     if block >= dims.q_len {
-        return Ok(reference(q, k, v, mask, scale, dims)?.0);
+        return Ok(reference(
+            q,
+            k,
+            v,
+            mask,
+            scale,
+            dims,
+            (Dropout::NONE, &Mode::Inference),
+        )?
+        .0);
     }
     let mut outs = Vec::with_capacity(dims.q_len.div_ceil(block));
     for start in (0..dims.q_len).step_by(block) {
@@ -373,7 +436,18 @@ fn blocked_reference(
             other => other.cloned(),
         };
         let d = Dims { q_len: len, ..dims };
-        outs.push(reference(&qb, k, v, mb.as_ref(), scale, d)?.0);
+        outs.push(
+            reference(
+                &qb,
+                k,
+                v,
+                mb.as_ref(),
+                scale,
+                d,
+                (Dropout::NONE, &Mode::Inference),
+            )?
+            .0,
+        );
     }
     Ok(Tensor::cat(&outs, 2)?)
 }

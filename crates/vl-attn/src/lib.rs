@@ -24,6 +24,9 @@
 //!   to yields zeros, never NaN.
 //! - [`Proj`]: the projections, dense or quantized (`q8_0`, `q4k`) through
 //!   `quantize` on every attention and on [`FeedForward`].
+//! - [`dropout`]: inverted [`Dropout`] with seeded, reproducible masks and
+//!   the [`Mode`] switch (inference by default); every attention module
+//!   applies its own to the attention probabilities in training.
 //! - [`TanhGate`] (Flamingo's gated cross-attention) and [`QueryPool`]
 //!   (learned queries that summarise a memory).
 //!
@@ -59,6 +62,7 @@ pub mod cache;
 pub mod co_attn;
 pub mod co_block;
 pub mod cross;
+pub mod dropout;
 pub mod error;
 pub mod ffn;
 pub mod gate;
@@ -74,6 +78,7 @@ pub use cache::KvCache;
 pub use co_attn::{CoAttention, CoAttentionConfig, CoAttentionOutput};
 pub use co_block::{CoAttentionBlock, CoAttentionBlockConfig, CoAttentionBlockOutput};
 pub use cross::{CrossAttention, CrossAttentionConfig, CrossKv};
+pub use dropout::{Dropout, DropoutRng, Mode};
 pub use error::{AttnError, Result};
 pub use ffn::{Activation, FeedForward};
 pub use gate::TanhGate;

@@ -6,6 +6,7 @@ use candle_core::Tensor;
 use candle_nn::{Init, VarBuilder};
 
 use crate::cross::{CrossAttention, CrossAttentionConfig};
+use crate::dropout::{Dropout, Mode};
 use crate::error::{AttnError, Result};
 use crate::mask::Mask;
 
@@ -40,6 +41,20 @@ impl QueryPool {
             queries,
             attn: CrossAttention::load(vb.pp("attn"), cfg)?,
         })
+    }
+
+    /// Sets the dropout on the attention probabilities (see
+    /// [`CrossAttention::with_attention_dropout`]).
+    pub fn with_attention_dropout(self, dropout: Dropout) -> Self {
+        Self {
+            attn: self.attn.with_attention_dropout(dropout),
+            ..self
+        }
+    }
+
+    /// Switches between training and inference.
+    pub fn set_mode(&mut self, mode: Mode) {
+        self.attn.set_mode(mode);
     }
 
     /// The number of output tokens.

@@ -7,6 +7,7 @@ use candle_core::{Device, Tensor};
 use candle_nn::{Linear, VarBuilder};
 
 use crate::cache::KvCache;
+use crate::dropout::{Dropout, Mode};
 use crate::error::Result;
 use crate::heads::{AttnCore, CoreDims};
 use crate::kernel::{AttnOutput, Backend, Weights};
@@ -134,6 +135,31 @@ macro_rules! self_attention_common {
             /// The attention implementation in use.
             pub fn backend(&self) -> Backend {
                 self.core.backend()
+            }
+
+            /// Sets the dropout on the attention probabilities (default
+            /// [`Dropout::NONE`]); it acts only in [`Mode::Training`], where
+            /// [`Backend::Auto`] takes the reference path and [`Backend::Fused`]
+            /// is refused (see [`crate::kernel::attention_with_dropout`]).
+            pub fn with_attention_dropout(mut self, dropout: Dropout) -> Self {
+                self.core.set_attn_dropout(dropout);
+                self
+            }
+
+            /// The dropout on the attention probabilities.
+            pub fn attention_dropout(&self) -> Dropout {
+                self.core.attn_dropout()
+            }
+
+            /// Switches between training (dropout on, masks from the mode's
+            /// generator) and inference (the default: dropout off).
+            pub fn set_mode(&mut self, mode: Mode) {
+                self.core.set_mode(mode);
+            }
+
+            /// The current mode.
+            pub fn mode(&self) -> &Mode {
+                self.core.mode()
             }
 
             /// The sizes this module was built with.

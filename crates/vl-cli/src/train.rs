@@ -6,6 +6,11 @@
 //!
 //! Seeded and reproducible: the same flags give the same weights. Progress
 //! (step, loss, running token accuracy) goes to stderr.
+//!
+//! `--dropout P` trains the decoder with attention, residual and embedding
+//! dropout `P`, and the ViT with attention and hidden dropout `P` (masks
+//! seeded by `--dropout-seed`); evaluation runs in inference mode, without
+//! dropout.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -17,9 +22,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use vl::captioner::Captioner;
 use vl::shapes::{self, BOS, EOS, PAD};
 use vl::vl_decoder::init::seeded_init;
-use vl::vl_decoder::{generate, ForwardMasks, VisionLanguageDecoder};
+use vl::vl_decoder::{generate, Dropout, ForwardMasks, Mode, VisionLanguageDecoder};
 use vl::vl_shapes::scene_accuracy;
-use vl::vl_vision::VisionEncoder;
+use vl::vl_vision::{VisionConfig, VisionEncoder};
 use vl::{VlConfig, VlModel};
 
 /// Train the shapes captioner.
@@ -62,6 +67,22 @@ pub struct Args {
     /// Blocks of the encoder and of the decoder.
     #[arg(long, default_value_t = 2)]
     layers: usize,
+    /// Dropout probability in [0, 1) of the attention probabilities,
+    /// residual branches and embeddings of the decoder and the ViT, during
+    /// training.
+    #[arg(long, default_value_t = 0.0, value_parser = parse_dropout)]
+    dropout: f64,
+    /// Seed of the dropout masks.
+    #[arg(long, default_value_t = 0)]
+    dropout_seed: u64,
+}
+
+/// `--dropout`: a probability in [0, 1).
+fn parse_dropout(s: &str) -> Result<f64, String> {
+    let p: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    Dropout::new("--dropout", p)
+        .map(|d| d.p())
+        .map_err(|e| e.to_string())
 }
 
 /// The held-out seed of evaluation during training.
@@ -85,7 +106,14 @@ fn lr_at(step: usize, args: &Args) -> f64 {
 /// Runs `vl train-shapes`: trains, evaluates, writes the model directory.
 pub fn run(args: &Args) -> anyhow::Result<()> {
     let dev = Device::Cpu;
-    let cfg = shapes::captioner_config(args.hidden, args.layers, args.patch);
+    let mut cfg = shapes::captioner_config(args.hidden, args.layers, args.patch);
+    cfg.decoder.attention_dropout = args.dropout;
+    cfg.decoder.residual_dropout = args.dropout;
+    cfg.decoder.embedding_dropout = args.dropout;
+    if let Some(VisionConfig::Vit(vit)) = &mut cfg.vision {
+        vit.attention_dropout = args.dropout;
+        vit.hidden_dropout = args.dropout;
+    }
     cfg.validate()?;
     let tok = shapes::tokenizer()?;
     let id = |w: &str| tok.token_to_id(w).with_context(|| format!("token {w}"));
@@ -101,9 +129,13 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
 
     let mut vars = VarMap::new();
     let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev);
-    let decoder = VisionLanguageDecoder::load(vb.pp("decoder"), &cfg.decoder)?;
+    let mut decoder = VisionLanguageDecoder::load(vb.pp("decoder"), &cfg.decoder)?;
+    // Dropout acts in training only; evaluation switches to inference.
+    let training = Mode::training(args.dropout_seed);
     let vision_cfg = cfg.vision.clone().context("vision config")?;
-    let vision = VisionEncoder::load(vb.pp("vision"), &vision_cfg)?;
+    let mut vision = VisionEncoder::load(vb.pp("vision"), &vision_cfg)?;
+    decoder.set_mode(training.clone());
+    vision.set_mode(training.clone());
     seeded_init(&vars, args.init_seed)?;
     if let Some(dir) = &args.resume {
         let weights = dir.join(vl::checkpoint::WEIGHTS_FILE);
@@ -179,7 +211,12 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         bar.set_message(msg);
         bar.inc(1);
         if (step + 1) % args.eval_every == 0 || step + 1 == args.steps {
+            decoder.set_mode(Mode::Inference);
+            vision.set_mode(Mode::Inference);
             let acc = evaluate(&decoder, &vision, &cfg, &tok, &dev)?;
+            // The same generator: the masks go on where they left off.
+            decoder.set_mode(training.clone());
+            vision.set_mode(training.clone());
             let secs = started.elapsed().as_secs_f64();
             bar.suspend(|| {
                 eprintln!("step {} ({secs:.0}s): scene accuracy {acc:.3} on {EVAL_SCENES} held-out scenes", step + 1)

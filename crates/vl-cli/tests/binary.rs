@@ -207,3 +207,54 @@ fn render_then_eval_with_the_subcommands() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--batch-size"));
 }
+
+/// `train-shapes --dropout P`: out of [0, 1) is a usage error naming the
+/// flag; a short run with dropout writes the probabilities into the model's
+/// config (evaluation runs without them).
+#[test]
+fn train_shapes_with_dropout() {
+    for bad in ["1", "-0.5", "x"] {
+        let out = Command::new(vl_bin())
+            .args(["train-shapes", &format!("--dropout={bad}")])
+            .output()
+            .expect("run");
+        assert_eq!(out.status.code(), Some(2), "{bad}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("--dropout"),
+            "{bad}"
+        );
+    }
+    let tmp = tempfile::tempdir().expect("tmp");
+    let model = tmp.path().join("model");
+    let out = Command::new(vl_bin())
+        .args([
+            "train-shapes",
+            "--out",
+            s(&model),
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--batch-size",
+            "2",
+            "--hidden",
+            "16",
+            "--layers",
+            "1",
+            "--dropout",
+            "0.25",
+        ])
+        .output()
+        .expect("run");
+    ok(&out);
+    let cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(model.join("config.json")).expect("config.json"),
+    )
+    .expect("json");
+    for field in ["attention_dropout", "residual_dropout", "embedding_dropout"] {
+        assert_eq!(cfg["decoder"][field], 0.25, "{field}: {cfg}");
+    }
+    for field in ["attention_dropout", "hidden_dropout"] {
+        assert_eq!(cfg["vision"][field], 0.25, "{field}: {cfg}");
+    }
+}

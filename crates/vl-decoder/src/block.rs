@@ -7,6 +7,11 @@
 //! x += ffn(ffn_norm(x))
 //! ```
 //!
+//! In training ([`DecoderBlock::set_mode`]), every branch goes through the
+//! residual dropout before it is added, and both attentions drop
+//! attention probabilities; in inference (the default) neither does
+//! anything.
+//!
 //! Blocks without cross-attention (when `cross_attention_every > 1`) skip
 //! the middle lines, and so does every block when there is no image. The
 //! second middle line is Flamingo's gated dense layer: a feed-forward of
@@ -16,11 +21,11 @@ use candle_core::quantized::GgmlDType;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 use vl_attn::{
-    CausalSelfAttention, CrossAttention, CrossAttentionConfig, CrossKv, FeedForward, KvCache, Mask,
-    SelfAttentionConfig, TanhGate, Weights,
+    CausalSelfAttention, CrossAttention, CrossAttentionConfig, CrossKv, Dropout, FeedForward,
+    KvCache, Mask, Mode, SelfAttentionConfig, TanhGate, Weights,
 };
 
-use crate::config::DecoderConfig;
+use crate::config::{DecoderConfig, Dropouts};
 use crate::error::Result;
 use vl_attn::LayerNorm;
 
@@ -107,6 +112,9 @@ pub struct DecoderBlock {
     cross: Option<CrossBranch>,
     ffn_norm: LayerNorm,
     ffn: FeedForward,
+    /// On each branch before it is added back, in training.
+    resid_dropout: Dropout,
+    mode: Mode,
 }
 
 pub(crate) fn layer_norm(vb: VarBuilder, cfg: &DecoderConfig) -> Result<LayerNorm> {
@@ -152,7 +160,7 @@ impl DecoderBlock {
         } else {
             None
         };
-        Ok(Self {
+        let block = Self {
             self_attn_norm: layer_norm(vb.pp("self_attn_norm"), cfg)?,
             self_attn: CausalSelfAttention::load(vb.pp("self_attn"), &self_cfg)?,
             cross,
@@ -163,10 +171,14 @@ impl DecoderBlock {
                 cfg.intermediate_size,
                 cfg.hidden_act,
             )?,
-        })
+            resid_dropout: Dropout::NONE,
+            mode: Mode::Inference,
+        };
+        Ok(block.with_dropouts(cfg.dropouts()?))
     }
 
-    /// Builds a block from existing parts (checkpoint converters).
+    /// Builds a block from existing parts (checkpoint converters), without
+    /// dropout (see [`DecoderBlock::with_dropouts`]).
     pub fn from_parts(
         self_attn_norm: LayerNorm,
         self_attn: CausalSelfAttention,
@@ -180,7 +192,43 @@ impl DecoderBlock {
             cross,
             ffn_norm,
             ffn,
+            resid_dropout: Dropout::NONE,
+            mode: Mode::Inference,
         }
+    }
+
+    /// Sets the attention dropout of both attentions and the residual
+    /// dropout of every branch; they act only in training.
+    pub fn with_dropouts(mut self, dropouts: Dropouts) -> Self {
+        self.self_attn = self.self_attn.with_attention_dropout(dropouts.attention);
+        if let Some(c) = &mut self.cross {
+            c.cross_attn = c
+                .cross_attn
+                .clone()
+                .with_attention_dropout(dropouts.attention);
+        }
+        self.resid_dropout = dropouts.residual;
+        self
+    }
+
+    /// Switches between training (dropout on, masks from the mode's
+    /// generator) and inference (the default: dropout off).
+    pub fn set_mode(&mut self, mode: Mode) {
+        self.self_attn.set_mode(mode.clone());
+        if let Some(c) = &mut self.cross {
+            c.cross_attn.set_mode(mode.clone());
+        }
+        self.mode = mode;
+    }
+
+    /// The current mode.
+    pub fn mode(&self) -> &Mode {
+        &self.mode
+    }
+
+    /// A branch's update after the residual dropout.
+    fn residual(&self, branch: &Tensor) -> Result<Tensor> {
+        Ok(self.resid_dropout.forward(branch, &self.mode)?)
     }
 
     /// A copy with every projection (self-attention, cross-attention,
@@ -273,7 +321,7 @@ impl DecoderBlock {
             .self_attn
             .attend(&h, cache, inputs.text_mask, Weights::Skip)?
             .output;
-        let mut x = (x + h)?;
+        let mut x = (x + self.residual(&h)?)?;
         let mut weights = None;
         if let Some(c) = &self.cross {
             let kv;
@@ -299,13 +347,13 @@ impl DecoderBlock {
                     Some(g) => g.forward(&out)?,
                     None => out,
                 };
-                x = (x + out)?;
+                x = (x + self.residual(&out)?)?;
                 if let Some(f) = &c.ffn {
-                    x = (&x + f.forward(&x)?)?;
+                    x = (&x + self.residual(&f.forward(&x)?)?)?;
                 }
             }
         }
         let h = self.ffn.forward(&self.ffn_norm.forward(&x)?)?;
-        Ok(((x + h)?, weights))
+        Ok(((x + self.residual(&h)?)?, weights))
     }
 }

@@ -5,6 +5,19 @@ use serde::{Deserialize, Serialize};
 use crate::error::{config_err, Result};
 
 pub use vl_attn::Activation;
+use vl_attn::Dropout;
+
+/// The decoder's dropouts, from [`DecoderConfig::dropouts`]; they act only
+/// in training (see [`crate::VisionLanguageDecoder::set_mode`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Dropouts {
+    /// On the attention probabilities (`attention_dropout`).
+    pub attention: Dropout,
+    /// On the residual branches (`residual_dropout`).
+    pub residual: Dropout,
+    /// On the embeddings (`embedding_dropout`).
+    pub embedding: Dropout,
+}
 
 fn default_kv_heads() -> Option<usize> {
     None
@@ -75,6 +88,19 @@ pub struct DecoderConfig {
     /// Whether the attention projections have biases (default true).
     #[serde(default = "default_true")]
     pub attention_bias: bool,
+    /// Dropout on the attention probabilities of every self- and
+    /// cross-attention, in training only (default 0; GPT-2's `attn_pdrop`).
+    #[serde(default, alias = "attn_pdrop")]
+    pub attention_dropout: f64,
+    /// Dropout on every residual branch (attention, feed-forward) before it
+    /// is added back, in training only (default 0; GPT-2's `resid_pdrop`,
+    /// BART's `dropout`).
+    #[serde(default, alias = "resid_pdrop", alias = "dropout")]
+    pub residual_dropout: f64,
+    /// Dropout on the token plus position embeddings, in training only
+    /// (default 0; GPT-2's `embd_pdrop`).
+    #[serde(default, alias = "embd_pdrop")]
+    pub embedding_dropout: f64,
     /// The start token.
     pub bos_token_id: u32,
     /// The end token.
@@ -92,6 +118,25 @@ impl DecoderConfig {
     /// Whether block `layer` has cross-attention.
     pub fn has_cross_attention(&self, layer: usize) -> bool {
         layer % self.cross_attention_every == 0
+    }
+
+    /// The attention, residual and embedding dropouts, checked.
+    ///
+    /// # Errors
+    /// [`crate::DecoderError::Config`] naming the field that is not in
+    /// `[0, 1)`.
+    pub fn dropouts(&self) -> Result<Dropouts> {
+        let check = |field, p| {
+            Dropout::new(field, p).map_err(|_| crate::DecoderError::Config {
+                field,
+                reason: format!("expected a dropout probability in [0, 1), got {p}"),
+            })
+        };
+        Ok(Dropouts {
+            attention: check("attention_dropout", self.attention_dropout)?,
+            residual: check("residual_dropout", self.residual_dropout)?,
+            embedding: check("embedding_dropout", self.embedding_dropout)?,
+        })
     }
 
     /// Rejects impossible values before any tensor is built.
@@ -137,6 +182,7 @@ impl DecoderConfig {
                 format!("must be positive, got {}", self.layer_norm_eps),
             );
         }
+        self.dropouts()?;
         for (field, id) in [
             ("bos_token_id", self.bos_token_id),
             ("eos_token_id", self.eos_token_id),
@@ -170,6 +216,9 @@ impl DecoderConfig {
             gated_cross_attention: false,
             gated_cross_ffn: false,
             attention_bias: true,
+            attention_dropout: 0.0,
+            residual_dropout: 0.0,
+            embedding_dropout: 0.0,
             bos_token_id: 1,
             eos_token_id: 2,
             pad_token_id: 0,
@@ -192,7 +241,47 @@ mod tests {
         assert_eq!(cfg.hidden_act, Activation::GeluTanh);
         assert_eq!(cfg.kv_heads(), 4);
         assert!(cfg.tie_word_embeddings);
+        assert_eq!(
+            (
+                cfg.attention_dropout,
+                cfg.residual_dropout,
+                cfg.embedding_dropout
+            ),
+            (0.0, 0.0, 0.0)
+        );
         cfg.validate().expect("valid");
+    }
+
+    /// GPT-2's and BART's dropout keys land in the right fields.
+    #[test]
+    fn dropout_spellings() {
+        let base = r#""vocab_size": 10, "hidden_size": 16, "num_attention_heads": 4,
+            "num_hidden_layers": 1, "intermediate_size": 32, "max_position_embeddings": 8,
+            "memory_dim": 8, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1"#;
+        let gpt2: DecoderConfig = serde_json::from_str(&format!(
+            r#"{{{base}, "attn_pdrop": 0.1, "resid_pdrop": 0.2, "embd_pdrop": 0.3}}"#
+        ))
+        .expect("parse");
+        assert_eq!(
+            (
+                gpt2.attention_dropout,
+                gpt2.residual_dropout,
+                gpt2.embedding_dropout
+            ),
+            (0.1, 0.2, 0.3)
+        );
+        let bart: DecoderConfig = serde_json::from_str(&format!(
+            r#"{{{base}, "attention_dropout": 0.1, "dropout": 0.2}}"#
+        ))
+        .expect("parse");
+        assert_eq!(
+            (
+                bart.attention_dropout,
+                bart.residual_dropout,
+                bart.embedding_dropout
+            ),
+            (0.1, 0.2, 0.0)
+        );
     }
 
     #[test]
@@ -218,6 +307,23 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("eos_token_id"));
+        for (field, p) in [
+            ("attention_dropout", 1.0),
+            ("residual_dropout", -0.1),
+            ("embedding_dropout", f64::NAN),
+        ] {
+            let mut cfg = DecoderConfig::tiny(10, 8);
+            match field {
+                "attention_dropout" => cfg.attention_dropout = p,
+                "residual_dropout" => cfg.residual_dropout = p,
+                _ => cfg.embedding_dropout = p,
+            }
+            let err = cfg.validate().unwrap_err().to_string();
+            assert!(
+                err.contains(field) && err.contains(&p.to_string()),
+                "{field}: {err}"
+            );
+        }
         let bad =
             serde_json::from_str::<DecoderConfig>(r#"{"vocab_size": 10, "hidden_act": "tanhh"}"#);
         assert!(bad.is_err());

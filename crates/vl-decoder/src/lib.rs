@@ -45,11 +45,11 @@ pub mod model;
 pub mod quantize;
 
 pub use block::DecoderBlock;
-pub use config::{Activation, DecoderConfig};
+pub use config::{Activation, DecoderConfig, Dropouts};
 pub use error::{DecoderError, Result};
 pub use generate::{
     generate, EarlyStopping, Generated, GenerationConfig, StopReason, Strategy, TokenEvent,
 };
 pub use model::{DecodeState, ForwardMasks, ImageContext, VisionLanguageDecoder};
 pub use quantize::Quantization;
-pub use vl_attn::{FeedForward, LayerNorm};
+pub use vl_attn::{Dropout, DropoutRng, FeedForward, LayerNorm, Mode};

@@ -13,7 +13,7 @@ use candle_nn::{Embedding, Linear, Module, VarBuilder};
 
 use vl_attn::mask::{self, MediaAttention, MediaSpan};
 use vl_attn::LayerNorm;
-use vl_attn::{CrossKv, KvCache, Mask, Proj};
+use vl_attn::{CrossKv, Dropout, KvCache, Mask, Mode, Proj};
 
 use crate::block::{layer_norm, BlockInputs, DecoderBlock, ImageInput};
 use crate::config::DecoderConfig;
@@ -208,6 +208,9 @@ pub struct VisionLanguageDecoder {
     lm_head: Proj,
     /// `0..max_position_embeddings` as u32, built once, narrowed per step.
     positions: Tensor,
+    /// On the token plus position embeddings, in training.
+    embd_dropout: Dropout,
+    mode: Mode,
     cfg: DecoderConfig,
 }
 
@@ -311,6 +314,11 @@ impl VisionLanguageDecoder {
         }
         let device = embed_tokens.embeddings().device().clone();
         let positions = Tensor::arange(0u32, max_positions, &device)?;
+        let dropouts = cfg.dropouts()?;
+        let blocks = blocks
+            .into_iter()
+            .map(|b| b.with_dropouts(dropouts))
+            .collect();
         Ok(Self {
             embed_tokens,
             embed_positions,
@@ -318,6 +326,8 @@ impl VisionLanguageDecoder {
             final_norm,
             lm_head: lm_head.into(),
             positions,
+            embd_dropout: dropouts.embedding,
+            mode: Mode::Inference,
             cfg: cfg.clone(),
         })
     }
@@ -373,6 +383,31 @@ impl VisionLanguageDecoder {
     /// The dtype of the weights.
     pub fn dtype(&self) -> DType {
         self.embed_tokens.embeddings().dtype()
+    }
+
+    /// Switches the decoder between training and inference (the default).
+    ///
+    /// In [`Mode::Training`], the config's dropouts act: `embedding_dropout`
+    /// on the embeddings, `residual_dropout` on every branch of every
+    /// block, `attention_dropout` on the attention probabilities, all
+    /// drawing their masks, in call order, from the mode's generator — the
+    /// same seed and the same calls give the same masks. Attention dropout
+    /// runs on the reference path: [`vl_attn::Backend::Auto`] takes it, and
+    /// a decoder set to [`vl_attn::Backend::Fused`] is refused while the
+    /// dropout is active. Cached decoding and generation follow the mode
+    /// too: switch to inference to evaluate. In [`Mode::Inference`] nothing
+    /// is dropped and the outputs are bit-identical to those of a decoder
+    /// without dropout.
+    pub fn set_mode(&mut self, mode: Mode) {
+        for b in &mut self.blocks {
+            b.set_mode(mode.clone());
+        }
+        self.mode = mode;
+    }
+
+    /// The current mode.
+    pub fn mode(&self) -> &Mode {
+        &self.mode
     }
 
     /// Sets the attention implementation of every block.
@@ -479,7 +514,8 @@ impl VisionLanguageDecoder {
     }
 
     /// Token plus position embeddings of `tokens` placed at positions
-    /// `offset..offset + len`: the input of the first block.
+    /// `offset..offset + len`: the input of the first block (after the
+    /// embedding dropout, in training).
     ///
     /// # Shapes
     /// `tokens: (batch, len)` u32 → `(batch, len, hidden)`.
@@ -493,7 +529,9 @@ impl VisionLanguageDecoder {
         let pos = self
             .embed_positions
             .forward(&self.positions.narrow(0, offset, t)?)?;
-        Ok(tok.broadcast_add(&pos)?)
+        Ok(self
+            .embd_dropout
+            .forward(&tok.broadcast_add(&pos)?, &self.mode)?)
     }
 
     fn check_memory(&self, memory: &Tensor) -> Result<()> {

@@ -377,6 +377,8 @@ fn every_parameter_receives_a_gradient() -> anyhow::Result<()> {
         image_std: [0.5; 3],
         hidden_act: vl_decoder::Activation::Gelu,
         output_size: None,
+        attention_dropout: 0.0,
+        hidden_dropout: 0.0,
     };
     let vars = VarMap::new();
     let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);

@@ -47,6 +47,9 @@ impl VisionConfig {
 }
 
 /// A vision encoder.
+// One per model, built once: the size of the larger variant costs nothing,
+// and boxing it would change every match on `Vit`.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum VisionEncoder {
     /// The mock encoder.
@@ -76,6 +79,15 @@ impl VisionEncoder {
             Self::MockVit(m) => Self::MockVit(m.clone()),
             Self::Vit(v) => Self::Vit(v.quantize(format).map_err(|e| e.within("vision"))?),
         })
+    }
+
+    /// Switches a ViT between training and inference (see
+    /// [`crate::Vit::set_mode`]); the mock encoder has no dropout.
+    pub fn set_mode(&mut self, mode: vl_attn::Mode) {
+        match self {
+            Self::MockVit(_) => {}
+            Self::Vit(v) => v.set_mode(mode),
+        }
     }
 
     /// Image tokens of normalised pixels.

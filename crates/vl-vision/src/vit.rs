@@ -7,7 +7,7 @@ use candle_core::{DType, Tensor};
 use candle_nn::{Init, Linear, Module, VarBuilder};
 
 use serde::{Deserialize, Serialize};
-use vl_attn::{FeedForward, LayerNorm, Proj, SelfAttention, SelfAttentionConfig};
+use vl_attn::{Dropout, FeedForward, LayerNorm, Mode, Proj, SelfAttention, SelfAttentionConfig};
 
 use crate::error::{arg_err, config_err, Result};
 use crate::preprocess::MAX_IMAGE_SIDE;
@@ -55,6 +55,14 @@ pub struct VitConfig {
     /// than the encoder).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_size: Option<usize>,
+    /// Dropout on the attention probabilities, in training only (default
+    /// 0; transformers' `attention_probs_dropout_prob`).
+    #[serde(default, alias = "attention_probs_dropout_prob")]
+    pub attention_dropout: f64,
+    /// Dropout on the embeddings and on every residual branch, in training
+    /// only (default 0; transformers' `hidden_dropout_prob`).
+    #[serde(default, alias = "hidden_dropout_prob")]
+    pub hidden_dropout: f64,
 }
 
 impl VitConfig {
@@ -124,7 +132,27 @@ impl VitConfig {
         if let Some(s) = self.image_std.iter().find(|s| !s.is_finite() || **s <= 0.0) {
             return config_err("vision.image_std", format!("must be positive, got {s}"));
         }
+        self.dropouts()?;
         Ok(())
+    }
+
+    /// The attention and hidden dropouts, checked.
+    ///
+    /// # Errors
+    /// A config error naming `vision.attention_dropout` or
+    /// `vision.hidden_dropout` when it is not in `[0, 1)`.
+    pub fn dropouts(&self) -> Result<(Dropout, Dropout)> {
+        let check = |field, p| match Dropout::new(field, p) {
+            Ok(d) => Ok(d),
+            Err(_) => config_err(
+                field,
+                format!("expected a dropout probability in [0, 1), got {p}"),
+            ),
+        };
+        Ok((
+            check("vision.attention_dropout", self.attention_dropout)?,
+            check("vision.hidden_dropout", self.hidden_dropout)?,
+        ))
     }
 }
 
@@ -139,6 +167,9 @@ pub struct VitBlock {
     attn: SelfAttention,
     ffn_norm: LayerNorm,
     ffn: FeedForward,
+    /// On each branch before it is added back, in training.
+    resid_dropout: Dropout,
+    mode: Mode,
 }
 
 impl VitBlock {
@@ -156,21 +187,39 @@ impl VitBlock {
             attn,
             ffn_norm,
             ffn,
+            resid_dropout: Dropout::NONE,
+            mode: Mode::Inference,
         }
+    }
+
+    /// Sets the attention dropout and the residual dropout; they act only
+    /// in training.
+    pub fn with_dropouts(self, attention: Dropout, residual: Dropout) -> Self {
+        Self {
+            attn: self.attn.with_attention_dropout(attention),
+            resid_dropout: residual,
+            ..self
+        }
+    }
+
+    /// Switches between training and inference (the default).
+    pub fn set_mode(&mut self, mode: Mode) {
+        self.attn.set_mode(mode.clone());
+        self.mode = mode;
     }
 
     fn load(vb: VarBuilder, cfg: &VitConfig) -> Result<Self> {
         let eps = cfg.layer_norm_eps;
         let d = cfg.hidden_size;
-        Ok(Self {
-            attn_norm: LayerNorm::load(d, eps, vb.pp("attn_norm"))?,
-            attn: SelfAttention::load(
+        Ok(Self::from_parts(
+            LayerNorm::load(d, eps, vb.pp("attn_norm"))?,
+            SelfAttention::load(
                 vb.pp("attn"),
                 &SelfAttentionConfig::new(d, cfg.num_attention_heads),
             )?,
-            ffn_norm: LayerNorm::load(d, eps, vb.pp("ffn_norm"))?,
-            ffn: FeedForward::load(vb.pp("ffn"), d, cfg.intermediate_size, cfg.hidden_act)?,
-        })
+            LayerNorm::load(d, eps, vb.pp("ffn_norm"))?,
+            FeedForward::load(vb.pp("ffn"), d, cfg.intermediate_size, cfg.hidden_act)?,
+        ))
     }
 
     /// A copy with the attention's and the feed-forward's projections
@@ -190,9 +239,10 @@ impl VitBlock {
     /// # Shapes
     /// `x: (batch, tokens, hidden)` → `(batch, tokens, hidden)`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = (x + self.attn.forward(&self.attn_norm.forward(x)?, None)?)?;
+        let h = self.attn.forward(&self.attn_norm.forward(x)?, None)?;
+        let x = (x + self.resid_dropout.forward(&h, &self.mode)?)?;
         let h = self.ffn.forward(&self.ffn_norm.forward(&x)?)?;
-        Ok((&x + h)?)
+        Ok((&x + self.resid_dropout.forward(&h, &self.mode)?)?)
     }
 }
 
@@ -211,6 +261,9 @@ pub struct Vit {
     blocks: Vec<VitBlock>,
     final_norm: LayerNorm,
     output_proj: Option<Proj>,
+    /// On the patch and position embeddings, in training.
+    embd_dropout: Dropout,
+    mode: Mode,
     cfg: VitConfig,
 }
 
@@ -289,6 +342,11 @@ impl Vit {
                 "must be given exactly when the config sets output_size",
             );
         }
+        let (attention, hidden) = cfg.dropouts()?;
+        let blocks = blocks
+            .into_iter()
+            .map(|b| b.with_dropouts(attention, hidden))
+            .collect();
         Ok(Self {
             patch_embed,
             cls,
@@ -296,6 +354,8 @@ impl Vit {
             blocks,
             final_norm,
             output_proj: output_proj.map(Proj::from),
+            embd_dropout: hidden,
+            mode: Mode::Inference,
             cfg: cfg.clone(),
         })
     }
@@ -346,6 +406,18 @@ impl Vit {
         &self.cfg
     }
 
+    /// Switches the encoder between training and inference (the default).
+    /// In training, `hidden_dropout` acts on the embeddings and on every
+    /// residual branch and `attention_dropout` on the attention
+    /// probabilities, with masks from the mode's generator; in inference
+    /// the outputs are bit-identical to an encoder without dropout.
+    pub fn set_mode(&mut self, mode: Mode) {
+        for b in &mut self.blocks {
+            b.set_mode(mode.clone());
+        }
+        self.mode = mode;
+    }
+
     /// Image tokens: CLS first, then the patches in row-major order.
     ///
     /// # Shapes
@@ -388,7 +460,8 @@ impl Vit {
             .reshape((b, g * g, c.num_channels * p * p))?;
         let tokens = self.patch_embed.forward(&patches)?;
         let cls = self.cls.broadcast_as((b, 1, c.hidden_size))?;
-        let mut x = Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.positions)?;
+        let x = Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.positions)?;
+        let mut x = self.embd_dropout.forward(&x, &self.mode)?;
         for block in &self.blocks {
             x = block.forward(&x)?;
         }
@@ -433,7 +506,59 @@ mod tests {
             image_std: [0.5; 3],
             hidden_act: Activation::Gelu,
             output_size,
+            attention_dropout: 0.0,
+            hidden_dropout: 0.0,
         }
+    }
+
+    /// Inference is bit-identical with and without the dropout fields;
+    /// training drops, the same seed the same way; a probability out of
+    /// range names its field.
+    #[test]
+    fn dropout_acts_only_in_training() -> Result<()> {
+        let plain_cfg = tiny(16, None);
+        let cfg = VitConfig {
+            attention_dropout: 0.3,
+            hidden_dropout: 0.2,
+            ..plain_cfg.clone()
+        };
+        let (vars, plain) = load(&plain_cfg)?;
+        let vb = VarBuilder::from_varmap(&vars, DType::F32, &candle_core::Device::Cpu);
+        let mut dropped = Vit::load(vb, &cfg)?;
+        let pixels = Tensor::randn(0f32, 1., (2, 3, 8, 8), &candle_core::Device::Cpu)?;
+        let diff = |a: &Tensor, b: &Tensor| -> Result<f32> {
+            Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+        };
+        let want = plain.forward(&pixels)?;
+        assert_eq!(diff(&want, &dropped.forward(&pixels)?)?, 0.0);
+        let mut train = |seed| -> Result<Tensor> {
+            dropped.set_mode(Mode::training(seed));
+            dropped.forward(&pixels)
+        };
+        let (a, b, c) = (train(3)?, train(3)?, train(4)?);
+        assert_eq!(diff(&a, &b)?, 0.0);
+        assert!(diff(&a, &c)? > 0.0);
+        assert!(diff(&a, &want)? > 0.0);
+        for (field, edit) in [
+            (
+                "vision.attention_dropout",
+                VitConfig {
+                    attention_dropout: 1.0,
+                    ..plain_cfg.clone()
+                },
+            ),
+            (
+                "vision.hidden_dropout",
+                VitConfig {
+                    hidden_dropout: -0.5,
+                    ..plain_cfg.clone()
+                },
+            ),
+        ] {
+            let err = edit.validate().unwrap_err().to_string();
+            assert!(err.contains(field), "{err}");
+        }
+        Ok(())
     }
 
     fn load(cfg: &VitConfig) -> Result<(candle_nn::VarMap, Vit)> {

@@ -79,6 +79,18 @@ impl HfConfig {
                  (scale_attn_weights true, scale_attn_by_inverse_layer_idx false)",
             );
         }
+        for (field, p) in [
+            ("decoder.attn_pdrop", d.attn_pdrop),
+            ("decoder.resid_pdrop", d.resid_pdrop),
+            ("decoder.embd_pdrop", d.embd_pdrop),
+        ] {
+            if !(0.0..1.0).contains(&p) {
+                return config_err(
+                    field,
+                    format!("expected a dropout probability in [0, 1), got {p}"),
+                );
+            }
+        }
         if let Some(w) = d.cross_attention_hidden_size.filter(|&w| w != d.n_embd) {
             return config_err(
                 "decoder.cross_attention_hidden_size",
@@ -114,6 +126,8 @@ impl HfConfig {
             image_std: pixels.std,
             hidden_act: e.hidden_act,
             output_size: self.projects_encoder().then_some(self.decoder.n_embd),
+            attention_dropout: e.attention_probs_dropout_prob,
+            hidden_dropout: e.hidden_dropout_prob,
         }
     }
 
@@ -142,6 +156,10 @@ impl HfConfig {
             gated_cross_attention: false,
             gated_cross_ffn: false,
             attention_bias: true,
+            // Inference ignores them; a decoder switched to training uses them.
+            attention_dropout: d.attn_pdrop,
+            residual_dropout: d.resid_pdrop,
+            embedding_dropout: d.embd_pdrop,
             bos_token_id: generation.start_token_id,
             eos_token_id: eos,
             pad_token_id: generation.pad_token_id,

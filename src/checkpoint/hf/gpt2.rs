@@ -32,6 +32,12 @@ fn default_true() -> bool {
 fn gelu_new() -> Activation {
     Activation::GeluTanh
 }
+/// transformers' `GPT2Config` default of `attn_pdrop`, `resid_pdrop` and
+/// `embd_pdrop`, for a `config.json` that leaves one out.
+pub const GPT2_DEFAULT_PDROP: f64 = 0.1;
+fn gpt2_pdrop() -> f64 {
+    GPT2_DEFAULT_PDROP
+}
 
 /// `config.json`'s `decoder`: a transformers `GPT2Config` with
 /// cross-attention.
@@ -74,6 +80,18 @@ pub struct HfGpt2Config {
     /// Whether `lm_head` is `wte` (default true).
     #[serde(default = "default_true")]
     pub tie_word_embeddings: bool,
+    /// Dropout on the attention probabilities, in training (default
+    /// [`GPT2_DEFAULT_PDROP`], as transformers).
+    #[serde(default = "gpt2_pdrop")]
+    pub attn_pdrop: f64,
+    /// Dropout on the residual branches, in training (default
+    /// [`GPT2_DEFAULT_PDROP`]).
+    #[serde(default = "gpt2_pdrop")]
+    pub resid_pdrop: f64,
+    /// Dropout on the embeddings, in training (default
+    /// [`GPT2_DEFAULT_PDROP`]).
+    #[serde(default = "gpt2_pdrop")]
+    pub embd_pdrop: f64,
     /// Every other key: generation settings of older checkpoints.
     #[serde(flatten)]
     pub rest: BTreeMap<String, Value>,

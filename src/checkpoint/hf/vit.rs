@@ -63,6 +63,14 @@ pub struct HfVitConfig {
     /// Whether query, key and value have biases (default true).
     #[serde(default = "default_true")]
     pub qkv_bias: bool,
+    /// Dropout on the attention probabilities, in training (default 0, as
+    /// transformers).
+    #[serde(default)]
+    pub attention_probs_dropout_prob: f64,
+    /// Dropout on the embeddings and residual branches, in training
+    /// (default 0, as transformers).
+    #[serde(default)]
+    pub hidden_dropout_prob: f64,
 }
 
 /// The ViT under `encoder.` (and `enc_to_dec_proj.` when the widths
