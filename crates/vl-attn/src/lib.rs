@@ -27,6 +27,9 @@
 //! - [`dropout`]: inverted [`Dropout`] with seeded, reproducible masks and
 //!   the [`Mode`] switch (inference by default); every attention module
 //!   applies its own to the attention probabilities in training.
+//! - [`Resampler`]: learned queries through a stack of self-attention,
+//!   cross-attention and feed-forward layers (Perceiver resampler,
+//!   Q-Former), which compresses a memory to a fixed number of tokens.
 //! - [`TanhGate`] (Flamingo's gated cross-attention) and [`QueryPool`]
 //!   (learned queries that summarise a memory).
 //!
@@ -72,6 +75,7 @@ pub mod mask;
 pub mod norm;
 pub mod pool;
 pub mod proj;
+pub mod resampler;
 pub mod self_attn;
 
 pub use cache::KvCache;
@@ -87,4 +91,5 @@ pub use mask::Mask;
 pub use norm::LayerNorm;
 pub use pool::QueryPool;
 pub use proj::Proj;
+pub use resampler::{Resampler, ResamplerConfig, ResamplerLayer};
 pub use self_attn::{CausalSelfAttention, SelfAttention, SelfAttentionConfig};
