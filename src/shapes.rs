@@ -103,6 +103,7 @@ pub fn captioner_config(hidden: usize, layers: usize, patch_size: usize) -> VlCo
             attention_dropout: 0.0,
             hidden_dropout: 0.0,
         })),
+        resampler: None,
     }
 }
 

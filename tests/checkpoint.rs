@@ -80,6 +80,7 @@ fn vl_config(cfg: &DecoderConfig) -> VlConfig {
             hidden_size: cfg.memory_dim,
             seed: 3,
         })),
+        resampler: None,
     }
 }
 
@@ -262,5 +263,59 @@ fn weight_errors_name_the_file_once_and_the_tensor() -> anyhow::Result<()> {
         "{reason}"
     );
     assert!(!reason.contains("model.safetensors"), "{reason}");
+    Ok(())
+}
+
+/// A model directory with a resampler between the (mock) ViT and the
+/// decoder: saved and loaded with it, its weights under `resampler.`, the
+/// image reaching the decoder as `num_queries` tokens.
+#[test]
+fn a_resampler_is_saved_and_loaded_with_the_model() -> anyhow::Result<()> {
+    use vl::vl_attn::{Resampler, ResamplerConfig};
+    let cfg = DecoderConfig::tiny(VOCAB, MEM);
+    let mut config = vl_config(&DecoderConfig {
+        memory_dim: 16, // the mock ViT's width; the resampler maps it to MEM
+        ..cfg.clone()
+    });
+    config.decoder = cfg.clone();
+    let resampler_cfg = ResamplerConfig::new(MEM, 16, 4, 1, 4);
+    config.resampler = Some(resampler_cfg.clone());
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
+    VisionLanguageDecoder::load(vb.pp("decoder"), &cfg)?;
+    let resampler = Resampler::load(vb.pp("resampler"), &resampler_cfg)?;
+    let dir = tempfile::tempdir()?;
+    VlModel::save(dir.path(), &config, &vars, &word_tokenizer(VOCAB))?;
+    let loaded = VlModel::load(dir.path(), DType::F32, &Device::Cpu)?;
+    assert_eq!(loaded.config.resampler.as_ref(), Some(&resampler_cfg));
+    let pixels = Tensor::rand(0f32, 1., (2, 3, 32, 32), &Device::Cpu)?;
+    let tokens = loaded.encode_pixels(&pixels)?;
+    assert_eq!(tokens.dims(), &[2, 4, MEM]);
+    // The same as the mock ViT then the resampler as built.
+    let vit = MockVit::new(
+        &MockVitConfig {
+            image_size: 32,
+            patch_size: 8,
+            num_channels: 3,
+            hidden_size: 16,
+            seed: 3,
+        },
+        DType::F32,
+        &Device::Cpu,
+    )?;
+    let want = resampler.forward(&vit.forward(&pixels)?, None)?;
+    assert!(max_abs_diff(&tokens, &want) <= 1e-5);
+
+    // A resampler that does not fit the encoder is named.
+    let mut bad = config.clone();
+    bad.resampler = Some(ResamplerConfig::new(MEM, 20, 4, 1, 4));
+    std::fs::write(dir.path().join("config.json"), serde_json::to_string(&bad)?)?;
+    let err = VlModel::load(dir.path(), DType::F32, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("resampler.memory_dim") && err.contains("20"),
+        "{err}"
+    );
     Ok(())
 }

@@ -31,6 +31,7 @@ fn tiny_captioner() -> anyhow::Result<Captioner> {
         generation: GenerationConfig::greedy(&cfg.decoder, 6),
         decoder,
         vision: Some(vision),
+        resampler: None,
         tokenizer: shapes::tokenizer()?,
         pixels,
         format: ModelFormat::Vl,

@@ -110,6 +110,8 @@ pub struct VlModel {
     pub decoder: VisionLanguageDecoder,
     /// The vision encoder, if any.
     pub vision: Option<VisionEncoder>,
+    /// The resampler between encoder and decoder, if configured.
+    pub resampler: Option<vl_attn::Resampler>,
     /// The tokenizer.
     pub tokenizer: tokenizers::Tokenizer,
     /// What the vision encoder expects of its pixels, if there is one.
@@ -161,8 +163,13 @@ impl VlModel {
                 Some(v) => Some(v.quantize(format)?),
                 None => None,
             };
+            let resampler = match &self.resampler {
+                Some(r) => Some(r.quantize(format).map_err(|e| e.within("resampler"))?),
+                None => None,
+            };
             self.decoder = decoder;
             self.vision = vision;
+            self.resampler = resampler;
         }
         Ok(())
     }
@@ -188,7 +195,8 @@ impl VlModel {
         }
     }
 
-    /// Image tokens of preprocessed pixels (see [`vl_vision::preprocess`]).
+    /// Image tokens of preprocessed pixels (see [`vl_vision::preprocess`]),
+    /// through the resampler when the model has one.
     ///
     /// # Shapes
     /// `pixels: (images, 3, size, size)` → `(images, tokens, memory_dim)`.
@@ -199,6 +207,11 @@ impl VlModel {
                 format!("the model in {} has no vision encoder", self.path.display()),
             );
         };
-        Ok(vision.forward(&pixels.to_dtype(self.decoder.dtype())?)?)
+        let tokens = vision.forward(&pixels.to_dtype(self.decoder.dtype())?)?;
+        match &self.resampler {
+            None => Ok(tokens),
+            // (images, tokens, vision width) -> (images, queries, memory_dim)
+            Some(r) => Ok(r.forward(&tokens, None)?),
+        }
     }
 }

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device};
 use candle_nn::{VarBuilder, VarMap};
 use serde::{Deserialize, Serialize};
+use vl_attn::{Resampler, ResamplerConfig};
 use vl_decoder::{DecoderConfig, GenerationConfig, VisionLanguageDecoder};
 use vl_vision::{VisionConfig, VisionEncoder};
 
@@ -32,6 +33,10 @@ pub struct VlConfig {
     /// The vision encoder, if the directory has one.
     #[serde(default)]
     pub vision: Option<VisionConfig>,
+    /// A resampler between the vision encoder and the decoder, compressing
+    /// the image tokens to its queries; weights under `resampler.`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resampler: Option<ResamplerConfig>,
 }
 
 impl VlConfig {
@@ -48,12 +53,32 @@ impl VlConfig {
             return Ok(());
         };
         vision.validate()?;
-        if vision.hidden_size() != self.decoder.memory_dim {
+        let image_width = match &self.resampler {
+            None => vision.hidden_size(),
+            Some(r) => {
+                r.validate()?;
+                if vision.hidden_size() != r.memory_dim {
+                    return Err(Error::Config {
+                        field: "resampler.memory_dim",
+                        reason: format!(
+                            "{} does not match the vision encoder's width {}",
+                            r.memory_dim,
+                            vision.hidden_size()
+                        ),
+                    });
+                }
+                r.width
+            }
+        };
+        if image_width != self.decoder.memory_dim {
             return Err(Error::Config {
-                field: "vision.hidden_size",
+                field: if self.resampler.is_some() {
+                    "resampler.width"
+                } else {
+                    "vision.hidden_size"
+                },
                 reason: format!(
-                    "{} does not match decoder.memory_dim {}",
-                    vision.hidden_size(),
+                    "{image_width} does not match decoder.memory_dim {}",
                     self.decoder.memory_dim
                 ),
             });
@@ -125,9 +150,14 @@ fn build(
         None => None,
         Some(v) => Some(VisionEncoder::load(vb.pp("vision"), v).map_err(weights_error(weights))?),
     };
+    let resampler = match &config.resampler {
+        None => None,
+        Some(r) => Some(Resampler::load(vb.pp("resampler"), r).map_err(weights_error(weights))?),
+    };
     let generation =
         GenerationConfig::greedy(&config.decoder, config.decoder.max_position_embeddings - 1);
     Ok(VlModel {
+        resampler,
         path,
         pixels: config.vision.as_ref().map(VisionConfig::pixel_spec),
         generation,

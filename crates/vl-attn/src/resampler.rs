@@ -25,8 +25,8 @@ use crate::mask::Mask;
 use crate::norm::LayerNorm;
 use crate::self_attn::{SelfAttention, SelfAttentionConfig};
 
-/// The resampler's sizes.
-#[derive(Debug, Clone, PartialEq)]
+/// The resampler's sizes, as a model directory's `config.json` holds them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ResamplerConfig {
     /// Width of the queries and of the output tokens.
     pub width: usize,
@@ -40,10 +40,16 @@ pub struct ResamplerConfig {
     pub num_heads: usize,
     /// Feed-forward width.
     pub intermediate_size: usize,
-    /// Feed-forward activation.
+    /// Feed-forward activation (default `gelu`).
+    #[serde(default)]
     pub activation: Activation,
-    /// Layer-norm epsilon.
+    /// Layer-norm epsilon (default 1e-5).
+    #[serde(default = "default_eps")]
     pub layer_norm_eps: f64,
+}
+
+fn default_eps() -> f64 {
+    DEFAULT_LAYER_NORM_EPS
 }
 
 /// Feed-forward width per unit of `width` in [`ResamplerConfig::new`].

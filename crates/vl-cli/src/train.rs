@@ -21,6 +21,7 @@ use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use indicatif::{ProgressBar, ProgressStyle};
 use vl::captioner::Captioner;
 use vl::shapes::{self, BOS, EOS, PAD};
+use vl::vl_attn::{Resampler, ResamplerConfig};
 use vl::vl_decoder::init::seeded_init;
 use vl::vl_decoder::{generate, Dropout, ForwardMasks, Mode, VisionLanguageDecoder};
 use vl::vl_shapes::scene_accuracy;
@@ -75,6 +76,33 @@ pub struct Args {
     /// Seed of the dropout masks.
     #[arg(long, default_value_t = 0)]
     dropout_seed: u64,
+    /// Put a resampler of this many learned queries between the ViT and
+    /// the decoder (0: none), so that cross-attention reads that many image
+    /// tokens instead of every patch.
+    #[arg(long, default_value_t = 0)]
+    resampler_queries: usize,
+    /// Layers of the resampler.
+    #[arg(long, default_value_t = 1)]
+    resampler_depth: usize,
+}
+
+/// Heads of the resampler's attentions (the ViT's and the decoder's too).
+const RESAMPLER_HEADS: usize = 4;
+
+/// Image tokens for the decoder: the ViT's, through the resampler if any.
+///
+/// # Shapes
+/// `pixels: (batch, 3, size, size)` → `(batch, tokens | queries, hidden)`.
+fn encode(
+    vision: &VisionEncoder,
+    resampler: Option<&Resampler>,
+    pixels: &Tensor,
+) -> anyhow::Result<Tensor> {
+    let tokens = vision.forward(pixels)?;
+    Ok(match resampler {
+        None => tokens,
+        Some(r) => r.forward(&tokens, None)?,
+    })
 }
 
 /// `--dropout`: a probability in [0, 1).
@@ -114,6 +142,15 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         vit.attention_dropout = args.dropout;
         vit.hidden_dropout = args.dropout;
     }
+    if args.resampler_queries > 0 {
+        cfg.resampler = Some(ResamplerConfig::new(
+            args.hidden,
+            args.hidden,
+            args.resampler_queries,
+            args.resampler_depth,
+            RESAMPLER_HEADS,
+        ));
+    }
     cfg.validate()?;
     let tok = shapes::tokenizer()?;
     let id = |w: &str| tok.token_to_id(w).with_context(|| format!("token {w}"));
@@ -134,6 +171,10 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let training = Mode::training(args.dropout_seed);
     let vision_cfg = cfg.vision.clone().context("vision config")?;
     let mut vision = VisionEncoder::load(vb.pp("vision"), &vision_cfg)?;
+    let resampler = match &cfg.resampler {
+        None => None,
+        Some(r) => Some(Resampler::load(vb.pp("resampler"), r)?),
+    };
     decoder.set_mode(training.clone());
     vision.set_mode(training.clone());
     seeded_init(&vars, args.init_seed)?;
@@ -181,7 +222,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         let ids = Tensor::new(rows, &dev)?;
         let input = ids.narrow(1, 0, MAX_TOKENS - 1)?;
         let target = ids.narrow(1, 1, MAX_TOKENS - 1)?.contiguous()?;
-        let memory = vision.forward(&batch.pixels)?;
+        let memory = encode(&vision, resampler.as_ref(), &batch.pixels)?;
         let logits = decoder.forward(&input, Some(&memory), ForwardMasks::default())?;
         // Cross-entropy over non-padding targets.
         let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
@@ -213,7 +254,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         if (step + 1) % args.eval_every == 0 || step + 1 == args.steps {
             decoder.set_mode(Mode::Inference);
             vision.set_mode(Mode::Inference);
-            let acc = evaluate(&decoder, &vision, &cfg, &tok, &dev)?;
+            let acc = evaluate(&decoder, &vision, resampler.as_ref(), &cfg, &tok, &dev)?;
             // The same generator: the masks go on where they left off.
             decoder.set_mode(training.clone());
             vision.set_mode(training.clone());
@@ -238,13 +279,14 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
 fn evaluate(
     decoder: &VisionLanguageDecoder,
     vision: &VisionEncoder,
+    resampler: Option<&Resampler>,
     cfg: &VlConfig,
     tok: &vl::checkpoint::Tokenizer,
     dev: &Device,
 ) -> anyhow::Result<f64> {
     let spec = cfg.vision.as_ref().context("vision")?.pixel_spec();
     let batch = shapes::batch(EVAL_SEED, 0, EVAL_SCENES, &spec, dev)?;
-    let memory = vision.forward(&batch.pixels)?.detach();
+    let memory = encode(vision, resampler, &batch.pixels)?.detach();
     let ctx = decoder.image_context(&memory, None)?;
     let gen = generate(
         decoder,

@@ -258,3 +258,49 @@ fn train_shapes_with_dropout() {
         assert_eq!(cfg["vision"][field], 0.25, "{field}: {cfg}");
     }
 }
+
+/// `train-shapes --resampler-queries`: the model directory it writes has
+/// the resampler, loads, and captions through it.
+#[test]
+fn train_shapes_with_a_resampler() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let model = tmp.path().join("model");
+    let out = Command::new(vl_bin())
+        .args([
+            "train-shapes",
+            "--out",
+            s(&model),
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--batch-size",
+            "2",
+            "--hidden",
+            "16",
+            "--layers",
+            "1",
+            "--patch",
+            "8",
+            "--resampler-queries",
+            "4",
+            "--resampler-depth",
+            "2",
+        ])
+        .output()
+        .expect("run");
+    ok(&out);
+    let cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(model.join("config.json")).expect("config.json"),
+    )
+    .expect("json");
+    assert_eq!(cfg["resampler"]["num_queries"], 4, "{cfg}");
+    assert_eq!(cfg["resampler"]["depth"], 2, "{cfg}");
+    let (image, _) = samples().into_iter().next().expect("a sample");
+    let out = caption_cmd()
+        .args(["--model", s(&model), "--json", "--max-tokens", "3", &image])
+        .output()
+        .expect("run");
+    let line: serde_json::Value = serde_json::from_str(ok(&out).trim()).expect("json");
+    assert!(line["caption"].is_string(), "{line}");
+}
