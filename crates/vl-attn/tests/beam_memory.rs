@@ -7,11 +7,14 @@
 //! One test in its own binary: the allocator counts every thread.
 #![allow(missing_docs)]
 
+mod common;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
+use common::frozen;
 use vl_attn::{Backend, CrossAttention, CrossAttentionConfig, Weights};
 
 /// The system allocator, counting live bytes and their peak.
@@ -58,21 +61,14 @@ fn beams_attend_without_copying_the_memory() -> anyhow::Result<()> {
     // new token per beam (a decode step).
     let (images, beams, mem_len, d) = (2, 3, 4096, 64);
     let vars = VarMap::new();
-    // Initialised weights in `vars`...
+    // Initialised weights in `vars`, then detached: plain tensors, so the
+    // fused kernel may run.
     CrossAttention::load(
         VarBuilder::from_varmap(&vars, DType::F32, &dev),
         &CrossAttentionConfig::new(d, d, 4),
     )?;
-    // ...detached: plain tensors, so the fused kernel may run.
-    let tensors = vars
-        .data()
-        .lock()
-        .map_err(|_| anyhow::anyhow!("vars lock"))?
-        .iter()
-        .map(|(n, v)| (n.clone(), v.as_tensor().detach()))
-        .collect::<std::collections::HashMap<_, _>>();
     let attn = CrossAttention::load(
-        VarBuilder::from_tensors(tensors, DType::F32, &dev),
+        frozen(&vars, DType::F32),
         &CrossAttentionConfig::new(d, d, 4),
     )?;
     let memory = Tensor::randn(0f32, 1., (images, mem_len, d), &dev)?;

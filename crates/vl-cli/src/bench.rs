@@ -143,7 +143,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         .reshape((1, 3, side, side))?;
     let mut agreement = None;
     let mut margin = None;
-    if let Some(format) = args.quantize.ggml_dtype() {
+    if args.quantize.ggml_dtype().is_some() {
         // Teacher-forced top-1 agreement with the weights as loaded, over
         // a fixed pseudo-random token sequence.
         let memory = model.encode_pixels(&pixels)?;
@@ -180,12 +180,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             })
             .collect();
         margin = Some(median(gaps));
-        model.decoder = model.decoder.quantize(format)?;
-        // The encoder too, as `vl caption --quantize` does.
-        model.vision = match &model.vision {
-            Some(v) => Some(v.quantize(format)?),
-            None => None,
-        };
+        // Every quantizable part, as `vl caption --quantize` does.
+        model.quantize(args.quantize)?;
         let quant = logits_of(&model.decoder)?;
         let same = dense
             .iter()
