@@ -21,8 +21,8 @@ use candle_core::quantized::GgmlDType;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 use vl_attn::{
-    CausalSelfAttention, CrossAttention, CrossAttentionConfig, CrossKv, Dropout, FeedForward,
-    KvCache, Mask, Mode, SelfAttentionConfig, TanhGate, Weights,
+    CausalSelfAttention, CrossAttention, CrossAttentionConfig, CrossKv, Dropout, DropoutRng,
+    FeedForward, KvCache, Mask, Mode, SelfAttentionConfig, TanhGate, Weights,
 };
 
 use crate::config::{DecoderConfig, Dropouts};
@@ -213,12 +213,33 @@ impl DecoderBlock {
 
     /// Switches between training (dropout on, masks from the mode's
     /// generator) and inference (the default: dropout off).
+    ///
+    /// Also ends a [`DecoderBlock::set_cross_map_dropout`]: the
+    /// cross-attention gets the config's attention dropout back.
     pub fn set_mode(&mut self, mode: Mode) {
+        let attention = self.self_attn.attention_dropout();
         self.self_attn.set_mode(mode.clone());
         if let Some(c) = &mut self.cross {
+            c.cross_attn = c.cross_attn.clone().with_attention_dropout(attention);
             c.cross_attn.set_mode(mode.clone());
         }
         self.mode = mode;
+    }
+
+    /// Drops entries of the cross-attention map whatever the block's mode:
+    /// each query's weights over the image tokens are zeroed with
+    /// probability `dropout.p()` and the kept ones scaled by `1 / (1 - p)`,
+    /// masks drawn from `rng`. Self-attention, residual and embedding
+    /// dropout keep following the mode, so in inference this changes only
+    /// what each text position reads from the image — dropout on the
+    /// query side of the map at sampling time. Ended by
+    /// [`DecoderBlock::set_mode`]; a block without cross-attention is left
+    /// as it is.
+    pub fn set_cross_map_dropout(&mut self, dropout: Dropout, rng: DropoutRng) {
+        if let Some(c) = &mut self.cross {
+            c.cross_attn = c.cross_attn.clone().with_attention_dropout(dropout);
+            c.cross_attn.set_mode(Mode::Training(rng));
+        }
     }
 
     /// The current mode.

@@ -13,7 +13,7 @@ use candle_nn::{Embedding, Linear, Module, VarBuilder};
 
 use vl_attn::mask::{self, MediaAttention, MediaSpan};
 use vl_attn::LayerNorm;
-use vl_attn::{CrossKv, Dropout, KvCache, Mask, Mode, Proj};
+use vl_attn::{CrossKv, Dropout, DropoutRng, KvCache, Mask, Mode, Proj};
 
 use crate::block::{layer_norm, BlockInputs, DecoderBlock, ImageInput};
 use crate::config::DecoderConfig;
@@ -408,6 +408,31 @@ impl VisionLanguageDecoder {
     /// The current mode.
     pub fn mode(&self) -> &Mode {
         &self.mode
+    }
+
+    /// Drops entries of every cross-attention map with probability `p`
+    /// (inverted scaling, masks seeded by `seed` and drawn in call order),
+    /// in inference as in training, while everything else follows the
+    /// mode: with the decoder in inference, sampled captions read a
+    /// randomly thinned image at every step. `p = 0` restores the
+    /// config's attention dropout, as does [`Self::set_mode`].
+    ///
+    /// Attention dropout runs on the reference path (see
+    /// [`Self::set_mode`]).
+    ///
+    /// # Errors
+    /// `p` outside `[0, 1)`, named `cross_attention_map_dropout`.
+    pub fn set_cross_map_dropout(&mut self, p: f64, seed: u64) -> Result<()> {
+        let dropout = Dropout::new("cross_attention_map_dropout", p)?;
+        if p == 0.0 {
+            self.set_mode(self.mode.clone());
+            return Ok(());
+        }
+        let rng = DropoutRng::new(seed);
+        for b in &mut self.blocks {
+            b.set_cross_map_dropout(dropout, rng.clone());
+        }
+        Ok(())
     }
 
     /// Sets the attention implementation of every block.

@@ -193,3 +193,46 @@ fn fused_backend_is_refused_in_training() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Cross-attention-map dropout acts in inference: the logits change,
+/// reproducibly per seed, a text-only pass (no cross-attention) does not,
+/// rate 0 and `set_mode` give the plain decoder back bit for bit, and a
+/// rate outside [0, 1) is refused by name.
+#[test]
+fn cross_map_dropout_acts_at_inference() -> anyhow::Result<()> {
+    let (plain, mut model) = pair_with(
+        &DecoderConfig::tiny(VOCAB, MEM),
+        &DecoderConfig::tiny(VOCAB, MEM),
+    );
+    let (toks, mem) = inputs();
+    let want = plain.forward(&toks, Some(&mem), ForwardMasks::default())?;
+    let text_only = plain.forward(&toks, None, ForwardMasks::default())?;
+    let mut run = |seed| -> anyhow::Result<(Tensor, Tensor)> {
+        model.set_cross_map_dropout(0.5, seed)?;
+        Ok((
+            model.forward(&toks, Some(&mem), ForwardMasks::default())?,
+            model.forward(&toks, None, ForwardMasks::default())?,
+        ))
+    };
+    let ((a, a_text), (b, _), (c, _)) = (run(SEED)?, run(SEED)?, run(SEED + 1)?);
+    assert!(max_abs_diff(&a, &want) > 1e-3, "nothing was dropped");
+    assert_eq!(max_abs_diff(&a, &b), 0.0, "same seed");
+    assert!(max_abs_diff(&a, &c) > 0.0, "another seed");
+    assert_eq!(max_abs_diff(&a_text, &text_only), 0.0, "text only");
+    assert!(!model.mode().is_training(), "the mode stays inference");
+
+    model.set_cross_map_dropout(0.0, SEED)?;
+    let off = model.forward(&toks, Some(&mem), ForwardMasks::default())?;
+    assert_eq!(max_abs_diff(&off, &want), 0.0, "rate 0");
+    model.set_cross_map_dropout(0.5, SEED)?;
+    model.set_mode(Mode::Inference);
+    let reset = model.forward(&toks, Some(&mem), ForwardMasks::default())?;
+    assert_eq!(max_abs_diff(&reset, &want), 0.0, "set_mode");
+
+    let err = model
+        .set_cross_map_dropout(1.0, SEED)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("cross_attention_map_dropout"), "{err}");
+    Ok(())
+}
