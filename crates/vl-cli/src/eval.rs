@@ -17,7 +17,7 @@ pub struct Args {
     #[arg(long, default_value_t = 1000)]
     n: u64,
     /// Dataset seed of the scenes.
-    #[arg(long, default_value_t = 20_261_130)]
+    #[arg(long, default_value_t = EVAL_SEED)]
     seed: u64,
     /// Images captioned together.
     #[arg(long, default_value = "100", value_parser = crate::args::positive)]
@@ -29,13 +29,45 @@ pub struct Args {
 /// stderr.
 pub fn run(args: &Args) -> anyhow::Result<()> {
     let captioner = Captioner::new(args.model.load()?);
+    let correct = count_correct(
+        &captioner,
+        args.seed,
+        args.n,
+        args.batch_size,
+        &mut |i, got, want| eprintln!("scene {i}: got {got:?}, want {want:?}"),
+    )?;
+    let line = serde_json::json!({
+        "model": args.model.name(),
+        "seed": args.seed,
+        "n": args.n,
+        "correct": correct,
+        "scene_accuracy": correct as f64 / args.n.max(1) as f64,
+    });
+    println!("{line}");
+    Ok(())
+}
+
+/// The dataset seed of `vl eval-shapes` (fresh scenes, neither training's
+/// nor the held-out evaluation's during training).
+pub const EVAL_SEED: u64 = 20_261_130;
+
+/// Captions scenes `0..n` of dataset `seed` greedily, `batch_size` at a
+/// time, and returns how many read back into their scene; each miss goes
+/// to `on_miss(index, caption, true caption)`.
+pub fn count_correct(
+    captioner: &Captioner,
+    seed: u64,
+    n: u64,
+    batch_size: NonZeroUsize,
+    on_miss: &mut dyn FnMut(u64, &str, &str),
+) -> anyhow::Result<u64> {
     let max_tokens = captioner.model.config.decoder.max_position_embeddings - 1;
     let gen = captioner.greedy_config(max_tokens);
     let mut correct = 0u64;
     let mut start = 0;
-    while start < args.n {
-        let end = (start + args.batch_size.get() as u64).min(args.n);
-        let scenes: Vec<_> = (start..end).map(|i| dataset_scene(args.seed, i)).collect();
+    while start < n {
+        let end = (start + batch_size.get() as u64).min(n);
+        let scenes: Vec<_> = (start..end).map(|i| dataset_scene(seed, i)).collect();
         let images: Vec<DynamicImage> = scenes
             .iter()
             .map(|s| DynamicImage::ImageRgb8(s.render()))
@@ -50,23 +82,10 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             if score(&c.text, scene) {
                 correct += 1;
             } else {
-                eprintln!(
-                    "scene {}: got {:?}, want {:?}",
-                    start + i as u64,
-                    c.text,
-                    scene.caption()
-                );
+                on_miss(start + i as u64, &c.text, &scene.caption());
             }
         }
         start = end;
     }
-    let line = serde_json::json!({
-        "model": args.model.name(),
-        "seed": args.seed,
-        "n": args.n,
-        "correct": correct,
-        "scene_accuracy": correct as f64 / args.n.max(1) as f64,
-    });
-    println!("{line}");
-    Ok(())
+    Ok(correct)
 }

@@ -23,7 +23,9 @@ pub mod bench;
 pub mod caption;
 pub mod embedded;
 pub mod eval;
+pub mod experiment;
 pub mod inputs;
+pub mod plot;
 pub mod render;
 pub mod train;
 
@@ -53,6 +55,8 @@ pub enum Command {
     RenderShapes(render::Args),
     /// Time a checkpoint: encode, decode per token, captions, caches, memory.
     Bench(bench::Args),
+    /// Reproduce one of vl's experiments: its JSON and its plot.
+    Experiment(experiment::Args),
 }
 
 /// Logs (`RUST_LOG`, default `warn`) to stderr.
@@ -109,6 +113,7 @@ where
         Command::TrainShapes(args) => train::run(args),
         Command::RenderShapes(args) => render::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Experiment(args) => experiment::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -6,19 +6,9 @@ mod common;
 
 use std::io::Write;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 
-use common::{caption_cmd, images, repo_root, s, tiny_model, vl_bin};
-
-fn ok(out: &Output) -> String {
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "stderr: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout.clone()).expect("utf-8 stdout")
-}
+use common::{caption_cmd, images, ok, repo_root, s, tiny_model, vl_bin};
 
 /// The shipped samples and their true captions.
 fn samples() -> Vec<(String, String)> {

@@ -13,6 +13,18 @@ use vl::vl_decoder::VisionLanguageDecoder;
 use vl::vl_vision::VisionEncoder;
 use vl::VlModel;
 
+/// Asserts `out` exited 0 (showing its stderr otherwise) and returns its
+/// stdout.
+pub fn ok(out: &Output) -> String {
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout.clone()).expect("utf-8 stdout")
+}
+
 /// The built `vl` binary (cargo builds it for this package's tests).
 pub fn vl_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_vl"))
