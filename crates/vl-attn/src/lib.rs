@@ -69,6 +69,7 @@ pub mod dropout;
 pub mod error;
 pub mod ffn;
 pub mod gate;
+pub mod gemv;
 mod heads;
 pub mod kernel;
 pub mod mask;

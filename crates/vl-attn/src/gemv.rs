@@ -1,0 +1,440 @@
+//! vl's CPU matrix-vector kernel for decode shapes: `y = x W^T` with `x`
+//! of 1 to [`MAX_ROWS`] rows (a decode step, a few beams or a small batch)
+//! and a dense weight `W (out, in)` in f32, f16 or bf16.
+//!
+//! Why vl owns it: for a one-row product candle's CPU matmul (gemm 0.19)
+//! takes gemm's `gemv` path, which runs on one thread whatever the pool
+//! size, and has no bf16 product at all; a decode step is a chain of such
+//! products, bounded by the bytes of the weights it streams. This kernel
+//! splits the output rows across the rayon pool (the process's one pool,
+//! sized by `--threads`), streams each weight row once for all the rows of
+//! `x`, converts f16/bf16 weights to f32 on the fly and accumulates in f32.
+//!
+//! The SIMD is chosen once per process ([`isa`]): the same Rust loop
+//! compiled for AVX-512F, for AVX2+FMA, or as plain code (NEON is the
+//! baseline on aarch64, so the plain build vectorises there). Every path
+//! is tested against a plain f64 reference on odd shapes.
+//!
+//! [`gemv`] is a candle `CustomOp2`, so models stay candle modules; it runs
+//! on CPU only and takes no part in autograd: [`crate::Proj`] routes to it
+//! only for plain (untracked) CPU tensors of a supported shape, and to
+//! candle's matmul otherwise (training, CUDA, Metal, prefill).
+
+use std::sync::OnceLock;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// The most rows of `x` the kernel takes; more go to candle's matmul.
+pub const MAX_ROWS: usize = 8;
+
+/// Floats per accumulator: one AVX-512 register, two AVX2 ones.
+const LANES: usize = 16;
+
+/// Output rows per parallel task, at least; fewer tasks than threads
+/// would leave cores idle, many tiny ones cost scheduling.
+const MIN_TASK_ROWS: usize = 16;
+
+/// The instruction set the kernel runs with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// x86-64 with AVX-512F.
+    Avx512,
+    /// x86-64 with AVX2 and FMA.
+    Avx2,
+    /// Whatever the target's baseline is (SSE2 on x86-64, NEON on aarch64).
+    Portable,
+}
+
+/// The best [`Isa`] of this CPU, detected once.
+pub fn isa() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    })
+}
+
+/// Whether this CPU can run `isa`.
+pub fn supported(isa: Isa) -> bool {
+    match isa {
+        Isa::Portable => true,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => is_x86_feature_detected!("avx512f"),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => false,
+    }
+}
+
+/// A weight element the kernel reads.
+trait Weight: Copy + Send + Sync {
+    fn to_f32(self) -> f32;
+}
+
+impl Weight for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Weight for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        // bf16 is the top half of an f32: a shift, which vectorises.
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+}
+
+impl Weight for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+/// `out[r] = x[r] · w` for the `R` rows of `x` (each `w.len()` long).
+#[inline(always)]
+fn dot_rows<W: Weight, const R: usize>(x: [&[f32]; R], w: &[W], out: &mut [f32; R]) {
+    let mut acc = [[0f32; LANES]; R];
+    let body = w.len() / LANES * LANES;
+    for (c, wc) in w[..body].chunks_exact(LANES).enumerate() {
+        let mut wf = [0f32; LANES];
+        for (f, &v) in wf.iter_mut().zip(wc) {
+            *f = v.to_f32();
+        }
+        for (a, xr) in acc.iter_mut().zip(&x) {
+            let xc = &xr[c * LANES..c * LANES + LANES];
+            for j in 0..LANES {
+                a[j] += xc[j] * wf[j];
+            }
+        }
+    }
+    for (r, (a, xr)) in acc.iter().zip(&x).enumerate() {
+        let mut s: f32 = a.iter().sum();
+        for (xv, wv) in xr[body..].iter().zip(&w[body..]) {
+            s += xv * wv.to_f32();
+        }
+        out[r] = s;
+    }
+}
+
+/// `yt[o * rows + r] = x[r] · w[o]` for the output rows `o` of one task:
+/// `w` holds those rows, `yt` their outputs, `x` all `rows` inputs.
+#[inline(always)]
+fn task<W: Weight>(x: &[f32], rows: usize, inp: usize, w: &[W], yt: &mut [f32]) {
+    let xr = |r: usize| &x[r * inp..(r + 1) * inp];
+    for (wo, yo) in w.chunks_exact(inp).zip(yt.chunks_exact_mut(rows)) {
+        // Groups of 4, 2, 1 rows: the weight row stays in L1 between them.
+        let mut r = 0;
+        while r < rows {
+            match rows - r {
+                n if n >= 4 => {
+                    let mut o = [0f32; 4];
+                    dot_rows(std::array::from_fn(|i| xr(r + i)), wo, &mut o);
+                    yo[r..r + 4].copy_from_slice(&o);
+                    r += 4;
+                }
+                n if n >= 2 => {
+                    let mut o = [0f32; 2];
+                    dot_rows(std::array::from_fn(|i| xr(r + i)), wo, &mut o);
+                    yo[r..r + 2].copy_from_slice(&o);
+                    r += 2;
+                }
+                _ => {
+                    let mut o = [0f32; 1];
+                    dot_rows([xr(r)], wo, &mut o);
+                    yo[r] = o[0];
+                    r += 1;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn task_avx512<W: Weight>(x: &[f32], rows: usize, inp: usize, w: &[W], yt: &mut [f32]) {
+    task(x, rows, inp, w, yt)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn task_avx2<W: Weight>(x: &[f32], rows: usize, inp: usize, w: &[W], yt: &mut [f32]) {
+    task(x, rows, inp, w, yt)
+}
+
+/// The product of `x (rows, inp)` (f32, row-major) and `w (out, inp)`:
+/// returns `y (rows, out)`, computed with `isa`.
+///
+/// # Panics
+/// Never for lengths that fit (`x.len() == rows * inp`, `w.len() == out *
+/// inp`) and an `isa` this CPU [`supported`]; the op checks both before
+/// calling.
+fn product<W: Weight>(isa: Isa, x: &[f32], rows: usize, w: &[W], out: usize) -> Vec<f32> {
+    let inp = x.len() / rows.max(1);
+    let threads = rayon::current_num_threads().max(1);
+    let per_task = out.div_ceil(threads * 4).max(MIN_TASK_ROWS);
+    // Outputs transposed, (out, rows), so that each task writes one run.
+    let mut yt = vec![0f32; out * rows];
+    yt.par_chunks_mut(per_task * rows)
+        .zip(w.par_chunks(per_task * inp))
+        .for_each(|(yt, w)| match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `isa` is AVX-512 only when the CPU supports it
+            // (`isa()` and `supported` check; `gemv_with` refuses others).
+            Isa::Avx512 => unsafe { task_avx512(x, rows, inp, w, yt) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, for AVX2 and FMA.
+            Isa::Avx2 => unsafe { task_avx2(x, rows, inp, w, yt) },
+            _ => task(x, rows, inp, w, yt),
+        });
+    let mut y = vec![0f32; rows * out];
+    for (o, yo) in yt.chunks_exact(rows).enumerate() {
+        for (r, v) in yo.iter().enumerate() {
+            y[r * out + o] = *v;
+        }
+    }
+    y
+}
+
+/// The op: `x (..., inp)` times `w (out, inp)` transposed.
+struct Gemv {
+    isa: Isa,
+}
+
+/// The contiguous slice a layout covers, or an error naming the argument.
+fn contiguous<'a, T>(data: &'a [T], layout: &Layout, arg: &str) -> candle_core::Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&data[start..end]),
+        None => candle_core::bail!("vl-gemv: {arg} must be contiguous"),
+    }
+}
+
+/// `x` as f32 values, converted from its dtype.
+fn x_f32(s: &CpuStorage, l: &Layout) -> candle_core::Result<Vec<f32>> {
+    Ok(match s {
+        CpuStorage::F32(d) => contiguous(d, l, "x")?.to_vec(),
+        CpuStorage::BF16(d) => contiguous(d, l, "x")?.iter().map(|v| v.to_f32()).collect(),
+        CpuStorage::F16(d) => contiguous(d, l, "x")?.iter().map(|v| v.to_f32()).collect(),
+        _ => candle_core::bail!("vl-gemv: x must be f32, f16 or bf16, got {:?}", s.dtype()),
+    })
+}
+
+impl CustomOp2 for Gemv {
+    fn name(&self) -> &'static str {
+        "vl-gemv"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (out, inp) = l2.shape().dims2()?;
+        let dims = l1.shape().dims();
+        let Some((&last, lead)) = dims.split_last() else {
+            candle_core::bail!("vl-gemv: x must have a last dimension");
+        };
+        if last != inp {
+            candle_core::bail!("vl-gemv: x is {dims:?}, the weight ({out}, {inp})");
+        }
+        let rows: usize = lead.iter().product();
+        if s1.dtype() != s2.dtype() {
+            candle_core::bail!(
+                "vl-gemv: x is {:?}, the weight {:?}",
+                s1.dtype(),
+                s2.dtype()
+            );
+        }
+        let x = x_f32(s1, l1)?;
+        let y = match s2 {
+            CpuStorage::F32(w) => product(self.isa, &x, rows, contiguous(w, l2, "w")?, out),
+            CpuStorage::BF16(w) => product(self.isa, &x, rows, contiguous(w, l2, "w")?, out),
+            CpuStorage::F16(w) => product(self.isa, &x, rows, contiguous(w, l2, "w")?, out),
+            _ => candle_core::bail!("vl-gemv: weight dtype {:?}", s2.dtype()),
+        };
+        let storage = match s1.dtype() {
+            DType::BF16 => CpuStorage::BF16(y.into_iter().map(bf16::from_f32).collect()),
+            DType::F16 => CpuStorage::F16(y.into_iter().map(f16::from_f32).collect()),
+            _ => CpuStorage::F32(y),
+        };
+        let mut shape = lead.to_vec();
+        shape.push(out);
+        Ok((storage, Shape::from(shape)))
+    }
+}
+
+/// Whether [`gemv`] takes `x` and `w`: both on the CPU, untracked by
+/// autograd, the same dtype among f32, f16 and bf16, `w (out, inp)`
+/// contiguous, `x (..., inp)` of 1 to [`MAX_ROWS`] rows.
+pub fn applies(x: &Tensor, w: &Tensor) -> bool {
+    let rows = x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1);
+    x.device().is_cpu()
+        && w.device().is_cpu()
+        && !x.track_op()
+        && !w.track_op()
+        && x.dtype() == w.dtype()
+        && matches!(w.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && w.rank() == 2
+        && w.is_contiguous()
+        && x.dims().last() == w.dims().get(1)
+        && (1..=MAX_ROWS).contains(&rows)
+}
+
+/// `x W^T` with the kernel, on this CPU's best [`isa`].
+///
+/// # Shapes
+/// `x: (..., inp)` (1 to [`MAX_ROWS`] rows, made contiguous), `w: (out,
+/// inp)` contiguous → `(..., out)` in `x`'s dtype.
+///
+/// # Errors
+/// When [`applies`] is false, with the reason.
+pub fn gemv(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    gemv_with(isa(), x, w)
+}
+
+/// [`gemv`] with a given instruction set (tests compare them).
+///
+/// # Errors
+/// As [`gemv`], and an `isa` this CPU does not support.
+pub fn gemv_with(isa: Isa, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    if !supported(isa) {
+        candle_core::bail!("vl-gemv: this CPU cannot run {isa:?}");
+    }
+    if !applies(x, w) {
+        candle_core::bail!(
+            "vl-gemv: takes untracked CPU x (1..={MAX_ROWS} rows, ..., inp) and a contiguous w (out, inp) of one dtype (f32, f16, bf16); got x {:?} {:?}, w {:?} {:?}",
+            x.dims(),
+            x.dtype(),
+            w.dims(),
+            w.dtype()
+        );
+    }
+    x.contiguous()?.apply_op2_no_bwd(w, &Gemv { isa })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// `x W^T` in f64 from the f32 values of both.
+    fn reference(x: &Tensor, w: &Tensor) -> Vec<f64> {
+        let inp = w.dim(1).expect("w");
+        let x: Vec<f32> = x
+            .to_dtype(DType::F32)
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1())
+            .expect("x");
+        let w: Vec<f32> = w
+            .to_dtype(DType::F32)
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1())
+            .expect("w");
+        let mut y = Vec::new();
+        for xr in x.chunks(inp) {
+            for wr in w.chunks(inp) {
+                y.push(xr.iter().zip(wr).map(|(a, b)| *a as f64 * *b as f64).sum());
+            }
+        }
+        y
+    }
+
+    fn isas() -> Vec<Isa> {
+        [Isa::Avx512, Isa::Avx2, Isa::Portable]
+            .into_iter()
+            .filter(|i| supported(*i))
+            .collect()
+    }
+
+    /// Every supported path equals the f64 reference on odd shapes (widths
+    /// not a multiple of 16, 1 to 8 rows, 1 and many outputs), for f32,
+    /// f16 and bf16: relative error under 1e-5 (f32) or 1e-2 (half
+    /// types, whose output is rounded to them).
+    #[test]
+    fn matches_the_reference() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::F16, 1e-2), (DType::BF16, 1e-2)] {
+            for &(out, inp) in &[(1, 1), (7, 15), (33, 17), (100, 64), (257, 773)] {
+                for rows in [1, 2, 3, 5, 8] {
+                    let x = Tensor::randn(0f32, 1., (rows, 1, inp), &dev)?.to_dtype(dtype)?;
+                    let w = Tensor::randn(0f32, 1., (out, inp), &dev)?.to_dtype(dtype)?;
+                    let want = reference(&x, &w);
+                    let scale = want.iter().map(|v| v.abs()).fold(1e-3, f64::max);
+                    for isa in isas() {
+                        let y = gemv_with(isa, &x, &w)?;
+                        assert_eq!(y.dims(), &[rows, 1, out]);
+                        assert_eq!(y.dtype(), dtype);
+                        let got: Vec<f32> = y.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+                        for (g, w) in got.iter().zip(&want) {
+                            let err = (*g as f64 - w).abs() / scale;
+                            assert!(
+                                err < tol,
+                                "{dtype:?} {isa:?} ({rows}, {inp}) x ({out}, {inp}): {g} vs {w}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A non-contiguous `x` is copied first and gives the same result as
+    /// its contiguous copy; the result equals candle's matmul.
+    #[test]
+    fn non_contiguous_x_and_candle_parity() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1., (40, 24), &dev)?;
+        let xt = Tensor::randn(0f32, 1., (24, 3), &dev)?.t()?; // (3, 24), strided
+        assert!(!xt.is_contiguous());
+        let got = gemv(&xt, &w)?;
+        let want = xt.contiguous()?.matmul(&w.t()?)?;
+        let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-4, "{diff}");
+        Ok(())
+    }
+
+    /// Shapes and operands outside its domain are refused with the reason:
+    /// too many rows, mismatched widths or dtypes, a tracked weight, a
+    /// non-contiguous weight.
+    #[test]
+    fn refuses_what_it_does_not_take() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1., (8, 16), &dev)?;
+        let cases = [
+            (
+                Tensor::zeros((MAX_ROWS + 1, 16), DType::F32, &dev)?,
+                w.clone(),
+            ),
+            (Tensor::zeros((1, 15), DType::F32, &dev)?, w.clone()),
+            (Tensor::zeros((1, 16), DType::BF16, &dev)?, w.clone()),
+            (
+                Tensor::zeros((1, 16), DType::F32, &dev)?,
+                candle_core::Var::from_tensor(&w)?.as_tensor().clone(),
+            ),
+            (Tensor::zeros((1, 8), DType::F32, &dev)?, w.t()?),
+        ];
+        for (x, w) in cases {
+            assert!(!applies(&x, &w));
+            let err = gemv(&x, &w).unwrap_err().to_string();
+            assert!(err.contains("vl-gemv"), "{err}");
+        }
+        Ok(())
+    }
+}
