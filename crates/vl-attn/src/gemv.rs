@@ -23,6 +23,7 @@
 use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -164,42 +165,97 @@ fn task<W: Weight>(x: &[f32], rows: usize, inp: usize, w: &[W], yt: &mut [f32]) 
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn task_avx512<W: Weight>(x: &[f32], rows: usize, inp: usize, w: &[W], yt: &mut [f32]) {
-    task(x, rows, inp, w, yt)
+/// `yt[o * rows + r] = x[r] · w[o]` for q8_0 weight rows: each row is
+/// `inp / 32` blocks of an f16 scale and 32 i8 values (candle's
+/// `BlockQ8_0`, 34 bytes). `x` stays f32: no activation rounding.
+#[inline(always)]
+fn task_q8_0(x: &[f32], rows: usize, inp: usize, w: &[u8], yt: &mut [f32]) {
+    let row_bytes = inp / Q8_0_VALUES * Q8_0_BYTES;
+    let xr = |r: usize| &x[r * inp..(r + 1) * inp];
+    for (wo, yo) in w.chunks_exact(row_bytes).zip(yt.chunks_exact_mut(rows)) {
+        let mut r = 0;
+        while r < rows {
+            if rows - r >= 2 {
+                let mut o = [0f32; 2];
+                dot_rows_q8_0(std::array::from_fn(|i| xr(r + i)), wo, &mut o);
+                yo[r..r + 2].copy_from_slice(&o);
+                r += 2;
+            } else {
+                let mut o = [0f32; 1];
+                dot_rows_q8_0([xr(r)], wo, &mut o);
+                yo[r] = o[0];
+                r += 1;
+            }
+        }
+    }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn task_avx2<W: Weight>(x: &[f32], rows: usize, inp: usize, w: &[W], yt: &mut [f32]) {
-    task(x, rows, inp, w, yt)
+/// `out[r] = x[r] · w` for one q8_0 weight row `w`.
+#[inline(always)]
+fn dot_rows_q8_0<const R: usize>(x: [&[f32]; R], w: &[u8], out: &mut [f32; R]) {
+    let mut acc = [[0f32; Q8_0_VALUES]; R];
+    for (b, block) in w.chunks_exact(Q8_0_BYTES).enumerate() {
+        let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
+        let mut q = [0f32; Q8_0_VALUES];
+        for (qv, &byte) in q.iter_mut().zip(&block[2..]) {
+            *qv = (byte as i8) as f32 * d;
+        }
+        for (a, xr) in acc.iter_mut().zip(&x) {
+            let xc = &xr[b * Q8_0_VALUES..(b + 1) * Q8_0_VALUES];
+            for j in 0..Q8_0_VALUES {
+                a[j] += xc[j] * q[j];
+            }
+        }
+    }
+    for (o, a) in out.iter_mut().zip(&acc) {
+        *o = a.iter().sum();
+    }
 }
 
-/// The product of `x (rows, inp)` (f32, row-major) and `w (out, inp)`:
-/// returns `y (rows, out)`, computed with `isa`.
-///
-/// # Panics
-/// Never for lengths that fit (`x.len() == rows * inp`, `w.len() == out *
-/// inp`) and an `isa` this CPU [`supported`]; the op checks both before
-/// calling.
-fn product<W: Weight>(isa: Isa, x: &[f32], rows: usize, w: &[W], out: usize) -> Vec<f32> {
-    let inp = x.len() / rows.max(1);
+/// Values per q8_0 block.
+const Q8_0_VALUES: usize = 32;
+/// Bytes per q8_0 block: an f16 scale and 32 i8.
+const Q8_0_BYTES: usize = 34;
+
+/// `$avx512` / `$avx2`: `$task` compiled for AVX-512F and for AVX2+FMA
+/// (the loops inside are inlined into them and vectorised for that
+/// instruction set).
+macro_rules! isa_variants {
+    ($task:ident, $avx512:ident, $avx2:ident, $w:ty $(, $g:ident: $bound:path)?) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx512f")]
+        fn $avx512$(<$g: $bound>)?(x: &[f32], rows: usize, inp: usize, w: &[$w], yt: &mut [f32]) {
+            $task(x, rows, inp, w, yt)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma")]
+        fn $avx2$(<$g: $bound>)?(x: &[f32], rows: usize, inp: usize, w: &[$w], yt: &mut [f32]) {
+            $task(x, rows, inp, w, yt)
+        }
+    };
+}
+
+isa_variants!(task, task_avx512, task_avx2, W, W: Weight);
+isa_variants!(task_q8_0, task_q8_0_avx512, task_q8_0_avx2, u8);
+
+/// Runs `run(outputs, yt)` over the output rows split into tasks across
+/// the rayon pool, `yt` being those outputs' `(len, rows)` results, and
+/// returns `y (rows, out)`.
+fn parallel(
+    out: usize,
+    rows: usize,
+    run: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
+) -> Vec<f32> {
     let threads = rayon::current_num_threads().max(1);
     let per_task = out.div_ceil(threads * 4).max(MIN_TASK_ROWS);
     // Outputs transposed, (out, rows), so that each task writes one run.
     let mut yt = vec![0f32; out * rows];
     yt.par_chunks_mut(per_task * rows)
-        .zip(w.par_chunks(per_task * inp))
-        .for_each(|(yt, w)| match isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `isa` is AVX-512 only when the CPU supports it
-            // (`isa()` and `supported` check; `gemv_with` refuses others).
-            Isa::Avx512 => unsafe { task_avx512(x, rows, inp, w, yt) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above, for AVX2 and FMA.
-            Isa::Avx2 => unsafe { task_avx2(x, rows, inp, w, yt) },
-            _ => task(x, rows, inp, w, yt),
+        .enumerate()
+        .for_each(|(t, yt)| {
+            let start = t * per_task;
+            run(start..start + yt.len() / rows, yt)
         });
     let mut y = vec![0f32; rows * out];
     for (o, yo) in yt.chunks_exact(rows).enumerate() {
@@ -208,6 +264,92 @@ fn product<W: Weight>(isa: Isa, x: &[f32], rows: usize, w: &[W], out: usize) -> 
         }
     }
     y
+}
+
+/// The product of `x (rows, inp)` (f32, row-major) and `w (out, inp)`:
+/// returns `y (rows, out)`, computed with `isa`, which the CPU must
+/// support (callers check with [`supported`]).
+fn product<W: Weight>(isa: Isa, x: &[f32], rows: usize, w: &[W], out: usize) -> Vec<f32> {
+    let inp = x.len() / rows.max(1);
+    parallel(out, rows, |o, yt| {
+        let w = &w[o.start * inp..o.end * inp];
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `isa` is AVX-512 only when the CPU supports it
+            // (`isa()` and `supported` check; `gemv_with` refuses others).
+            Isa::Avx512 => unsafe { task_avx512(x, rows, inp, w, yt) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, for AVX2 and FMA.
+            Isa::Avx2 => unsafe { task_avx2(x, rows, inp, w, yt) },
+            _ => task(x, rows, inp, w, yt),
+        }
+    })
+}
+
+/// As [`product`] for q8_0 weight bytes (`out` rows of `inp / 32`
+/// blocks).
+fn product_q8_0(isa: Isa, x: &[f32], rows: usize, w: &[u8], out: usize) -> Vec<f32> {
+    let inp = x.len() / rows.max(1);
+    let row_bytes = inp / Q8_0_VALUES * Q8_0_BYTES;
+    parallel(out, rows, |o, yt| {
+        let w = &w[o.start * row_bytes..o.end * row_bytes];
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as in `product`.
+            Isa::Avx512 => unsafe { task_q8_0_avx512(x, rows, inp, w, yt) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as in `product`.
+            Isa::Avx2 => unsafe { task_q8_0_avx2(x, rows, inp, w, yt) },
+            _ => task_q8_0(x, rows, inp, w, yt),
+        }
+    })
+}
+
+/// `x W^T` for a q8_0 weight, on this CPU's best [`isa`]; `x` is used in
+/// f32 (not rounded to 8 bits as candle's q8_0 product does).
+///
+/// # Shapes
+/// `x: (..., inp)` of 1 to [`MAX_ROWS`] rows, any float dtype; `w: (out,
+/// inp)` q8_0 on the CPU, `inp` a multiple of 32 → `(..., out)` f32.
+///
+/// # Errors
+/// A weight not q8_0 or not on the CPU, more rows than [`MAX_ROWS`], or
+/// widths that do not match, named.
+pub fn gemv_q8_0(x: &Tensor, w: &QTensor) -> candle_core::Result<Tensor> {
+    gemv_q8_0_with(isa(), x, w)
+}
+
+/// [`gemv_q8_0`] with a given instruction set (tests compare them).
+///
+/// # Errors
+/// As [`gemv_q8_0`], and an `isa` this CPU does not support.
+pub fn gemv_q8_0_with(isa: Isa, x: &Tensor, w: &QTensor) -> candle_core::Result<Tensor> {
+    if !supported(isa) {
+        candle_core::bail!("vl-gemv: this CPU cannot run {isa:?}");
+    }
+    let (out, inp) = w.shape().dims2()?;
+    let dims = x.dims();
+    let rows = x.elem_count() / inp.max(1);
+    if w.dtype() != GgmlDType::Q8_0 || !w.device().is_cpu() || !x.device().is_cpu() {
+        candle_core::bail!("vl-gemv: q8_0 takes a q8_0 weight and x on the CPU");
+    }
+    if dims.last() != Some(&inp) || inp % Q8_0_VALUES != 0 || !(1..=MAX_ROWS).contains(&rows) {
+        candle_core::bail!(
+            "vl-gemv: q8_0 takes x (..., {inp}) of 1..={MAX_ROWS} rows and a weight (out, k * 32); got x {dims:?}, w ({out}, {inp})"
+        );
+    }
+    let bytes = w.data()?;
+    if bytes.len() != out * inp / Q8_0_VALUES * Q8_0_BYTES {
+        candle_core::bail!(
+            "vl-gemv: q8_0 weight of {} bytes for ({out}, {inp})",
+            bytes.len()
+        );
+    }
+    let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let y = product_q8_0(isa, &xs, rows, &bytes, out);
+    let mut shape = dims[..dims.len() - 1].to_vec();
+    shape.push(out);
+    Tensor::from_vec(y, shape, x.device())
 }
 
 /// The op: `x (..., inp)` times `w (out, inp)` transposed.
@@ -392,6 +534,45 @@ mod tests {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// The q8_0 path equals the f64 product of `x` and the dequantized
+    /// weight (relative error under 1e-5: only the summation order
+    /// differs) on every supported path, for 1 to 8 rows and widths of 1
+    /// to 25 blocks; and it is refused with a reason for a weight of
+    /// another format or too many rows.
+    #[test]
+    fn q8_0_matches_the_dequantized_reference() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        for &(out, inp) in &[(1, 32), (7, 96), (65, 800)] {
+            let w = Tensor::randn(0f32, 1., (out, inp), &dev)?;
+            let q = QTensor::quantize(&w, GgmlDType::Q8_0)?;
+            let dq = q.dequantize(&dev)?;
+            for rows in [1, 2, 3, 8] {
+                let x = Tensor::randn(0f32, 1., (1, rows, inp), &dev)?;
+                let want = reference(&x, &dq);
+                let scale = want.iter().map(|v| v.abs()).fold(1e-3, f64::max);
+                for isa in isas() {
+                    let y = gemv_q8_0_with(isa, &x, &q)?;
+                    assert_eq!(y.dims(), &[1, rows, out]);
+                    let got: Vec<f32> = y.flatten_all()?.to_vec1()?;
+                    for (g, w) in got.iter().zip(&want) {
+                        let err = (*g as f64 - w).abs() / scale;
+                        assert!(
+                            err < 1e-5,
+                            "{isa:?} ({rows}, {inp}) x ({out}, {inp}): {g} vs {w}"
+                        );
+                    }
+                }
+            }
+        }
+        let q4 = QTensor::quantize(&Tensor::zeros((4, 256), DType::F32, &dev)?, GgmlDType::Q4K)?;
+        let err = gemv_q8_0(&Tensor::zeros((1, 256), DType::F32, &dev)?, &q4).unwrap_err();
+        assert!(err.to_string().contains("q8_0"), "{err}");
+        let q8 = QTensor::quantize(&Tensor::zeros((4, 32), DType::F32, &dev)?, GgmlDType::Q8_0)?;
+        let err = gemv_q8_0(&Tensor::zeros((9, 32), DType::F32, &dev)?, &q8).unwrap_err();
+        assert!(err.to_string().contains("rows"), "{err}");
         Ok(())
     }
 

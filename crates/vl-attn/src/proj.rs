@@ -202,6 +202,25 @@ impl Module for Proj {
                 }
             }
             Inner::Dense(l) => l.forward(x),
+            // q8_0 decode shapes on the CPU: vl's kernel, x kept in f32.
+            Inner::Quantized {
+                weight: QMatMul::QTensor(q),
+                format: GgmlDType::Q8_0,
+                bias,
+                in_dim,
+                ..
+            } if x.device().is_cpu()
+                && !x.track_op()
+                && (1..=crate::gemv::MAX_ROWS).contains(&(x.elem_count() / (*in_dim).max(1))) =>
+            {
+                let dtype = x.dtype();
+                let y = crate::gemv::gemv_q8_0(x, q)?;
+                let y = match bias {
+                    Some(b) => y.broadcast_add(b)?,
+                    None => y,
+                };
+                y.to_dtype(dtype)
+            }
             Inner::Quantized { weight, bias, .. } => {
                 let dtype = x.dtype();
                 // The quantized kernels take contiguous f32 activations.

@@ -1,0 +1,67 @@
+//! vl's decode-shape kernel next to candle's products, on the projections
+//! of a GPT-2-base decode step (width 768): `(rows, 768) x (2304, 768)^T`
+//! (fused QKV), `x (3072, 768)^T` (FFN up), `(rows, 3072) x (768, 3072)^T`
+//! (FFN down) and the LM head `x (50257, 768)^T`, for 1 and 4 rows: dense
+//! f32 and bf16 (candle's matmul vs `vl_attn::gemv::gemv`), q8_0 (candle's
+//! `QMatMul` vs `gemv_q8_0`).
+//!
+//! `cargo bench -p vl-attn --bench gemv`
+//!
+//! Both sides run in the same process on the same rayon pool (set its size
+//! with `RAYON_NUM_THREADS`); report the ratio.
+
+#![allow(missing_docs)] // criterion_group! generates undocumented items
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use vl_attn::gemv::{gemv, gemv_q8_0};
+
+const SHAPES: [(&str, usize, usize); 4] = [
+    ("qkv", 2304, 768),
+    ("up", 3072, 768),
+    ("down", 768, 3072),
+    ("lm_head", 50257, 768),
+];
+
+fn products(c: &mut Criterion) {
+    let dev = Device::Cpu;
+    let mut group = c.benchmark_group("gemv");
+    group.sample_size(20);
+    for (name, out, inp) in SHAPES {
+        let w32 = Tensor::randn(0f32, 1., (out, inp), &dev).expect("w");
+        let q = std::sync::Arc::new(QTensor::quantize(&w32, GgmlDType::Q8_0).expect("q8_0"));
+        let q_bytes = q.storage_size_in_bytes() as u64;
+        let qmm = QMatMul::from_arc(q.clone()).expect("qmatmul");
+        for rows in [1usize, 4] {
+            let x32 = Tensor::randn(0f32, 1., (rows, inp), &dev).expect("x");
+            for dtype in [DType::F32, DType::BF16] {
+                let w = w32.to_dtype(dtype).expect("w");
+                let x = x32.to_dtype(dtype).expect("x");
+                let wt = w.t().expect("wt");
+                let id = format!("{name} {dtype:?} rows {rows}");
+                group.throughput(Throughput::Bytes(
+                    (out * inp * dtype.size_in_bytes()) as u64,
+                ));
+                group.bench_function(BenchmarkId::new("candle", &id), |b| {
+                    b.iter(|| x.matmul(&wt).expect("matmul"))
+                });
+                group.bench_function(BenchmarkId::new("vl", &id), |b| {
+                    b.iter(|| gemv(&x, &w).expect("gemv"))
+                });
+            }
+            let id = format!("{name} q8_0 rows {rows}");
+            group.throughput(Throughput::Bytes(q_bytes));
+            group.bench_function(BenchmarkId::new("candle", &id), |b| {
+                b.iter(|| qmm.forward(&x32).expect("qmatmul"))
+            });
+            group.bench_function(BenchmarkId::new("vl", &id), |b| {
+                b.iter(|| gemv_q8_0(&x32, &q).expect("gemv_q8_0"))
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, products);
+criterion_main!(benches);
