@@ -69,6 +69,7 @@ pub mod dropout;
 pub mod error;
 pub mod ffn;
 pub mod gate;
+pub mod gemm_bf16;
 pub mod gemv;
 mod heads;
 pub mod kernel;

@@ -2,7 +2,9 @@
 //!
 //! On CPU a decode step is one matrix-vector product per projection: a
 //! dense weight runs it on vl's parallel kernel ([`crate::gemv`]) for 1 to
-//! [`crate::gemv::MAX_ROWS`] untracked rows, on candle's matmul otherwise;
+//! [`crate::gemv::MAX_ROWS`] untracked rows, bf16 on vl's bf16 GEMM
+//! ([`crate::gemm_bf16`]) for more rows where the CPU has AVX512_BF16, on
+//! candle's matmul otherwise;
 //! candle's quantized kernels (`q8_0`, `q4k`) run those much faster than a
 //! dense bf16 or f32 weight while holding 4 to 7 times fewer bytes.
 //!
@@ -201,6 +203,14 @@ impl Module for Proj {
                     None => Ok(y),
                 }
             }
+            // Many bf16 rows on a CPU with AVX512_BF16: vl's bf16 GEMM.
+            Inner::Dense(l) if crate::gemm_bf16::applies(x, l.weight()) => {
+                let y = crate::gemm_bf16::matmul(x, l.weight())?;
+                match l.bias() {
+                    Some(b) => y.broadcast_add(b),
+                    None => Ok(y),
+                }
+            }
             Inner::Dense(l) => l.forward(x),
             // q8_0 decode shapes on the CPU: vl's kernel, x kept in f32.
             Inner::Quantized {
@@ -284,7 +294,7 @@ mod tests {
                 l.bias().map(|b| b.to_dtype(dtype)).transpose()?,
             );
             let proj = Proj::from(l.clone());
-            for rows in [1, 3, 8, 9] {
+            for rows in [1, 3, 8, 9, 70] {
                 let x = Tensor::randn(0f32, 1., (rows, 1, 70), &dev)?.to_dtype(dtype)?;
                 assert_eq!(crate::gemv::applies(&x, l.weight()), rows <= 8);
                 let err = rel_err(&proj.forward(&x)?, &l.forward(&x)?)?;
