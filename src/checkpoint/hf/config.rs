@@ -128,6 +128,7 @@ impl HfConfig {
             output_size: self.projects_encoder().then_some(self.decoder.n_embd),
             attention_dropout: e.attention_probs_dropout_prob,
             hidden_dropout: e.hidden_dropout_prob,
+            distillation_token: false,
         }
     }
 
@@ -163,6 +164,13 @@ impl HfConfig {
             bos_token_id: generation.start_token_id,
             eos_token_id: eos,
             pad_token_id: generation.pad_token_id,
+            norm_placement: vl_decoder::NormPlacement::Pre,
+            final_norm: true,
+            scale_embedding: false,
+            layernorm_embedding: false,
+            position_embedding: vl_decoder::PositionEmbedding::Learned,
+            position_offset: 0,
+            position_padding_idx: None,
         }
     }
 }
