@@ -8,12 +8,9 @@ use candle_core::{DType, Device, Tensor};
 use image::DynamicImage;
 use vl_decoder::{generate, GenerationConfig, Quantization, TokenEvent};
 use vl_vision::preprocess::preprocess;
+use vl_vision::VisionConfig;
 
 use crate::checkpoint::VlModel;
-
-/// Image tokens before the patches: vl's encoders (ViT, mock ViT) put one
-/// class token first.
-const CLASS_TOKENS: usize = 1;
 
 /// One image's caption.
 #[derive(Debug, Clone, PartialEq)]
@@ -100,6 +97,13 @@ impl Captioner {
         let memory = self.model.encode_pixels(&Tensor::stack(pixels, 0)?)?;
         let ctx = self.model.decoder.image_context(&memory, None)?;
         let generated = generate(&self.model.decoder, &ctx, cfg, on_token)?;
+        // Image tokens before the patches: CLS (and DeiT's distillation token).
+        let prefix = self
+            .model
+            .config
+            .vision
+            .as_ref()
+            .map_or(1, VisionConfig::num_prefix_tokens);
         generated
             .into_iter()
             .map(|g| {
@@ -115,11 +119,7 @@ impl Captioner {
                     heatmaps: g
                         .cross_attention
                         .into_iter()
-                        .map(|w| {
-                            w.get(CLASS_TOKENS..)
-                                .map(<[f32]>::to_vec)
-                                .unwrap_or_default()
-                        })
+                        .map(|w| w.get(prefix..).map(<[f32]>::to_vec).unwrap_or_default())
                         .collect(),
                 })
             })

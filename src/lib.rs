@@ -7,7 +7,7 @@
 //! images and tokenizers:
 //!
 //! - [`checkpoint`]: loading models by format (vl's own directories,
-//!   transformers ViT + GPT-2), safetensors and tokenizers;
+//!   transformers ViT/DeiT + GPT-2/TrOCR), safetensors and tokenizers;
 //! - [`captioner`]: the captioning pipeline, images in, captions out;
 //! - [`heatmap`]: cross-attention heatmaps over the image;
 //! - [`settings`]: devices, dtypes and generation overrides, typed;

@@ -86,6 +86,7 @@ pub fn captioner_config(hidden: usize, layers: usize, patch_size: usize) -> VlCo
             bos_token_id: 1,
             eos_token_id: 2,
             pad_token_id: 0,
+            ..DecoderConfig::tiny(vocab_size(), hidden)
         },
         vision: Some(VisionConfig::Vit(VitConfig {
             image_size: IMAGE_SIZE as usize,
@@ -102,6 +103,7 @@ pub fn captioner_config(hidden: usize, layers: usize, patch_size: usize) -> VlCo
             output_size: None,
             attention_dropout: 0.0,
             hidden_dropout: 0.0,
+            distillation_token: false,
         })),
         resampler: None,
     }

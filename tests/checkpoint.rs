@@ -198,21 +198,21 @@ fn devices_and_dtypes_parse_with_clear_errors() {
 }
 
 /// A checkpoint of a family vl does not load is named for what it is,
-/// with what vl loads instead (a TrOCR checkpoint used to report "missing
-/// field `n_embd`").
+/// with what vl loads instead (a TrOCR checkpoint, before vl loaded them,
+/// used to report "missing field `n_embd`").
 #[test]
 fn unsupported_checkpoints_are_named() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let cases = [
         (
             r#"{"model_type": "vision-encoder-decoder", "encoder": {"model_type": "vit"},
-                "decoder": {"model_type": "trocr", "d_model": 256}}"#,
-            "decoder.model_type `trocr` is not supported",
+                "decoder": {"model_type": "bart", "d_model": 256}}"#,
+            "decoder.model_type `bart` is not supported",
         ),
         (
-            r#"{"model_type": "vision-encoder-decoder", "encoder": {"model_type": "deit"},
-                "decoder": {"model_type": "gpt2"}}"#,
-            "encoder.model_type `deit` is not supported",
+            r#"{"model_type": "vision-encoder-decoder", "encoder": {"model_type": "swin"},
+                "decoder": {"model_type": "trocr"}}"#,
+            "encoder.model_type `swin` is not supported",
         ),
         (
             r#"{"model_type": "blip", "text_config": {}}"#,
@@ -230,7 +230,11 @@ fn unsupported_checkpoints_are_named() -> anyhow::Result<()> {
         let msg = err.to_string();
         assert!(msg.contains(says), "{msg}");
         assert!(
-            msg.contains("config.json") && msg.contains("`vl`") && msg.contains("gpt2"),
+            msg.contains("config.json")
+                && msg.contains("`vl`")
+                && msg.contains("gpt2")
+                && msg.contains("trocr")
+                && msg.contains("deit"),
             "{msg}"
         );
     }

@@ -319,11 +319,11 @@ fn config_errors_name_the_field_and_file() -> anyhow::Result<()> {
     );
     std::fs::write(
         &path,
-        cfg.replace("\"model_type\": \"vit\"", "\"model_type\": \"deit\""),
+        cfg.replace("\"model_type\": \"vit\"", "\"model_type\": \"swin\""),
     )?;
     let err = load_err(tmp.path());
     assert!(
-        err.contains("encoder.model_type") && err.contains("deit"),
+        err.contains("encoder.model_type") && err.contains("swin"),
         "{err}"
     );
     Ok(())

@@ -6,7 +6,7 @@
 //! | `model_type` | loader | what |
 //! |---|---|---|
 //! | `vl` | [`native`] | vl's own directories (the shipped shapes captioner) |
-//! | `vision-encoder-decoder` | [`hf`] | transformers ViT + GPT-2 checkpoints |
+//! | `vision-encoder-decoder` | [`hf`] | transformers ViT/DeiT + GPT-2/TrOCR checkpoints |
 //!
 //! Anything else is refused with [`Error::UnsupportedModel`], naming what
 //! was found and what vl loads. The pieces every format shares live beside
@@ -41,7 +41,7 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 /// The `model_type`s vl loads, as [`Error::UnsupportedModel`] lists them.
 pub const SUPPORTED: &[&str] = &[
     "`vl` (vl's own directories)",
-    "`vision-encoder-decoder` with a `vit` encoder and a `gpt2` decoder",
+    "`vision-encoder-decoder` with a `vit` or `deit` encoder and a `gpt2` or `trocr` decoder",
 ];
 
 /// Reads a JSON file into `T`, naming the file in errors.
@@ -61,7 +61,8 @@ pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
 pub enum ModelFormat {
     /// vl's own: see [`native`].
     Vl,
-    /// A transformers `VisionEncoderDecoderModel` (ViT + GPT-2): see [`hf`].
+    /// A transformers `VisionEncoderDecoderModel` (ViT or DeiT + GPT-2 or
+    /// TrOCR): see [`hf`].
     VisionEncoderDecoder,
 }
 

@@ -19,7 +19,7 @@ use vl::VlModel;
 /// Time captioning with a model directory.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The model directory (vl's own or a transformers ViT + GPT-2 checkpoint).
+    /// The model directory (vl's own or a transformers ViT/DeiT + GPT-2/TrOCR checkpoint).
     #[arg(long)]
     model: PathBuf,
     /// f32, f16 or bf16.

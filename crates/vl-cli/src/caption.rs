@@ -1,5 +1,5 @@
 //! `vl caption`: caption images with the embedded shapes captioner, a vl
-//! model directory or a transformers ViT + GPT-2 checkpoint.
+//! model directory or a transformers ViT/DeiT + GPT-2/TrOCR checkpoint.
 //!
 //! stdout carries only results: one caption per image (prefixed by its path
 //! when there are several), or one JSON object per image with `--json`.

@@ -1,10 +1,20 @@
-//! One pre-LN decoder block:
+//! One decoder block, pre-LN by default:
 //!
 //! ```text
 //! x += self_attn(self_attn_norm(x))                 causal
 //! x += [tanh(gate) *] cross_attn(cross_attn_norm(x), image)   no causal mask
 //! x += tanh(cross_ffn_gate) * cross_ffn(cross_ffn_norm(x))     gated_cross_ffn only
 //! x += ffn(ffn_norm(x))
+//! ```
+//!
+//! or post-LN ([`NormPlacement::Post`]: BART, TrOCR), each branch reading
+//! the stream as it is and its norm applied after the residual add:
+//!
+//! ```text
+//! x = self_attn_norm(x + self_attn(x))
+//! x = cross_attn_norm(x + [tanh(gate) *] cross_attn(x, image))
+//! x = cross_ffn_norm(x + tanh(cross_ffn_gate) * cross_ffn(x))   gated_cross_ffn only
+//! x = ffn_norm(x + ffn(x))
 //! ```
 //!
 //! In training ([`DecoderBlock::set_mode`]), every branch goes through the
@@ -25,7 +35,7 @@ use vl_attn::{
     FeedForward, KvCache, Mask, Mode, SelfAttentionConfig, TanhGate, Weights,
 };
 
-use crate::config::{DecoderConfig, Dropouts};
+use crate::config::{DecoderConfig, Dropouts, NormPlacement};
 use crate::error::Result;
 use vl_attn::LayerNorm;
 
@@ -71,13 +81,19 @@ impl GatedFeedForward {
         })
     }
 
-    /// `tanh(gate) * ffn(ffn_norm(x))`, the branch's residual update.
+    /// `tanh(gate) * ffn(ffn_norm(x))`, the branch's residual update
+    /// (pre-LN).
     ///
     /// # Shapes
     /// `x: (batch, len, hidden)` → `(batch, len, hidden)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.ffn.forward(&self.ffn_norm.forward(x)?)?;
-        Ok(self.gate.forward(&h)?)
+        self.update(&self.ffn_norm.forward(x)?)
+    }
+
+    /// `tanh(gate) * ffn(h)`, the update of an input already normed (or
+    /// not, post-LN).
+    fn update(&self, h: &Tensor) -> Result<Tensor> {
+        Ok(self.gate.forward(&self.ffn.forward(h)?)?)
     }
 }
 
@@ -104,9 +120,10 @@ pub enum ImageInput<'a> {
     Cached(&'a CrossKv),
 }
 
-/// A pre-LN decoder block; norms are named by role.
+/// A decoder block, pre-LN or post-LN; norms are named by role.
 #[derive(Debug, Clone)]
 pub struct DecoderBlock {
+    placement: NormPlacement,
     self_attn_norm: LayerNorm,
     self_attn: CausalSelfAttention,
     cross: Option<CrossBranch>,
@@ -161,6 +178,7 @@ impl DecoderBlock {
             None
         };
         let block = Self {
+            placement: cfg.norm_placement,
             self_attn_norm: layer_norm(vb.pp("self_attn_norm"), cfg)?,
             self_attn: CausalSelfAttention::load(vb.pp("self_attn"), &self_cfg)?,
             cross,
@@ -177,8 +195,9 @@ impl DecoderBlock {
         Ok(block.with_dropouts(cfg.dropouts()?))
     }
 
-    /// Builds a block from existing parts (checkpoint converters), without
-    /// dropout (see [`DecoderBlock::with_dropouts`]).
+    /// Builds a pre-LN block from existing parts (checkpoint converters),
+    /// without dropout (see [`DecoderBlock::with_dropouts`]; a post-LN block
+    /// with [`DecoderBlock::with_norm_placement`]).
     pub fn from_parts(
         self_attn_norm: LayerNorm,
         self_attn: CausalSelfAttention,
@@ -187,6 +206,7 @@ impl DecoderBlock {
         ffn: FeedForward,
     ) -> Self {
         Self {
+            placement: NormPlacement::Pre,
             self_attn_norm,
             self_attn,
             cross,
@@ -194,6 +214,36 @@ impl DecoderBlock {
             ffn,
             resid_dropout: Dropout::NONE,
             mode: Mode::Inference,
+        }
+    }
+
+    /// Places the block's norms before (the default) or after each
+    /// residual add; the weights stay the same.
+    pub fn with_norm_placement(mut self, placement: NormPlacement) -> Self {
+        self.placement = placement;
+        self
+    }
+
+    /// Where the block's norms sit.
+    pub fn norm_placement(&self) -> NormPlacement {
+        self.placement
+    }
+
+    /// The input of a branch whose norm is `norm`: `norm(x)` pre-LN, `x`
+    /// post-LN.
+    fn branch_input(&self, norm: &LayerNorm, x: &Tensor) -> Result<Tensor> {
+        match self.placement {
+            NormPlacement::Pre => Ok(norm.forward(x)?),
+            NormPlacement::Post => Ok(x.clone()),
+        }
+    }
+
+    /// `x + dropout(update)`, then `norm` of that post-LN.
+    fn add_branch(&self, norm: &LayerNorm, x: &Tensor, update: &Tensor) -> Result<Tensor> {
+        let y = (x + self.residual(update)?)?;
+        match self.placement {
+            NormPlacement::Pre => Ok(y),
+            NormPlacement::Post => Ok(norm.forward(&y)?),
         }
     }
 
@@ -337,12 +387,12 @@ impl DecoderBlock {
         cache: Option<&mut KvCache>,
         inputs: BlockInputs<'_>,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let h = self.self_attn_norm.forward(x)?;
+        let h = self.branch_input(&self.self_attn_norm, x)?;
         let h = self
             .self_attn
             .attend(&h, cache, inputs.text_mask, Weights::Skip)?
             .output;
-        let mut x = (x + self.residual(&h)?)?;
+        let mut x = self.add_branch(&self.self_attn_norm, x, &h)?;
         let mut weights = None;
         if let Some(c) = &self.cross {
             let kv;
@@ -355,7 +405,7 @@ impl DecoderBlock {
                 }
             };
             if let Some(kv) = kv {
-                let q = c.cross_attn_norm.forward(&x)?;
+                let q = self.branch_input(&c.cross_attn_norm, &x)?;
                 let want = if inputs.want_weights {
                     Weights::Return
                 } else {
@@ -368,13 +418,14 @@ impl DecoderBlock {
                     Some(g) => g.forward(&out)?,
                     None => out,
                 };
-                x = (x + self.residual(&out)?)?;
+                x = self.add_branch(&c.cross_attn_norm, &x, &out)?;
                 if let Some(f) = &c.ffn {
-                    x = (&x + self.residual(&f.forward(&x)?)?)?;
+                    let update = f.update(&self.branch_input(&f.ffn_norm, &x)?)?;
+                    x = self.add_branch(&f.ffn_norm, &x, &update)?;
                 }
             }
         }
-        let h = self.ffn.forward(&self.ffn_norm.forward(&x)?)?;
-        Ok(((x + self.residual(&h)?)?, weights))
+        let h = self.ffn.forward(&self.branch_input(&self.ffn_norm, &x)?)?;
+        Ok((self.add_branch(&self.ffn_norm, &x, &h)?, weights))
     }
 }

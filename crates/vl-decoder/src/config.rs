@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{config_err, Result};
+pub use crate::positions::PositionEmbedding;
 
 pub use vl_attn::Activation;
 use vl_attn::Dropout;
@@ -33,6 +34,30 @@ fn default_true() -> bool {
 }
 fn default_every() -> usize {
     1
+}
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+fn is_true(b: &bool) -> bool {
+    *b
+}
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+fn is_default<T: Default + PartialEq>(t: &T) -> bool {
+    *t == T::default()
+}
+
+/// Where each block's norms sit relative to its residual branches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NormPlacement {
+    /// `x = x + f(norm(x))` per branch (GPT-2, vl's own; the default).
+    #[default]
+    Pre,
+    /// `x = norm(x + f(x))` per branch (the original Transformer, BART,
+    /// TrOCR, BERT).
+    Post,
 }
 
 /// The decoder's sizes and special tokens. Field names follow the Hugging
@@ -101,6 +126,34 @@ pub struct DecoderConfig {
     /// (default 0; GPT-2's `embd_pdrop`).
     #[serde(default, alias = "embd_pdrop")]
     pub embedding_dropout: f64,
+    /// Where each block's norms sit (default `pre`).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub norm_placement: NormPlacement,
+    /// Whether the last block is followed by `final_norm` (default true;
+    /// post-LN families such as TrOCR have none).
+    #[serde(default = "default_true", skip_serializing_if = "is_true")]
+    pub final_norm: bool,
+    /// Token embeddings multiplied by `sqrt(hidden_size)` (default false;
+    /// BART's and TrOCR's `scale_embedding`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub scale_embedding: bool,
+    /// A layer norm `embedding_norm` on the token plus position embeddings
+    /// (default false; BART's and TrOCR's `layernorm_embedding`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub layernorm_embedding: bool,
+    /// Learned (default) or sinusoidal positions, see [`crate::positions`].
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub position_embedding: PositionEmbedding,
+    /// The row of position 0 in the position table (default 0; BART and
+    /// TrOCR 2); the table has `max_position_embeddings + position_offset`
+    /// rows. Must be 0 with a `position_padding_idx`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub position_offset: usize,
+    /// Sinusoidal positions only: fairseq's padding index, whose row is
+    /// zero and read by padding tokens, other tokens counting from the row
+    /// after it (see [`crate::positions`]; TrOCR's `pad_token_id`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub position_padding_idx: Option<u32>,
     /// The start token.
     pub bos_token_id: u32,
     /// The end token.
@@ -183,6 +236,7 @@ impl DecoderConfig {
             );
         }
         self.dropouts()?;
+        self.validate_positions()?;
         for (field, id) in [
             ("bos_token_id", self.bos_token_id),
             ("eos_token_id", self.eos_token_id),
@@ -194,6 +248,45 @@ impl DecoderConfig {
                     format!("{id} is not below vocab_size {}", self.vocab_size),
                 );
             }
+        }
+        Ok(())
+    }
+
+    fn validate_positions(&self) -> Result<()> {
+        if let Some(p) = self.position_padding_idx {
+            if self.position_embedding != PositionEmbedding::Sinusoidal {
+                return config_err(
+                    "position_padding_idx",
+                    format!("{p} is set, but only sinusoidal positions skip padding tokens"),
+                );
+            }
+            if self.position_offset != 0 {
+                return config_err(
+                    "position_offset",
+                    format!(
+                        "must be 0 with position_padding_idx {p} (positions start after it), got {}",
+                        self.position_offset
+                    ),
+                );
+            }
+        }
+        if self.position_embedding == PositionEmbedding::Sinusoidal && self.hidden_size < 4 {
+            return config_err(
+                "hidden_size",
+                format!(
+                    "sinusoidal positions need a width of at least 4, got {}",
+                    self.hidden_size
+                ),
+            );
+        }
+        if crate::positions::table_rows(self).is_none() {
+            return config_err(
+                "max_position_embeddings",
+                format!(
+                    "{} positions past the offset or padding row pass u32::MAX rows",
+                    self.max_position_embeddings
+                ),
+            );
         }
         Ok(())
     }
@@ -219,6 +312,13 @@ impl DecoderConfig {
             attention_dropout: 0.0,
             residual_dropout: 0.0,
             embedding_dropout: 0.0,
+            norm_placement: NormPlacement::Pre,
+            final_norm: true,
+            scale_embedding: false,
+            layernorm_embedding: false,
+            position_embedding: PositionEmbedding::Learned,
+            position_offset: 0,
+            position_padding_idx: None,
             bos_token_id: 1,
             eos_token_id: 2,
             pad_token_id: 0,

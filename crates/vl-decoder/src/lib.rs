@@ -1,4 +1,5 @@
-//! A pre-LN vision-language decoder over image memory, on candle.
+//! A vision-language decoder over image memory, on candle: pre-LN by
+//! default, post-LN by configuration ([`NormPlacement`]).
 //!
 //! Text tokens run through [`DecoderBlock`]s that each attend causally to
 //! the text and, through cross-attention, to image tokens: text gives the
@@ -41,15 +42,17 @@ pub mod error;
 pub mod generate;
 pub mod init;
 pub mod model;
+pub mod positions;
 
 pub mod quantize;
 
 pub use block::DecoderBlock;
-pub use config::{Activation, DecoderConfig, Dropouts};
+pub use config::{Activation, DecoderConfig, Dropouts, NormPlacement};
 pub use error::{DecoderError, Result};
 pub use generate::{
     generate, EarlyStopping, Generated, GenerationConfig, StopReason, Strategy, TokenEvent,
 };
-pub use model::{DecodeState, ForwardMasks, ImageContext, VisionLanguageDecoder};
+pub use model::{DecodeState, DecoderParts, ForwardMasks, ImageContext, VisionLanguageDecoder};
+pub use positions::{PositionEmbedding, Positions};
 pub use quantize::Quantization;
 pub use vl_attn::{Dropout, DropoutRng, FeedForward, LayerNorm, Mode};

@@ -1,5 +1,7 @@
-//! The vision-language decoder: token embedding + learned positions →
-//! blocks → final norm → LM head; and its incremental use, an image context
+//! The vision-language decoder: token embedding (optionally scaled) +
+//! positions (learned or sinusoidal, [`crate::positions`]) → optional
+//! embedding norm → blocks (pre- or post-LN) → optional final norm → LM
+//! head; and its incremental use, an image context
 //! built once per image and a decode state with the text caches.
 //!
 //! An image context may also hold several images per sample, interleaved
@@ -16,8 +18,9 @@ use vl_attn::LayerNorm;
 use vl_attn::{CrossKv, Dropout, DropoutRng, KvCache, Mask, Mode, Proj};
 
 use crate::block::{layer_norm, BlockInputs, DecoderBlock, ImageInput};
-use crate::config::DecoderConfig;
-use crate::error::{arg_err, config_err, DecoderError, Result};
+use crate::config::{DecoderConfig, PositionEmbedding};
+use crate::error::{arg_err, DecoderError, Result};
+use crate::positions::Positions;
 
 /// The masks of a full forward pass.
 #[derive(Debug, Clone, Copy, Default)]
@@ -197,17 +200,37 @@ fn embedding(n: usize, width: usize, vb: VarBuilder) -> Result<Embedding> {
     ))
 }
 
+/// The pieces of a decoder, for [`VisionLanguageDecoder::from_components`]
+/// (checkpoint converters).
+#[derive(Debug, Clone)]
+pub struct DecoderParts {
+    /// The token embedding, `(vocab_size, hidden_size)`.
+    pub embed_tokens: Embedding,
+    /// Learned positions, `(max_position_embeddings + position_offset,
+    /// hidden_size)`; `None` for sinusoidal positions.
+    pub embed_positions: Option<Embedding>,
+    /// The norm on the embeddings, exactly when `layernorm_embedding`.
+    pub embedding_norm: Option<LayerNorm>,
+    /// The blocks, `num_hidden_layers` of them.
+    pub blocks: Vec<DecoderBlock>,
+    /// The norm after the last block, exactly when `final_norm`.
+    pub final_norm: Option<LayerNorm>,
+    /// The LM head, `(vocab_size, hidden_size)`, with or without a bias.
+    pub lm_head: Linear,
+}
+
 /// The decoder.
 #[derive(Debug, Clone)]
 pub struct VisionLanguageDecoder {
     embed_tokens: Embedding,
-    embed_positions: Embedding,
+    /// `sqrt(hidden_size)` when `scale_embedding`.
+    embed_scale: Option<f64>,
+    positions: Positions,
+    embedding_norm: Option<LayerNorm>,
     blocks: Vec<DecoderBlock>,
-    final_norm: LayerNorm,
+    final_norm: Option<LayerNorm>,
     /// Dense, or quantized by [`VisionLanguageDecoder::quantize`].
     lm_head: Proj,
-    /// `0..max_position_embeddings` as u32, built once, narrowed per step.
-    positions: Tensor,
     /// On the token plus position embeddings, in training.
     embd_dropout: Dropout,
     mode: Mode,
@@ -216,45 +239,58 @@ pub struct VisionLanguageDecoder {
 
 impl VisionLanguageDecoder {
     /// Loads (or, with a `VarMap`-backed builder, initialises) the decoder:
-    /// `embed_tokens`, `embed_positions`, `blocks.{i}.*`, `final_norm`, and
-    /// `lm_head` unless `tie_word_embeddings`.
+    /// `embed_tokens`, `embed_positions` (learned positions only),
+    /// `embedding_norm` (`layernorm_embedding` only), `blocks.{i}.*`,
+    /// `final_norm` (unless `final_norm` is false), and `lm_head` unless
+    /// `tie_word_embeddings`.
     pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<Self> {
         cfg.validate()?;
         let embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, vb.pp("embed_tokens"))?;
-        let embed_positions = embedding(
-            cfg.max_position_embeddings,
-            cfg.hidden_size,
-            vb.pp("embed_positions"),
-        )?;
+        let embed_positions = match cfg.position_embedding {
+            PositionEmbedding::Learned => Some(embedding(
+                cfg.max_position_embeddings + cfg.position_offset,
+                cfg.hidden_size,
+                vb.pp("embed_positions"),
+            )?),
+            PositionEmbedding::Sinusoidal => None,
+        };
+        let embedding_norm = if cfg.layernorm_embedding {
+            Some(layer_norm(vb.pp("embedding_norm"), cfg)?)
+        } else {
+            None
+        };
         let blocks = (0..cfg.num_hidden_layers)
             .map(|i| DecoderBlock::load(vb.pp("blocks").pp(i), cfg, i))
             .collect::<Result<Vec<_>>>()?;
-        let final_norm = layer_norm(vb.pp("final_norm"), cfg)?;
+        let final_norm = if cfg.final_norm {
+            Some(layer_norm(vb.pp("final_norm"), cfg)?)
+        } else {
+            None
+        };
         let lm_head = if cfg.tie_word_embeddings {
             Linear::new(embed_tokens.embeddings().clone(), None)
         } else {
             candle_nn::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
         };
-        Self::from_parts(
-            embed_tokens,
-            embed_positions,
-            blocks,
-            final_norm,
-            lm_head,
+        Self::from_components(
+            DecoderParts {
+                embed_tokens,
+                embed_positions,
+                embedding_norm,
+                blocks,
+                final_norm,
+                lm_head,
+            },
             cfg,
         )
     }
 
-    /// Builds the decoder from existing parts (checkpoint converters).
+    /// Builds a decoder with learned positions and a final norm from
+    /// existing parts (checkpoint converters); see
+    /// [`VisionLanguageDecoder::from_components`] for the other layouts.
     ///
     /// # Errors
-    /// [`DecoderError::Config`] when `cfg` is impossible or its
-    /// `max_position_embeddings` passes `u32::MAX`;
-    /// [`DecoderError::Argument`] naming the part that does not fit `cfg`:
-    /// `embed_tokens`, `lm_head` not `(vocab_size, hidden_size)`,
-    /// `embed_positions` not `(max_position_embeddings, hidden_size)`,
-    /// `blocks` not `num_hidden_layers` blocks with cross-attention every
-    /// `cross_attention_every`.
+    /// As [`VisionLanguageDecoder::from_components`].
     pub fn from_parts(
         embed_tokens: Embedding,
         embed_positions: Embedding,
@@ -263,34 +299,76 @@ impl VisionLanguageDecoder {
         lm_head: Linear,
         cfg: &DecoderConfig,
     ) -> Result<Self> {
+        Self::from_components(
+            DecoderParts {
+                embed_tokens,
+                embed_positions: Some(embed_positions),
+                embedding_norm: None,
+                blocks,
+                final_norm: Some(final_norm),
+                lm_head,
+            },
+            cfg,
+        )
+    }
+
+    /// Builds the decoder from existing parts (checkpoint converters). The
+    /// blocks get `cfg`'s norm placement and dropouts.
+    ///
+    /// # Errors
+    /// [`DecoderError::Config`] when `cfg` is impossible or its position
+    /// table passes `u32::MAX` rows;
+    /// [`DecoderError::Argument`] naming the part that does not fit `cfg`:
+    /// `embed_tokens`, `lm_head` not `(vocab_size, hidden_size)`,
+    /// `embed_positions` not `(max_position_embeddings + position_offset,
+    /// hidden_size)`, missing for learned positions or given for
+    /// sinusoids, `embedding_norm` or `final_norm` present where the config
+    /// has none or missing where it has one, `blocks` not
+    /// `num_hidden_layers` blocks with cross-attention every
+    /// `cross_attention_every`.
+    pub fn from_components(parts: DecoderParts, cfg: &DecoderConfig) -> Result<Self> {
         cfg.validate()?;
-        let Ok(max_positions) = u32::try_from(cfg.max_position_embeddings) else {
-            return config_err(
-                "max_position_embeddings",
-                format!(
-                    "expected at most {} (positions are u32), got {}",
-                    u32::MAX,
-                    cfg.max_position_embeddings
-                ),
-            );
-        };
+        let DecoderParts {
+            embed_tokens,
+            embed_positions,
+            embedding_norm,
+            blocks,
+            final_norm,
+            lm_head,
+        } = parts;
         let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
-        for (arg, t, rows) in [
-            ("embed_tokens", embed_tokens.embeddings(), vocab),
-            (
-                "embed_positions",
-                embed_positions.embeddings(),
-                cfg.max_position_embeddings,
-            ),
-            ("lm_head", lm_head.weight(), vocab),
+        for (arg, t) in [
+            ("embed_tokens", embed_tokens.embeddings()),
+            ("lm_head", lm_head.weight()),
         ] {
-            if t.dims() != [rows, hidden] {
+            if t.dims() != [vocab, hidden] {
                 return arg_err(
                     arg,
                     format!(
-                        "expected weight shape [{rows}, {hidden}], got {:?}",
+                        "expected weight shape [{vocab}, {hidden}], got {:?}",
                         t.dims()
                     ),
+                );
+            }
+        }
+        for (arg, given, field, wanted) in [
+            (
+                "embedding_norm",
+                embedding_norm.is_some(),
+                "layernorm_embedding",
+                cfg.layernorm_embedding,
+            ),
+            (
+                "final_norm",
+                final_norm.is_some(),
+                "final_norm",
+                cfg.final_norm,
+            ),
+        ] {
+            if given != wanted {
+                return arg_err(
+                    arg,
+                    format!("given: {given}, but the config's {field} is {wanted}"),
                 );
             }
         }
@@ -313,19 +391,24 @@ impl VisionLanguageDecoder {
             );
         }
         let device = embed_tokens.embeddings().device().clone();
-        let positions = Tensor::arange(0u32, max_positions, &device)?;
+        let dtype = embed_tokens.embeddings().dtype();
+        let positions = Positions::for_config(cfg, embed_positions, dtype, &device)?;
         let dropouts = cfg.dropouts()?;
         let blocks = blocks
             .into_iter()
-            .map(|b| b.with_dropouts(dropouts))
+            .map(|b| {
+                b.with_norm_placement(cfg.norm_placement)
+                    .with_dropouts(dropouts)
+            })
             .collect();
         Ok(Self {
             embed_tokens,
-            embed_positions,
+            embed_scale: cfg.scale_embedding.then(|| (cfg.hidden_size as f64).sqrt()),
+            positions,
+            embedding_norm,
             blocks,
             final_norm,
             lm_head: lm_head.into(),
-            positions,
             embd_dropout: dropouts.embedding,
             mode: Mode::Inference,
             cfg: cfg.clone(),
@@ -545,18 +628,24 @@ impl VisionLanguageDecoder {
     /// # Shapes
     /// `tokens: (batch, len)` u32 → `(batch, len, hidden)`.
     pub fn embeddings(&self, tokens: &Tensor, offset: usize) -> Result<Tensor> {
-        let (_, t) = self.check_tokens(tokens, offset)?;
-        self.embed(tokens, offset, t)
+        self.check_tokens(tokens, offset)?;
+        self.embed(tokens, offset)
     }
 
-    fn embed(&self, tokens: &Tensor, offset: usize, t: usize) -> Result<Tensor> {
+    /// # Shapes
+    /// `tokens: (batch, len)` u32, checked → `(batch, len, hidden)`.
+    fn embed(&self, tokens: &Tensor, offset: usize) -> Result<Tensor> {
         let tok = self.embed_tokens.forward(tokens)?;
-        let pos = self
-            .embed_positions
-            .forward(&self.positions.narrow(0, offset, t)?)?;
-        Ok(self
-            .embd_dropout
-            .forward(&tok.broadcast_add(&pos)?, &self.mode)?)
+        let tok = match self.embed_scale {
+            Some(scale) => (tok * scale)?,
+            None => tok,
+        };
+        let x = tok.broadcast_add(&self.positions.forward(tokens, offset)?)?;
+        let x = match &self.embedding_norm {
+            Some(norm) => norm.forward(&x)?,
+            None => x,
+        };
+        Ok(self.embd_dropout.forward(&x, &self.mode)?)
     }
 
     fn check_memory(&self, memory: &Tensor) -> Result<()> {
@@ -584,11 +673,11 @@ impl VisionLanguageDecoder {
         memory: Option<&Tensor>,
         masks: ForwardMasks<'_>,
     ) -> Result<Tensor> {
-        let (_, t) = self.check_tokens(tokens, 0)?;
+        self.check_tokens(tokens, 0)?;
         if let Some(m) = memory {
             self.check_memory(m)?;
         }
-        let mut x = self.embed(tokens, 0, t)?;
+        let mut x = self.embed(tokens, 0)?;
         let image = memory.map_or(ImageInput::None, ImageInput::Memory);
         let inputs = BlockInputs {
             text_mask: masks.text,
@@ -606,7 +695,10 @@ impl VisionLanguageDecoder {
     /// # Shapes
     /// `hidden: (batch, len, hidden)` → `(batch, len, vocab)`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(self.lm_head.forward(&self.final_norm.forward(hidden)?)?)
+        match &self.final_norm {
+            Some(norm) => Ok(self.lm_head.forward(&norm.forward(hidden)?)?),
+            None => Ok(self.lm_head.forward(hidden)?),
+        }
     }
 
     /// Projects every block's image keys and values, once per image batch.
@@ -876,7 +968,7 @@ impl VisionLanguageDecoder {
         }
         let media_mask = self.media_mask(state, t)?;
         let image_mask = media_mask.as_ref().or(state.image_mask.as_ref());
-        let mut x = self.embed(tokens, state.offset, t)?;
+        let mut x = self.embed(tokens, state.offset)?;
         let mut weights = None;
         for (i, (block, cache)) in self.blocks.iter().zip(&mut state.caches).enumerate() {
             let image = state

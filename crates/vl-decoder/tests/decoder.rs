@@ -379,6 +379,7 @@ fn every_parameter_receives_a_gradient() -> anyhow::Result<()> {
         output_size: None,
         attention_dropout: 0.0,
         hidden_dropout: 0.0,
+        distillation_token: false,
     };
     let vars = VarMap::new();
     let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);

@@ -36,6 +36,15 @@ impl VisionConfig {
         }
     }
 
+    /// Tokens before the patches in the encoder's output: the CLS token, and
+    /// DeiT's distillation token after it.
+    pub fn num_prefix_tokens(&self) -> usize {
+        match self {
+            Self::MockVit(_) => 1,
+            Self::Vit(c) => c.num_prefix_tokens(),
+        }
+    }
+
     /// What the encoder expects of its pixels (the mock ViT takes pixels
     /// normalised by mean 0.5 and std 0.5).
     pub fn pixel_spec(&self) -> PixelSpec {

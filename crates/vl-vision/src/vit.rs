@@ -1,5 +1,5 @@
-//! A small, trainable ViT image encoder: patch embedding, a CLS token,
-//! learned positions, pre-LN encoder blocks (bidirectional self-attention
+//! A small, trainable ViT image encoder: patch embedding, a CLS token (and
+//! DeiT's distillation token after it, when configured), learned positions, pre-LN encoder blocks (bidirectional self-attention
 //! and a feed-forward layer), a final norm.
 
 use candle_core::quantized::GgmlDType;
@@ -63,6 +63,10 @@ pub struct VitConfig {
     /// only (default 0; transformers' `hidden_dropout_prob`).
     #[serde(default, alias = "hidden_dropout_prob")]
     pub hidden_dropout: f64,
+    /// DeiT's distillation token after the CLS token (default false): both
+    /// lead the output tokens, and the positions cover them.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub distillation_token: bool,
 }
 
 impl VitConfig {
@@ -74,6 +78,11 @@ impl VitConfig {
     /// The width of the encoder's output tokens.
     pub fn output_width(&self) -> usize {
         self.output_size.unwrap_or(self.hidden_size)
+    }
+
+    /// Tokens before the patches: CLS, and the distillation token (DeiT).
+    pub fn num_prefix_tokens(&self) -> usize {
+        1 + usize::from(self.distillation_token)
     }
 
     /// Patches per image.
@@ -250,7 +259,8 @@ impl VitBlock {
 ///
 /// Weights: `patch_embed (hidden, channels * patch * patch)` with bias
 /// (a convolution of stride = kernel = patch, flattened channel-major),
-/// `cls (1, 1, hidden)`, `positions (1, 1 + patches, hidden)`,
+/// `cls (1, prefix, hidden)` (CLS, then DeiT's distillation token when
+/// configured), `positions (1, prefix + patches, hidden)`,
 /// `blocks.{i}.*`, `final_norm`, and `output_proj` when `output_size` is
 /// set.
 #[derive(Debug, Clone)]
@@ -286,8 +296,12 @@ impl Vit {
         };
         Self::from_parts(
             candle_nn::linear(fan_in, d, vb.pp("patch_embed"))?,
-            vb.get_with_hints((1, 1, d), "cls", small)?,
-            vb.get_with_hints((1, 1 + cfg.num_patches(), d), "positions", small)?,
+            vb.get_with_hints((1, cfg.num_prefix_tokens(), d), "cls", small)?,
+            vb.get_with_hints(
+                (1, cfg.num_prefix_tokens() + cfg.num_patches(), d),
+                "positions",
+                small,
+            )?,
             blocks,
             LayerNorm::load(d, cfg.layer_norm_eps, vb.pp("final_norm"))?,
             output_proj,
@@ -301,7 +315,9 @@ impl Vit {
     /// `cfg.output_size` is set.
     ///
     /// # Shapes
-    /// `cls: (1, 1, hidden)`, `positions: (1, 1 + patches, hidden)`.
+    /// `cls: (1, prefix, hidden)`, `positions: (1, prefix + patches,
+    /// hidden)`, `prefix` being 1, or 2 with DeiT's distillation token
+    /// (CLS first, then the distillation token).
     pub fn from_parts(
         patch_embed: Linear,
         cls: Tensor,
@@ -313,13 +329,14 @@ impl Vit {
     ) -> Result<Self> {
         cfg.validate()?;
         let d = cfg.hidden_size;
-        if cls.dims() != [1, 1, d] {
+        let prefix = cfg.num_prefix_tokens();
+        if cls.dims() != [1, prefix, d] {
             return arg_err(
                 "cls",
-                format!("expected shape (1, 1, {d}), got {:?}", cls.dims()),
+                format!("expected shape (1, {prefix}, {d}), got {:?}", cls.dims()),
             );
         }
-        let n = 1 + cfg.num_patches();
+        let n = prefix + cfg.num_patches();
         if positions.dims() != [1, n, d] {
             return arg_err(
                 "positions",
@@ -418,11 +435,12 @@ impl Vit {
         self.mode = mode;
     }
 
-    /// Image tokens: CLS first, then the patches in row-major order.
+    /// Image tokens: CLS first (then DeiT's distillation token), then the
+    /// patches in row-major order.
     ///
     /// # Shapes
     /// `pixels: (batch, channels, image_size, image_size)`, normalised →
-    /// `(batch, 1 + patches, output_width)`.
+    /// `(batch, prefix + patches, output_width)`, `prefix` 1 or 2 (DeiT).
     pub fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
         let x = self.last_hidden_state(pixels)?;
         match &self.output_proj {
@@ -436,7 +454,7 @@ impl Vit {
     ///
     /// # Shapes
     /// `pixels: (batch, channels, image_size, image_size)`, normalised →
-    /// `(batch, 1 + patches, hidden)`.
+    /// `(batch, prefix + patches, hidden)`.
     pub fn last_hidden_state(&self, pixels: &Tensor) -> Result<Tensor> {
         let c = &self.cfg;
         let dims = pixels.dims();
@@ -459,7 +477,9 @@ impl Vit {
             .permute((0, 2, 4, 1, 3, 5))?
             .reshape((b, g * g, c.num_channels * p * p))?;
         let tokens = self.patch_embed.forward(&patches)?;
-        let cls = self.cls.broadcast_as((b, 1, c.hidden_size))?;
+        let cls = self
+            .cls
+            .broadcast_as((b, c.num_prefix_tokens(), c.hidden_size))?;
         let x = Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.positions)?;
         let mut x = self.embd_dropout.forward(&x, &self.mode)?;
         for block in &self.blocks {
@@ -508,6 +528,7 @@ mod tests {
             output_size,
             attention_dropout: 0.0,
             hidden_dropout: 0.0,
+            distillation_token: false,
         }
     }
 
@@ -663,6 +684,36 @@ mod tests {
             err.contains("blocks.0.attn.q_proj") && err.contains("256"),
             "{err}"
         );
+        Ok(())
+    }
+
+    /// DeiT's distillation token: a second prefix token, in `cls` after
+    /// CLS, covered by the positions and leading the output with CLS.
+    #[test]
+    fn the_distillation_token_leads_the_output_with_cls() -> Result<()> {
+        let cfg = VitConfig {
+            distillation_token: true,
+            ..tiny(16, None)
+        };
+        let (vars, vit) = load(&cfg)?;
+        let dev = candle_core::Device::Cpu;
+        let pixels = Tensor::randn(0f32, 1., (2, 3, 8, 8), &dev)?;
+        // CLS + distillation + (8 / 4)^2 patches
+        assert_eq!(vit.forward(&pixels)?.dims(), &[2, 6, 16]);
+        let names: Vec<String> = vars.data().lock().expect("lock").keys().cloned().collect();
+        assert!(names.iter().any(|n| n == "cls"), "{names:?}");
+        let err = Vit::from_parts(
+            vit.patch_embed.clone(),
+            Tensor::zeros((1, 1, 16), DType::F32, &dev)?,
+            vit.positions.clone(),
+            vit.blocks.clone(),
+            vit.final_norm.clone(),
+            None,
+            &cfg,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("cls") && err.contains("(1, 2, 16)"), "{err}");
         Ok(())
     }
 }

@@ -1,6 +1,7 @@
 //! The JSON files of a transformers `VisionEncoderDecoderModel` directory
 //! that are not one family's: `config.json`'s frame around the encoder and
-//! decoder configs (which [`super::vit`] and [`super::gpt2`] define),
+//! decoder configs (which [`super::vit`], [`super::gpt2`] and
+//! [`super::trocr`] define),
 //! `preprocessor_config.json` and the generation settings; and their
 //! translation into vl's configurations.
 
@@ -13,7 +14,8 @@ use vl_decoder::{DecoderConfig, EarlyStopping, GenerationConfig, Strategy};
 use vl_vision::{PixelSpec, Resample, VitConfig};
 
 use super::gpt2::HfGpt2Config;
-use super::vit::HfVitConfig;
+use super::trocr::HfTrocrConfig;
+use super::vit::{HfVitConfig, ENCODERS};
 
 use crate::error::{config_err, Error, Result};
 
@@ -24,15 +26,69 @@ fn default_true() -> bool {
     true
 }
 
+/// `config.json`'s `decoder`, by its `model_type`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(try_from = "Value")]
+pub enum HfDecoderConfig {
+    /// `gpt2` with `add_cross_attention`.
+    Gpt2(HfGpt2Config),
+    /// `trocr`.
+    Trocr(HfTrocrConfig),
+}
+
+impl TryFrom<Value> for HfDecoderConfig {
+    type Error = String;
+
+    fn try_from(v: Value) -> std::result::Result<Self, String> {
+        let family = v
+            .get("model_type")
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+        let parsed = match family.as_deref() {
+            Some("gpt2") => serde_json::from_value(v).map(Self::Gpt2),
+            Some("trocr") => serde_json::from_value(v).map(Self::Trocr),
+            other => return Err(format!("decoder.model_type: unsupported {other:?}")),
+        };
+        parsed.map_err(|e| format!("decoder ({}): {e}", family.unwrap_or_default()))
+    }
+}
+
+impl HfDecoderConfig {
+    /// The family's `model_type`.
+    pub fn model_type(&self) -> &str {
+        match self {
+            Self::Gpt2(d) => &d.model_type,
+            Self::Trocr(d) => &d.model_type,
+        }
+    }
+
+    /// The decoder's width.
+    pub fn hidden_size(&self) -> usize {
+        match self {
+            Self::Gpt2(d) => d.n_embd,
+            Self::Trocr(d) => d.d_model,
+        }
+    }
+
+    /// The keys the family does not read: generation settings of older
+    /// checkpoints.
+    pub fn rest(&self) -> &BTreeMap<String, Value> {
+        match self {
+            Self::Gpt2(d) => &d.rest,
+            Self::Trocr(d) => &d.rest,
+        }
+    }
+}
+
 /// `config.json` of a vision-encoder-decoder checkpoint.
 #[derive(Debug, Clone, Deserialize)]
 pub struct HfConfig {
     /// Must be `"vision-encoder-decoder"`.
     pub model_type: String,
-    /// The image encoder.
+    /// The image encoder (`vit` or `deit`).
     pub encoder: HfVitConfig,
     /// The text decoder.
-    pub decoder: HfGpt2Config,
+    pub decoder: HfDecoderConfig,
     /// Every other key: generation settings of older checkpoints.
     #[serde(flatten)]
     pub rest: BTreeMap<String, Value>,
@@ -47,58 +103,18 @@ impl HfConfig {
                 format!("expected {MODEL_TYPE:?}, got {:?}", self.model_type),
             );
         }
-        if self.encoder.model_type != "vit" {
+        if !ENCODERS.contains(&self.encoder.model_type.as_str()) {
             return config_err(
                 "encoder.model_type",
                 format!(
-                    "only \"vit\" encoders are supported, got {:?}",
+                    "only {ENCODERS:?} encoders are supported, got {:?}",
                     self.encoder.model_type
                 ),
             );
         }
-        let d = &self.decoder;
-        if d.model_type != "gpt2" {
-            return config_err(
-                "decoder.model_type",
-                format!(
-                    "only \"gpt2\" decoders are supported, got {:?}",
-                    d.model_type
-                ),
-            );
-        }
-        if !d.add_cross_attention {
-            return config_err(
-                "decoder.add_cross_attention",
-                "must be true: the decoder has no cross-attention to read the image with",
-            );
-        }
-        if !d.scale_attn_weights || d.scale_attn_by_inverse_layer_idx {
-            return config_err(
-                "decoder.scale_attn_weights",
-                "only scores scaled by 1/sqrt(head_dim) are supported \
-                 (scale_attn_weights true, scale_attn_by_inverse_layer_idx false)",
-            );
-        }
-        for (field, p) in [
-            ("decoder.attn_pdrop", d.attn_pdrop),
-            ("decoder.resid_pdrop", d.resid_pdrop),
-            ("decoder.embd_pdrop", d.embd_pdrop),
-        ] {
-            if !(0.0..1.0).contains(&p) {
-                return config_err(
-                    field,
-                    format!("expected a dropout probability in [0, 1), got {p}"),
-                );
-            }
-        }
-        if let Some(w) = d.cross_attention_hidden_size.filter(|&w| w != d.n_embd) {
-            return config_err(
-                "decoder.cross_attention_hidden_size",
-                format!(
-                    "GPT-2 cross-attention reads width n_embd {}, got {w}",
-                    d.n_embd
-                ),
-            );
+        match &self.decoder {
+            HfDecoderConfig::Gpt2(d) => d.validate()?,
+            HfDecoderConfig::Trocr(d) => d.validate(self.encoder.hidden_size)?,
         }
         self.vit_config(&PixelSpec::new(self.encoder.image_size, [0.5; 3], [0.5; 3]))
             .validate()?;
@@ -107,7 +123,10 @@ impl HfConfig {
 
     /// Whether the encoder's tokens go through `enc_to_dec_proj`.
     pub fn projects_encoder(&self) -> bool {
-        self.encoder.hidden_size != self.decoder.n_embd
+        match &self.decoder {
+            HfDecoderConfig::Gpt2(d) => self.encoder.hidden_size != d.n_embd,
+            HfDecoderConfig::Trocr(d) => d.projects_encoder(self.encoder.hidden_size),
+        }
     }
 
     /// The encoder as a vl [`VitConfig`], its normalisation from `pixels`.
@@ -125,44 +144,25 @@ impl HfConfig {
             image_mean: pixels.mean,
             image_std: pixels.std,
             hidden_act: e.hidden_act,
-            output_size: self.projects_encoder().then_some(self.decoder.n_embd),
+            output_size: self
+                .projects_encoder()
+                .then_some(self.decoder.hidden_size()),
             attention_dropout: e.attention_probs_dropout_prob,
             hidden_dropout: e.hidden_dropout_prob,
+            distillation_token: e.has_distillation_token(),
         }
     }
 
     /// The decoder as a vl [`DecoderConfig`], with the special tokens of
     /// `generation`.
-    pub fn decoder_config(&self, generation: &GenerationConfig) -> DecoderConfig {
-        let d = &self.decoder;
-        let eos = generation
-            .eos_token_ids
-            .first()
-            .copied()
-            .unwrap_or(generation.start_token_id);
-        DecoderConfig {
-            vocab_size: d.vocab_size,
-            hidden_size: d.n_embd,
-            num_attention_heads: d.n_head,
-            num_key_value_heads: None,
-            num_hidden_layers: d.n_layer,
-            intermediate_size: d.n_inner.unwrap_or(4 * d.n_embd),
-            max_position_embeddings: d.n_positions,
-            memory_dim: d.n_embd,
-            hidden_act: d.activation_function,
-            layer_norm_eps: d.layer_norm_epsilon,
-            tie_word_embeddings: d.tie_word_embeddings,
-            cross_attention_every: 1,
-            gated_cross_attention: false,
-            gated_cross_ffn: false,
-            attention_bias: true,
-            // Inference ignores them; a decoder switched to training uses them.
-            attention_dropout: d.attn_pdrop,
-            residual_dropout: d.resid_pdrop,
-            embedding_dropout: d.embd_pdrop,
-            bos_token_id: generation.start_token_id,
-            eos_token_id: eos,
-            pad_token_id: generation.pad_token_id,
+    ///
+    /// # Errors
+    /// A TrOCR decoder with sinusoidal positions and no usable
+    /// `pad_token_id`, named.
+    pub fn decoder_config(&self, generation: &GenerationConfig) -> Result<DecoderConfig> {
+        match &self.decoder {
+            HfDecoderConfig::Gpt2(d) => Ok(d.decoder_config(generation)),
+            HfDecoderConfig::Trocr(d) => d.decoder_config(generation),
         }
     }
 }
@@ -428,7 +428,7 @@ impl HfGeneration {
             .filter(|(_, v)| !v.is_null())
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
-        for (k, v) in &cfg.decoder.rest {
+        for (k, v) in cfg.decoder.rest() {
             if !v.is_null() && !values.contains_key(k) {
                 values.insert(k.clone(), v.clone());
             }

@@ -18,10 +18,13 @@ use vl_attn::{
     CausalSelfAttention, CrossAttention, CrossAttentionConfig, FeedForward, SelfAttentionConfig,
 };
 use vl_decoder::block::{CrossBranch, DecoderBlock};
-use vl_decoder::{Activation, DecoderConfig, VisionLanguageDecoder};
+use vl_decoder::{
+    Activation, DecoderConfig, GenerationConfig, NormPlacement, PositionEmbedding,
+    VisionLanguageDecoder,
+};
 
 use super::tensors::layer_norm;
-use crate::error::Result;
+use crate::error::{config_err, Result};
 
 fn gpt2_eps() -> f64 {
     1e-5
@@ -95,6 +98,91 @@ pub struct HfGpt2Config {
     /// Every other key: generation settings of older checkpoints.
     #[serde(flatten)]
     pub rest: BTreeMap<String, Value>,
+}
+
+impl HfGpt2Config {
+    /// Rejects what vl cannot run, naming the field.
+    pub fn validate(&self) -> Result<()> {
+        if !self.add_cross_attention {
+            return config_err(
+                "decoder.add_cross_attention",
+                "must be true: the decoder has no cross-attention to read the image with",
+            );
+        }
+        if !self.scale_attn_weights || self.scale_attn_by_inverse_layer_idx {
+            return config_err(
+                "decoder.scale_attn_weights",
+                "only scores scaled by 1/sqrt(head_dim) are supported \
+                 (scale_attn_weights true, scale_attn_by_inverse_layer_idx false)",
+            );
+        }
+        for (field, p) in [
+            ("decoder.attn_pdrop", self.attn_pdrop),
+            ("decoder.resid_pdrop", self.resid_pdrop),
+            ("decoder.embd_pdrop", self.embd_pdrop),
+        ] {
+            if !(0.0..1.0).contains(&p) {
+                return config_err(
+                    field,
+                    format!("expected a dropout probability in [0, 1), got {p}"),
+                );
+            }
+        }
+        if let Some(w) = self
+            .cross_attention_hidden_size
+            .filter(|&w| w != self.n_embd)
+        {
+            return config_err(
+                "decoder.cross_attention_hidden_size",
+                format!(
+                    "GPT-2 cross-attention reads width n_embd {}, got {w}",
+                    self.n_embd
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    /// The decoder as a vl [`DecoderConfig`] (pre-LN, learned positions,
+    /// final norm: the defaults), with the special tokens of `generation`.
+    pub fn decoder_config(&self, generation: &GenerationConfig) -> DecoderConfig {
+        let eos = generation
+            .eos_token_ids
+            .first()
+            .copied()
+            .unwrap_or(generation.start_token_id);
+        DecoderConfig {
+            vocab_size: self.vocab_size,
+            hidden_size: self.n_embd,
+            num_attention_heads: self.n_head,
+            num_key_value_heads: None,
+            num_hidden_layers: self.n_layer,
+            intermediate_size: self.n_inner.unwrap_or(4 * self.n_embd),
+            max_position_embeddings: self.n_positions,
+            memory_dim: self.n_embd,
+            hidden_act: self.activation_function,
+            layer_norm_eps: self.layer_norm_epsilon,
+            tie_word_embeddings: self.tie_word_embeddings,
+            cross_attention_every: 1,
+            gated_cross_attention: false,
+            gated_cross_ffn: false,
+            attention_bias: true,
+            // Inference ignores them; a decoder switched to training uses them.
+            attention_dropout: self.attn_pdrop,
+            residual_dropout: self.resid_pdrop,
+            embedding_dropout: self.embd_pdrop,
+            bos_token_id: generation.start_token_id,
+            eos_token_id: eos,
+            pad_token_id: generation.pad_token_id,
+            norm_placement: NormPlacement::Pre,
+            final_norm: true,
+            scale_embedding: false,
+            layernorm_embedding: false,
+            position_embedding: PositionEmbedding::Learned,
+            position_offset: 0,
+            position_padding_idx: None,
+        }
+    }
 }
 
 /// A GPT-2 `Conv1D(out, in)`: `weight (in, out)`, `bias (out)`, split

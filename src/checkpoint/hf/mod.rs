@@ -1,31 +1,41 @@
 //! Hugging Face checkpoints: a transformers `VisionEncoderDecoderModel`
-//! directory with a ViT encoder and a GPT-2 decoder with cross-attention
-//! (the layout of `nlpconnect/vit-gpt2-image-captioning` and its
-//! fine-tunes), loaded onto vl's own [`Vit`](vl_vision::Vit) and
-//! [`VisionLanguageDecoder`](vl_decoder::VisionLanguageDecoder).
+//! directory, loaded onto vl's own [`Vit`](vl_vision::Vit) and
+//! [`VisionLanguageDecoder`](vl_decoder::VisionLanguageDecoder). The
+//! families, each an encoder or a decoder that pairs with any of the
+//! other side:
+//!
+//! | side | `model_type` | file | checkpoints |
+//! |---|---|---|---|
+//! | encoder | `vit` | [`vit`] | `nlpconnect/vit-gpt2-image-captioning`, TrOCR base/large |
+//! | encoder | `deit` | [`vit`] (a distillation token more) | TrOCR small |
+//! | decoder | `gpt2` with `add_cross_attention` | [`gpt2`] | vit-gpt2 captioners |
+//! | decoder | `trocr` | [`trocr`] (post-LN, BART-style) | `microsoft/trocr-*` |
 //!
 //! The directory holds:
 //!
-//! - `config.json`: `model_type` `vision-encoder-decoder`, an `encoder` of
-//!   `model_type` `vit` and a `decoder` of `model_type` `gpt2` with
-//!   `add_cross_attention`;
+//! - `config.json`: `model_type` `vision-encoder-decoder`, an `encoder`
+//!   and a `decoder` of the families above (any other is refused, naming
+//!   `encoder.model_type` or `decoder.model_type`);
 //! - `generation_config.json` (optional): the generation defaults; older
 //!   checkpoints keep them in `config.json` instead (top level first, then
 //!   `decoder`);
 //! - `preprocessor_config.json` (optional; ViT's defaults otherwise);
-//! - `tokenizer.json`, or GPT-2's `vocab.json` + `merges.txt` (with
-//!   `special_tokens_map.json` naming the special tokens);
+//! - `tokenizer.json` (GPT-2's or RoBERTa's byte-level BPE, XLM-R's
+//!   sentencepiece), or a byte-level BPE as `vocab.json` + `merges.txt`
+//!   (GPT-2, RoBERTa), with `special_tokens_map.json` naming the special
+//!   tokens;
 //! - `model.safetensors`, or shards listed by `model.safetensors.index.json`.
 //!
 //! A directory with only `pytorch_model.bin` is refused: pickle is never
 //! parsed. Shard names must be plain file names inside the directory.
 //!
-//! One file per model family ([`vit`], [`gpt2`]): its config and its
-//! tensors onto vl's modules; a new family is a new file beside them.
+//! One file per model family: its config and its tensors onto vl's
+//! modules; a new family is a new file beside them.
 
 pub mod config;
 pub mod gpt2;
 mod tensors;
+pub mod trocr;
 pub mod vit;
 
 use std::collections::BTreeMap;
@@ -40,7 +50,7 @@ use super::tokenizer::load_hf_tokenizer;
 use super::{read_json, ModelFormat, VlConfig, VlModel, CONFIG_FILE, SUPPORTED, WEIGHTS_FILE};
 use crate::error::{in_file, weights_error, Error, Result};
 
-pub use config::{HfConfig, HfGeneration, HfPreprocessorConfig, MODEL_TYPE};
+pub use config::{HfConfig, HfDecoderConfig, HfGeneration, HfPreprocessorConfig, MODEL_TYPE};
 
 /// The generation defaults of newer checkpoints.
 pub const GENERATION_FILE: &str = "generation_config.json";
@@ -50,6 +60,9 @@ pub const PREPROCESSOR_FILE: &str = "preprocessor_config.json";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// Pickled weights, never loaded.
 pub const PICKLE_FILE: &str = "pytorch_model.bin";
+
+/// The decoder `model_type`s vl loads.
+pub const DECODERS: &[&str] = &["gpt2", "trocr"];
 
 /// The encoder and decoder families vl loads from a vision-encoder-decoder
 /// checkpoint, checked before the rest of `config.json` is read so that a
@@ -65,12 +78,12 @@ fn check_families(path: &Path) -> Result<()> {
         decoder: Option<Part>,
     }
     let probe: Probe = read_json(path)?;
-    for (what, part, family) in [
-        ("encoder.model_type", probe.encoder, "vit"),
-        ("decoder.model_type", probe.decoder, "gpt2"),
+    for (what, part, families) in [
+        ("encoder.model_type", probe.encoder, vit::ENCODERS),
+        ("decoder.model_type", probe.decoder, DECODERS),
     ] {
         let found = part.and_then(|p| p.model_type);
-        if found.as_deref() != Some(family) {
+        if !found.as_deref().is_some_and(|f| families.contains(&f)) {
             return Err(Error::UnsupportedModel {
                 path: path.to_path_buf(),
                 what,
@@ -207,7 +220,9 @@ pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<VlModel> {
         .map_err(in_file(&pre_path))?;
 
     let vit_cfg = cfg.vit_config(&pixels);
-    let dec_cfg = cfg.decoder_config(&gen_cfg);
+    let dec_cfg = cfg
+        .decoder_config(&gen_cfg)
+        .map_err(in_file(&config_path))?;
     dec_cfg.validate().map_err(in_file(&generation_source))?;
     gen_cfg
         .check_ids(dec_cfg.vocab_size)
@@ -217,7 +232,11 @@ pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<VlModel> {
     let (label, files) = weight_files(dir)?;
     let vb = open_weights(&files, dtype, device)?;
     let vit = vit::load(vb.clone(), &cfg, &vit_cfg).map_err(weights_error(&label))?;
-    let decoder = gpt2::load(vb, &dec_cfg).map_err(weights_error(&label))?;
+    let decoder = match &cfg.decoder {
+        HfDecoderConfig::Gpt2(_) => gpt2::load(vb, &dec_cfg),
+        HfDecoderConfig::Trocr(_) => trocr::load(vb, &dec_cfg),
+    }
+    .map_err(weights_error(&label))?;
     Ok(VlModel {
         path: dir.to_path_buf(),
         config: VlConfig {

@@ -1,7 +1,12 @@
-//! The ViT encoder family (`encoder.model_type` `vit`): its config and
-//! its tensors mapped onto vl's [`Vit`] through `from_parts` — one
-//! implementation, whatever the checkpoint. The pooler, if saved, is not
-//! read.
+//! The ViT encoder family (`encoder.model_type` `vit`, and `deit`): its
+//! config and its tensors mapped onto vl's [`Vit`] through `from_parts` —
+//! one implementation, whatever the checkpoint. The pooler, if saved, is
+//! not read.
+//!
+//! DeiT is ViT with a distillation token: `embeddings.distillation_token`
+//! follows the CLS token, the positions cover both, and both lead the
+//! encoder's output, the memory the decoder reads. Its config has ViT's
+//! keys; the rest (`encoder_stride`, the pooler's) is not read.
 
 use candle_nn::{Linear, VarBuilder};
 use serde::Deserialize;
@@ -32,10 +37,13 @@ fn channels_3() -> usize {
     3
 }
 
-/// `config.json`'s `encoder`: a transformers `ViTConfig`.
+/// The encoder `model_type`s read by this family.
+pub const ENCODERS: &[&str] = &["vit", "deit"];
+
+/// `config.json`'s `encoder`: a transformers `ViTConfig` or `DeiTConfig`.
 #[derive(Debug, Clone, Deserialize)]
 pub struct HfVitConfig {
-    /// Must be `"vit"`.
+    /// One of [`ENCODERS`].
     pub model_type: String,
     /// Token width.
     pub hidden_size: usize,
@@ -73,7 +81,14 @@ pub struct HfVitConfig {
     pub hidden_dropout_prob: f64,
 }
 
-/// The ViT under `encoder.` (and `enc_to_dec_proj.` when the widths
+impl HfVitConfig {
+    /// Whether the encoder has DeiT's distillation token.
+    pub fn has_distillation_token(&self) -> bool {
+        self.model_type == "deit"
+    }
+}
+
+/// The ViT (or DeiT) under `encoder.` (and `enc_to_dec_proj.` when the widths
 /// differ). The pooler, if saved, is not read.
 pub fn load(vb: VarBuilder, cfg: &HfConfig, vit_cfg: &VitConfig) -> Result<Vit> {
     let e = &cfg.encoder;
@@ -89,7 +104,17 @@ pub fn load(vb: VarBuilder, cfg: &HfConfig, vit_cfg: &VitConfig) -> Result<Vit> 
         Some(conv.get(d, "bias")?),
     );
     let cls = emb.get((1, 1, d), "cls_token")?;
-    let positions = emb.get((1, 1 + vit_cfg.num_patches(), d), "position_embeddings")?;
+    // (1, 1, d) CLS then (1, 1, d) distillation -> (1, 2, d)
+    let cls = if e.has_distillation_token() {
+        candle_core::Tensor::cat(&[&cls, &emb.get((1, 1, d), "distillation_token")?], 1)?
+    } else {
+        cls
+    };
+    let prefix = vit_cfg.num_prefix_tokens();
+    let positions = emb.get(
+        (1, prefix + vit_cfg.num_patches(), d),
+        "position_embeddings",
+    )?;
     let attn_cfg = SelfAttentionConfig {
         bias: e.qkv_bias,
         ..SelfAttentionConfig::new(d, e.num_attention_heads)
