@@ -53,7 +53,7 @@ pub fn applies(x: &Tensor, w: &Tensor) -> bool {
         && w.rank() == 2
         && w.is_contiguous()
         && x.dims().last() == w.dims().get(1)
-        && w.dims()[1] % 2 == 0
+        && w.dims()[1].is_multiple_of(2)
         && x.elem_count() > 0
 }
 
@@ -219,9 +219,13 @@ mod avx512 {
                 let ptr = panel.as_ptr().add(p * NR) as *const __m512i;
                 (_mm512_loadu_si512(ptr), _mm512_loadu_si512(ptr.add(1)))
             };
-            let (b0, b1): (__m512bh, __m512bh) =
-                // SAFETY: same size, plain bits.
-                unsafe { (std::mem::transmute(b0), std::mem::transmute(b1)) };
+            // SAFETY: same size, plain bits.
+            let (b0, b1) = unsafe {
+                (
+                    std::mem::transmute::<__m512i, __m512bh>(b0),
+                    std::mem::transmute::<__m512i, __m512bh>(b1),
+                )
+            };
             for (r, a) in acc.iter_mut().enumerate() {
                 // The pair x[r][2p], x[r][2p + 1] is one little-endian u32
                 // in memory, low half first, as the panel packs it.
@@ -230,7 +234,8 @@ mod avx512 {
                 let pair =
                     unsafe { (x.as_ptr().add(r * k + 2 * p) as *const i32).read_unaligned() };
                 // SAFETY: same size, plain bits.
-                let xa: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi32(pair)) };
+                let xa =
+                    unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair)) };
                 a[0] = _mm512_dpbf16_ps(a[0], xa, b0);
                 a[1] = _mm512_dpbf16_ps(a[1], xa, b1);
             }

@@ -35,12 +35,12 @@ impl HeadLayout {
                 "heads ({num_heads}) and kv heads ({num_kv_heads}) must be positive"
             ));
         }
-        if inner == 0 || inner % num_heads != 0 {
+        if inner == 0 || !inner.is_multiple_of(num_heads) {
             return err(format!(
                 "inner width {inner} is not a positive multiple of heads {num_heads}"
             ));
         }
-        if num_heads % num_kv_heads != 0 {
+        if !num_heads.is_multiple_of(num_kv_heads) {
             return err(format!(
                 "heads {num_heads} is not divisible by kv heads {num_kv_heads}"
             ));

@@ -100,7 +100,7 @@ impl ResamplerConfig {
                 return err(format!("{name} must be positive, got 0"));
             }
         }
-        if self.width % self.num_heads != 0 {
+        if !self.width.is_multiple_of(self.num_heads) {
             return err(format!(
                 "width {} is not divisible by num_heads {}",
                 self.width, self.num_heads

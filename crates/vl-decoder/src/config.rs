@@ -170,7 +170,7 @@ impl DecoderConfig {
 
     /// Whether block `layer` has cross-attention.
     pub fn has_cross_attention(&self, layer: usize) -> bool {
-        layer % self.cross_attention_every == 0
+        layer.is_multiple_of(self.cross_attention_every)
     }
 
     /// The attention, residual and embedding dropouts, checked.
@@ -210,7 +210,7 @@ impl DecoderConfig {
                 return config_err(field, "must be positive, got 0");
             }
         }
-        if self.hidden_size % self.num_attention_heads != 0 {
+        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return config_err(
                 "hidden_size",
                 format!(
@@ -219,7 +219,7 @@ impl DecoderConfig {
                 ),
             );
         }
-        if self.num_attention_heads % self.kv_heads() != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.kv_heads()) {
             return config_err(
                 "num_key_value_heads",
                 format!(

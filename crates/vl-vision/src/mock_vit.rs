@@ -51,7 +51,10 @@ impl MockVitConfig {
 
     /// Rejects impossible sizes.
     pub fn validate(&self) -> Result<()> {
-        if self.patch_size == 0 || self.image_size == 0 || self.image_size % self.patch_size != 0 {
+        if self.patch_size == 0
+            || self.image_size == 0
+            || !self.image_size.is_multiple_of(self.patch_size)
+        {
             return config_err(
                 "patch_size",
                 format!(

@@ -92,7 +92,10 @@ impl VitConfig {
 
     /// Rejects impossible sizes.
     pub fn validate(&self) -> Result<()> {
-        if self.patch_size == 0 || self.image_size == 0 || self.image_size % self.patch_size != 0 {
+        if self.patch_size == 0
+            || self.image_size == 0
+            || !self.image_size.is_multiple_of(self.patch_size)
+        {
             return config_err(
                 "vision.patch_size",
                 format!(
@@ -129,7 +132,7 @@ impl VitConfig {
                 format!("only RGB (3) is supported, got {}", self.num_channels),
             );
         }
-        if self.hidden_size % self.num_attention_heads != 0 {
+        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return config_err(
                 "vision.hidden_size",
                 format!(
