@@ -3,8 +3,9 @@
 ratios (vl / torch; below 1 means vl is faster or smaller) and writes the raw
 figures as JSON.
 
+    python3 -m venv .venv && .venv/bin/pip install torch transformers safetensors pillow
     .venv/bin/python scripts/hf_fixtures.py --base /tmp/vit-gpt2-base
-    cargo build --release -p vl-cli --example bench_attention
+    cargo build --release -p vl-cli && cargo build --release --example bench_attention
     .venv/bin/python scripts/bench_vs_torch.py /tmp/vit-gpt2-base --threads 2
 
 Every measurement runs in its own process (one model at a time, a fresh
