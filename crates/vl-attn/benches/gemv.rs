@@ -5,6 +5,9 @@
 //! f32 and bf16 (candle's matmul vs `vl_attn::gemv::gemv`), q8_0 (candle's
 //! `QMatMul` vs `gemv_q8_0`).
 //!
+//! And the encoder's many-row products: candle's f32 and bf16 matmul next
+//! to `vl_attn::gemm_bf16` (FLOP/s as elements/s).
+//!
 //! `cargo bench -p vl-attn --bench gemv`
 //!
 //! Both sides run in the same process on the same rayon pool (set its size
@@ -63,5 +66,37 @@ fn products(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, products);
+/// The ViT-B/16 encoder's products for one image (197 tokens): candle's
+/// f32 and bf16 matmul next to vl's bf16 GEMM (on CPUs with AVX512_BF16).
+fn encoder(c: &mut Criterion) {
+    let dev = Device::Cpu;
+    let mut group = c.benchmark_group("gemm");
+    group.sample_size(10);
+    for (name, out, inp) in [("up", 3072, 768), ("down", 768, 3072)] {
+        let m = 197;
+        let w32 = Tensor::randn(0f32, 1., (out, inp), &dev).expect("w");
+        let x32 = Tensor::randn(0f32, 1., (m, inp), &dev).expect("x");
+        group.throughput(Throughput::Elements((2 * m * out * inp) as u64));
+        let wt32 = w32.t().expect("wt");
+        group.bench_function(BenchmarkId::new("candle f32", name), |b| {
+            b.iter(|| x32.matmul(&wt32).expect("matmul"))
+        });
+        let (x, w) = (
+            x32.to_dtype(DType::BF16).expect("x"),
+            w32.to_dtype(DType::BF16).expect("w"),
+        );
+        let wt = w.t().expect("wt");
+        group.bench_function(BenchmarkId::new("candle bf16", name), |b| {
+            b.iter(|| x.matmul(&wt).expect("matmul"))
+        });
+        if vl_attn::gemm_bf16::available() {
+            group.bench_function(BenchmarkId::new("vl bf16", name), |b| {
+                b.iter(|| vl_attn::gemm_bf16::matmul(&x, &w).expect("gemm"))
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, products, encoder);
 criterion_main!(benches);
