@@ -110,6 +110,22 @@ pub struct Panel {
     pub y: Axis,
     /// The lines.
     pub series: Vec<Series>,
+    /// Where the legend goes (default: lower right).
+    pub legend: Legend,
+}
+
+/// A corner of the chart for the legend.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Legend {
+    /// Top left.
+    UpperLeft,
+    /// Top right.
+    UpperRight,
+    /// Bottom left.
+    LowerLeft,
+    /// Bottom right.
+    #[default]
+    LowerRight,
 }
 
 /// Writes `panels` as a PNG of `cols` columns (rows as needed), each panel
@@ -154,8 +170,13 @@ pub fn write_png(
 
 /// A tick label: four significant digits at most, no trailing zeros.
 fn tick(v: &f64) -> String {
-    if *v == 0.0 || !v.is_finite() {
-        return format!("{v}");
+    // A tick a rounding error away from 0 reads as 0.
+    if v.abs() < 1e-9 || !v.is_finite() {
+        return if v.is_finite() {
+            "0".into()
+        } else {
+            format!("{v}")
+        };
     }
     let digits = (3 - v.abs().log10().floor() as i32).max(0) as usize;
     let s = format!("{v:.digits$}");
@@ -278,7 +299,12 @@ where
         .label_font((FAMILY, 12))
         .background_style(WHITE.mix(0.85))
         .border_style(RGBColor(200, 200, 200))
-        .position(SeriesLabelPosition::LowerRight)
+        .position(match panel.legend {
+            Legend::UpperLeft => SeriesLabelPosition::UpperLeft,
+            Legend::UpperRight => SeriesLabelPosition::UpperRight,
+            Legend::LowerLeft => SeriesLabelPosition::LowerLeft,
+            Legend::LowerRight => SeriesLabelPosition::LowerRight,
+        })
         .draw()
         .map_err(plot_error)?;
     Ok(())
@@ -297,6 +323,7 @@ mod tests {
             (0.125, "0.125"),
             (2.5e-5, "0.000025"),
             (0.0, "0"),
+            (-2.776e-17, "0"),
         ];
         for (v, want) in cases {
             assert_eq!(tick(&v), want, "{v}");
@@ -318,12 +345,14 @@ mod tests {
                     Series::new("a", vec![(0.0, 0.1), (1.0, 0.5), (2.0, 0.9)]),
                     Series::new("b", vec![(0.0, 0.2), (2.0, 0.3)]).dashed(),
                 ],
+                legend: Legend::UpperLeft,
             },
             Panel {
                 title: "log".into(),
                 x: Axis::log("tokens"),
                 y: Axis::log("ms"),
                 series: vec![Series::new("c", vec![(49.0, 0.1), (1024.0, 3.0)])],
+                legend: Legend::default(),
             },
         ];
         write_png(&path, &panels, 2, (320, 240))?;
@@ -345,6 +374,7 @@ mod tests {
             x: Axis::linear("x"),
             y: Axis::log("ms"),
             series: vec![Series::new("zero", vec![(0.0, 0.0), (1.0, 1.0)])],
+            legend: Legend::default(),
         };
         let err = format!("{:#}", write_png(&path, &[log], 1, (200, 200)).unwrap_err());
         assert!(
@@ -356,6 +386,7 @@ mod tests {
             x: Axis::linear("x"),
             y: Axis::linear("y"),
             series: vec![Series::new("none", vec![])],
+            legend: Legend::default(),
         };
         let err = format!(
             "{:#}",

@@ -34,7 +34,7 @@ use vl::vl_shapes::scene_accuracy;
 use vl::vl_vision::{VisionConfig, VisionEncoder};
 use vl::{VlConfig, VlModel};
 
-use crate::plot::{self, Axis, Panel, Series};
+use crate::plot::{self, Axis, Legend, Panel, Series};
 
 /// Train the shapes captioner.
 #[derive(clap::Args, Debug)]
@@ -533,6 +533,7 @@ pub fn curve_panels(curves: &[&Curve]) -> Vec<Panel> {
                 .iter()
                 .map(|c| Series::new(c.label.clone(), xy(&|p| p.loss, c)))
                 .collect(),
+            legend: Legend::UpperRight,
         },
         Panel {
             title: format!("held-out scene accuracy ({EVAL_SCENES} scenes)"),
@@ -550,6 +551,7 @@ pub fn curve_panels(curves: &[&Curve]) -> Vec<Panel> {
                     )
                 })
                 .collect(),
+            legend: Legend::LowerRight,
         },
     ];
     let mut gates = Vec::new();
@@ -578,6 +580,7 @@ pub fn curve_panels(curves: &[&Curve]) -> Vec<Panel> {
             x: Axis::linear("step"),
             y: Axis::linear("tanh(alpha)"),
             series: gates,
+            legend: Legend::LowerLeft,
         });
     }
     panels

@@ -138,7 +138,15 @@ fn diversity_experiment() {
 fn gated_experiment() {
     let tmp = tempfile::tempdir().expect("tmp");
     let out = Command::new(vl_bin())
-        .args(["experiment", "gated", "--steps", "12", "--eval-every", "6"])
+        .args([
+            "experiment",
+            "gated",
+            "--steps",
+            "12",
+            "--gated-steps",
+            "12",
+        ])
+        .args(["--eval-every", "6"])
         .args(["--batch-size", "4", "--final-scenes", "10"])
         .args([
             "--out-dir",

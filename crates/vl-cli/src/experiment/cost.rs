@@ -28,7 +28,7 @@ use vl::vl_attn::{
 };
 
 use super::{command_line, write_json, Output};
-use crate::plot::{self, Axis, Panel, Series};
+use crate::plot::{self, Axis, Legend, Panel, Series};
 
 /// The width of every stream.
 pub const WIDTH: usize = 768;
@@ -321,6 +321,7 @@ fn panels(measures: &[Measure]) -> Vec<Panel> {
                 x: Axis::log("image tokens Nv"),
                 y: Axis::log(unit),
                 series,
+                legend: Legend::UpperLeft,
             });
         }
     }

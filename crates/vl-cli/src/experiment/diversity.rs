@@ -23,7 +23,7 @@ use vl::vl_shapes::{dataset_scene, parse_caption, score};
 
 use super::{command_line, write_json, Output};
 use crate::args::ModelArgs;
-use crate::plot::{self, Axis, Panel, Series};
+use crate::plot::{self, Axis, Legend, Panel, Series};
 
 /// Sample captions under cross-attention-map dropout.
 #[derive(clap::Args, Debug)]
@@ -163,12 +163,14 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
                 Series::new("distinct captions", line(&|p| p.distinct_captions)),
                 Series::new("distinct scenes", line(&|p| p.distinct_scenes)),
             ],
+            legend: Legend::UpperLeft,
         },
         Panel {
             title: "accuracy of the samples".into(),
             x: Axis::linear("cross-attention-map dropout rate"),
             y: Axis::linear("scene accuracy").range(0.0, 1.0),
             series: vec![Series::new("scene accuracy", line(&|p| p.scene_accuracy))],
+            legend: Legend::LowerLeft,
         },
     ];
     plot::write_png(&png, &panels, 2, (560, 420))?;
