@@ -212,17 +212,15 @@ impl Module for Proj {
                 }
             }
             Inner::Dense(l) => l.forward(x),
-            // q8_0 decode shapes on the CPU: vl's kernel, x kept in f32.
+            // q8_0 on the CPU: vl's kernel, x kept in f32, the same
+            // arithmetic for a decode step and a prefill.
             Inner::Quantized {
                 weight: QMatMul::QTensor(q),
                 format: GgmlDType::Q8_0,
                 bias,
                 in_dim,
                 ..
-            } if x.device().is_cpu()
-                && !x.track_op()
-                && (1..=crate::gemv::MAX_ROWS).contains(&(x.elem_count() / (*in_dim).max(1))) =>
-            {
+            } if x.device().is_cpu() && !x.track_op() && x.dims().last() == Some(in_dim) => {
                 let dtype = x.dtype();
                 let y = crate::gemv::gemv_q8_0(x, q)?;
                 let y = match bias {
