@@ -7,6 +7,7 @@
 //! |---|---|---|
 //! | `vl` | [`native`] | vl's own directories (the shipped shapes captioner) |
 //! | `vision-encoder-decoder` | [`hf`] | transformers ViT/DeiT + GPT-2/TrOCR checkpoints |
+//! | `blip` | [`hf::blip`] | transformers `BlipForConditionalGeneration` captioners |
 //!
 //! Anything else is refused with [`Error::UnsupportedModel`], naming what
 //! was found and what vl loads. The pieces every format shares live beside
@@ -42,6 +43,7 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 pub const SUPPORTED: &[&str] = &[
     "`vl` (vl's own directories)",
     "`vision-encoder-decoder` with a `vit` or `deit` encoder and a `gpt2` or `trocr` decoder",
+    "`blip` (BlipForConditionalGeneration)",
 ];
 
 /// Reads a JSON file into `T`, naming the file in errors.
@@ -64,6 +66,8 @@ pub enum ModelFormat {
     /// A transformers `VisionEncoderDecoderModel` (ViT or DeiT + GPT-2 or
     /// TrOCR): see [`hf`].
     VisionEncoderDecoder,
+    /// A transformers `BlipForConditionalGeneration`: see [`hf::blip`].
+    Blip,
 }
 
 impl ModelFormat {
@@ -83,6 +87,7 @@ impl ModelFormat {
         match probe.model_type.as_ref().and_then(|v| v.as_str()) {
             Some(native::MODEL_TYPE) => Ok(Self::Vl),
             Some(hf::MODEL_TYPE) => Ok(Self::VisionEncoderDecoder),
+            Some(hf::blip::MODEL_TYPE) => Ok(Self::Blip),
             other => Err(Error::UnsupportedModel {
                 path,
                 what: "model_type",
@@ -138,6 +143,7 @@ impl VlModel {
         match ModelFormat::detect(dir)? {
             ModelFormat::Vl => native::load(dir, dtype, device),
             ModelFormat::VisionEncoderDecoder => hf::load(dir, dtype, device),
+            ModelFormat::Blip => hf::blip::load(dir, dtype, device),
         }
     }
 
