@@ -51,7 +51,8 @@ pub use block::DecoderBlock;
 pub use config::{Activation, DecoderConfig, Dropouts, NormPlacement};
 pub use error::{DecoderError, Result};
 pub use generate::{
-    generate, EarlyStopping, Generated, GenerationConfig, StopReason, Strategy, TokenEvent,
+    generate, generate_from, EarlyStopping, Generated, GenerationConfig, StopReason, Strategy,
+    TokenEvent,
 };
 pub use head::OutputTransform;
 pub use model::{DecodeState, DecoderParts, ForwardMasks, ImageContext, VisionLanguageDecoder};
