@@ -10,8 +10,9 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, D};
 use serde::Deserialize;
+use vl::captioner::Captioner;
 use vl::vl_decoder::{
-    generate, EarlyStopping, ForwardMasks, GenerationConfig, NormPlacement, Strategy,
+    generate_from, EarlyStopping, ForwardMasks, GenerationConfig, NormPlacement, Strategy,
 };
 use vl::vl_vision::preprocess::{load_image, preprocess};
 use vl::vl_vision::VisionEncoder;
@@ -36,6 +37,15 @@ struct Expected {
     beam3_text: String,
     defaults: Vec<u32>,
     defaults_text: String,
+    prompt: String,
+    /// `[DEC]` then the prompt's words, as transformers feeds them.
+    prompt_ids: Vec<u32>,
+    prompt_greedy: Vec<u32>,
+    prompt_greedy_text: String,
+    prompt_beam3: Vec<u32>,
+    prompt_beam3_text: String,
+    prompt_defaults: Vec<u32>,
+    prompt_defaults_text: String,
 }
 
 fn fixture(kind: &str) -> PathBuf {
@@ -118,34 +128,66 @@ fn run_parity(kind: &str) -> anyhow::Result<()> {
         max_new_tokens: NEW_TOKENS,
         ..f.model.generation.clone()
     };
-    let run = |cfg: &GenerationConfig| -> anyhow::Result<(Vec<u32>, String)> {
-        let out = generate(decoder, &ctx, cfg, &mut |_| {})?;
+    // The text is the whole sequence decoded: prompt words, then the
+    // generated ids (the start token is special).
+    let run = |cfg: &GenerationConfig, prompt: &[u32]| -> anyhow::Result<(Vec<u32>, String)> {
+        let out = generate_from(decoder, &ctx, cfg, prompt, &mut |_| {})?;
         let ids = out[0].tokens.clone();
-        let text = f.model.tokenizer.decode(&ids, true).expect("decode");
+        let all: Vec<u32> = prompt.iter().chain(&ids).copied().collect();
+        let text = f.model.tokenizer.decode(&all, true).expect("decode");
         Ok((ids, text))
     };
     let e = &f.expected;
-    let greedy = run(&plain.clone().with_strategy(Strategy::Greedy))?;
-    assert_eq!(
-        greedy,
-        (e.greedy.clone(), e.greedy_text.clone()),
-        "{kind}: greedy"
-    );
-    let beam = run(&plain.clone().with_strategy(Strategy::Beam {
+    let prompt = f.model.prompt_ids(&e.prompt)?;
+    assert_eq!(e.prompt_ids[0], DEC);
+    assert_eq!(prompt, e.prompt_ids[1..], "{kind}: prompt ids");
+    let beam3 = plain.clone().with_strategy(Strategy::Beam {
         num_beams: 3,
         length_penalty: 1.0,
         early_stopping: EarlyStopping::False,
-    }))?;
+    });
+    let greedy = plain.clone().with_strategy(Strategy::Greedy);
+    for (what, cfg, want, want_prompted) in [
+        (
+            "greedy",
+            &greedy,
+            (&e.greedy, &e.greedy_text),
+            (&e.prompt_greedy, &e.prompt_greedy_text),
+        ),
+        (
+            "3-beam",
+            &beam3,
+            (&e.beam3, &e.beam3_text),
+            (&e.prompt_beam3, &e.prompt_beam3_text),
+        ),
+        (
+            "checkpoint defaults",
+            &f.model.generation,
+            (&e.defaults, &e.defaults_text),
+            (&e.prompt_defaults, &e.prompt_defaults_text),
+        ),
+    ] {
+        let got = run(cfg, &[])?;
+        assert_eq!((&got.0, &got.1), want, "{kind}: {what}");
+        let got = run(cfg, &prompt)?;
+        assert_eq!((&got.0, &got.1), want_prompted, "{kind}: {what}, prompted");
+    }
+
+    // The library entry point gives the same caption.
+    let captioner = Captioner::new(f.model);
+    let caps = captioner.caption_pixels_from(
+        &[want_pixels.squeeze(0)?],
+        &captioner.model.generation,
+        Some(&e.prompt),
+        &mut |_| {},
+    )?;
     assert_eq!(
-        beam,
-        (e.beam3.clone(), e.beam3_text.clone()),
-        "{kind}: 3-beam"
+        caps[0].token_ids, *e.prompt_defaults,
+        "{kind}: captioner ids"
     );
-    let defaults = run(&f.model.generation)?;
     assert_eq!(
-        defaults,
-        (e.defaults.clone(), e.defaults_text.clone()),
-        "{kind}: checkpoint defaults"
+        caps[0].text, e.prompt_defaults_text,
+        "{kind}: captioner text"
     );
     Ok(())
 }
@@ -232,5 +274,20 @@ fn blip_errors_name_the_culprit() -> anyhow::Result<()> {
         .unwrap_err()
         .to_string();
     assert!(err.contains("patch_size"), "{err}");
+    Ok(())
+}
+
+/// Only BLIP defines prompts: a TrOCR checkpoint refuses one, naming
+/// `prompt`.
+#[test]
+fn prompts_are_refused_by_families_without_them() -> anyhow::Result<()> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/trocr/vit_learned");
+    let model = VlModel::load(&dir, DType::F32, &Device::Cpu)?;
+    let err = model.prompt_ids("a picture of").unwrap_err();
+    assert!(
+        matches!(&err, vl::Error::Argument { arg: "prompt", .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("only BLIP"), "{err}");
     Ok(())
 }

@@ -181,6 +181,40 @@ impl VlModel {
         Ok(())
     }
 
+    /// The ids a text prompt puts after the start token, tokenized as the
+    /// checkpoint's own processor does. Only BLIP defines prompts
+    /// (`BlipProcessor`, then `generate`): the text with the tokenizer's
+    /// special tokens, its first ([CLS], whose place the start token [DEC]
+    /// takes) and last ([SEP]) ids dropped.
+    ///
+    /// # Errors
+    /// [`Error::Argument`] naming `prompt` for a model whose family defines
+    /// no prompt, a text the tokenizer rejects, or one that tokenizes to
+    /// fewer than the two special tokens.
+    pub fn prompt_ids(&self, prompt: &str) -> Result<Vec<u32>> {
+        if self.format != ModelFormat::Blip {
+            return arg_err(
+                "prompt",
+                format!(
+                    "the model in {} ({:?}) defines no prompt handling; only BLIP checkpoints take a prompt",
+                    self.path.display(),
+                    self.format
+                ),
+            );
+        }
+        let enc = match self.tokenizer.encode(prompt, true) {
+            Ok(e) => e,
+            Err(e) => return arg_err("prompt", format!("{prompt:?}: {e}")),
+        };
+        match enc.get_ids() {
+            [_, words @ .., _] => Ok(words.to_vec()),
+            ids => arg_err(
+                "prompt",
+                format!("{prompt:?} tokenizes to {ids:?}, without [CLS] ... [SEP]"),
+            ),
+        }
+    }
+
     /// Image tokens of decoded images: preprocessing, then the encoder.
     ///
     /// # Shapes
