@@ -184,8 +184,8 @@ impl VlModel {
     /// The ids a text prompt puts after the start token, tokenized as the
     /// checkpoint's own processor does. Only BLIP defines prompts
     /// (`BlipProcessor`, then `generate`): the text with the tokenizer's
-    /// special tokens, its first ([CLS], whose place the start token [DEC]
-    /// takes) and last ([SEP]) ids dropped.
+    /// special tokens, its first (`[CLS]`, whose place the start token `[DEC]`
+    /// takes) and last (`[SEP]`) ids dropped.
     ///
     /// # Errors
     /// [`Error::Argument`] naming `prompt` for a model whose family defines
