@@ -36,7 +36,7 @@ use vl_attn::{
 use vl_decoder::block::{CrossBranch, DecoderBlock};
 use vl_decoder::{
     Activation, DecoderConfig, DecoderParts, GenerationConfig, NormPlacement, OutputTransform,
-    PositionEmbedding, Strategy, VisionLanguageDecoder,
+    PositionEmbedding, VisionLanguageDecoder,
 };
 use vl_vision::{PixelSpec, VisionConfig, VisionEncoder, Vit, VitBlock, VitConfig};
 
@@ -299,7 +299,6 @@ impl HfBlipConfig {
     /// `[DEC]`, ending at `[SEP]`, [`BLIP_DEFAULT_NEW_TOKENS`] tokens.
     pub fn generation_config(&self) -> GenerationConfig {
         GenerationConfig::greedy(&self.decoder_config(), BLIP_DEFAULT_NEW_TOKENS)
-            .with_strategy(Strategy::Greedy)
     }
 }
 
