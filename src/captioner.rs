@@ -6,7 +6,7 @@ use std::path::Path;
 use anyhow::{anyhow, Context};
 use candle_core::{DType, Device, Tensor};
 use image::DynamicImage;
-use vl_decoder::{generate, GenerationConfig, Quantization, TokenEvent};
+use vl_decoder::{generate_from, GenerationConfig, Quantization, TokenEvent};
 use vl_vision::preprocess::preprocess;
 use vl_vision::VisionConfig;
 
@@ -15,10 +15,11 @@ use crate::checkpoint::VlModel;
 /// One image's caption.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Caption {
-    /// The caption's text (special tokens dropped).
+    /// The caption's text (special tokens dropped): with a prompt, the
+    /// prompt and its continuation, as transformers decodes BLIP's output.
     pub text: String,
-    /// The ids generated after the start token, the EOS included if one was
-    /// generated.
+    /// The ids generated after the start token (and the prompt), the EOS
+    /// included if one was generated.
     pub token_ids: Vec<u32>,
     /// With [`GenerationConfig::cross_attention_of`] set (see
     /// [`Captioner::with_heatmaps`]): per token, the cross-attention weights
@@ -94,9 +95,29 @@ impl Captioner {
         cfg: &GenerationConfig,
         on_token: &mut dyn FnMut(TokenEvent),
     ) -> anyhow::Result<Vec<Caption>> {
+        self.caption_pixels_from(pixels, cfg, None, on_token)
+    }
+
+    /// Captions preprocessed images continuing `prompt` (see
+    /// [`VlModel::prompt_ids`]: BLIP checkpoints only); `None` is
+    /// [`Captioner::caption_pixels`].
+    ///
+    /// # Errors
+    /// As [`VlModel::prompt_ids`], naming `prompt`; generation errors.
+    pub fn caption_pixels_from(
+        &self,
+        pixels: &[Tensor],
+        cfg: &GenerationConfig,
+        prompt: Option<&str>,
+        on_token: &mut dyn FnMut(TokenEvent),
+    ) -> anyhow::Result<Vec<Caption>> {
+        let prompt_ids = match prompt {
+            Some(p) => self.model.prompt_ids(p)?,
+            None => Vec::new(),
+        };
         let memory = self.model.encode_pixels(&Tensor::stack(pixels, 0)?)?;
         let ctx = self.model.decoder.image_context(&memory, None)?;
-        let generated = generate(&self.model.decoder, &ctx, cfg, on_token)?;
+        let generated = generate_from(&self.model.decoder, &ctx, cfg, &prompt_ids, on_token)?;
         // Image tokens before the patches: CLS (and DeiT's distillation token).
         let prefix = self
             .model
@@ -107,11 +128,14 @@ impl Captioner {
         generated
             .into_iter()
             .map(|g| {
+                // The prompt's words, then the caption (the start token is
+                // special, skipped either way).
+                let all: Vec<u32> = prompt_ids.iter().chain(&g.tokens).copied().collect();
                 let text = self
                     .model
                     .tokenizer
-                    .decode(&g.tokens, true)
-                    .map_err(|e| anyhow!("decode {:?}: {e}", g.tokens))
+                    .decode(&all, true)
+                    .map_err(|e| anyhow!("decode {all:?}: {e}"))
                     .context("tokenizer")?;
                 Ok(Caption {
                     text,

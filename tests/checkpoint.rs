@@ -215,8 +215,8 @@ fn unsupported_checkpoints_are_named() -> anyhow::Result<()> {
             "encoder.model_type `swin` is not supported",
         ),
         (
-            r#"{"model_type": "blip", "text_config": {}}"#,
-            "model_type `blip` is not supported",
+            r#"{"model_type": "git", "text_config": {}}"#,
+            "model_type `git` is not supported",
         ),
         (r#"{"decoder": {}}"#, "model_type `(none)` is not supported"),
     ];

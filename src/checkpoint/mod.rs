@@ -7,6 +7,7 @@
 //! |---|---|---|
 //! | `vl` | [`native`] | vl's own directories (the shipped shapes captioner) |
 //! | `vision-encoder-decoder` | [`hf`] | transformers ViT/DeiT + GPT-2/TrOCR checkpoints |
+//! | `blip` | [`hf::blip`] | transformers `BlipForConditionalGeneration` captioners |
 //!
 //! Anything else is refused with [`Error::UnsupportedModel`], naming what
 //! was found and what vl loads. The pieces every format shares live beside
@@ -42,6 +43,7 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 pub const SUPPORTED: &[&str] = &[
     "`vl` (vl's own directories)",
     "`vision-encoder-decoder` with a `vit` or `deit` encoder and a `gpt2` or `trocr` decoder",
+    "`blip` (BlipForConditionalGeneration)",
 ];
 
 /// Reads a JSON file into `T`, naming the file in errors.
@@ -64,6 +66,8 @@ pub enum ModelFormat {
     /// A transformers `VisionEncoderDecoderModel` (ViT or DeiT + GPT-2 or
     /// TrOCR): see [`hf`].
     VisionEncoderDecoder,
+    /// A transformers `BlipForConditionalGeneration`: see [`hf::blip`].
+    Blip,
 }
 
 impl ModelFormat {
@@ -83,6 +87,7 @@ impl ModelFormat {
         match probe.model_type.as_ref().and_then(|v| v.as_str()) {
             Some(native::MODEL_TYPE) => Ok(Self::Vl),
             Some(hf::MODEL_TYPE) => Ok(Self::VisionEncoderDecoder),
+            Some(hf::blip::MODEL_TYPE) => Ok(Self::Blip),
             other => Err(Error::UnsupportedModel {
                 path,
                 what: "model_type",
@@ -138,6 +143,7 @@ impl VlModel {
         match ModelFormat::detect(dir)? {
             ModelFormat::Vl => native::load(dir, dtype, device),
             ModelFormat::VisionEncoderDecoder => hf::load(dir, dtype, device),
+            ModelFormat::Blip => hf::blip::load(dir, dtype, device),
         }
     }
 
@@ -173,6 +179,40 @@ impl VlModel {
             self.resampler = resampler;
         }
         Ok(())
+    }
+
+    /// The ids a text prompt puts after the start token, tokenized as the
+    /// checkpoint's own processor does. Only BLIP defines prompts
+    /// (`BlipProcessor`, then `generate`): the text with the tokenizer's
+    /// special tokens, its first (`[CLS]`, whose place the start token `[DEC]`
+    /// takes) and last (`[SEP]`) ids dropped.
+    ///
+    /// # Errors
+    /// [`Error::Argument`] naming `prompt` for a model whose family defines
+    /// no prompt, a text the tokenizer rejects, or one that tokenizes to
+    /// fewer than the two special tokens.
+    pub fn prompt_ids(&self, prompt: &str) -> Result<Vec<u32>> {
+        if self.format != ModelFormat::Blip {
+            return arg_err(
+                "prompt",
+                format!(
+                    "the model in {} ({:?}) defines no prompt handling; only BLIP checkpoints take a prompt",
+                    self.path.display(),
+                    self.format
+                ),
+            );
+        }
+        let enc = match self.tokenizer.encode(prompt, true) {
+            Ok(e) => e,
+            Err(e) => return arg_err("prompt", format!("{prompt:?}: {e}")),
+        };
+        match enc.get_ids() {
+            [_, words @ .., _] => Ok(words.to_vec()),
+            ids => arg_err(
+                "prompt",
+                format!("{prompt:?} tokenizes to {ids:?}, without [CLS] ... [SEP]"),
+            ),
+        }
     }
 
     /// Image tokens of decoded images: preprocessing, then the encoder.

@@ -15,9 +15,9 @@ use crate::embedded;
 /// Which model, and where and how to run it.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// The model directory: vl's own, or a transformers ViT/DeiT + GPT-2/TrOCR
-    /// vision-encoder-decoder checkpoint [default: the shapes captioner
-    /// built into this binary].
+    /// The model directory: vl's own, a transformers ViT/DeiT + GPT-2/TrOCR
+    /// vision-encoder-decoder checkpoint, or a BLIP captioner [default: the
+    /// shapes captioner built into this binary].
     #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
     /// cpu, cuda, cuda:N, metal or metal:N.

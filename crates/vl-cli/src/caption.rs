@@ -61,6 +61,10 @@ pub struct Args {
     /// Write, per image, one heatmap PNG per word and a grid of all words here.
     #[arg(long)]
     attention_map: Option<PathBuf>,
+    /// Continue this text (BLIP checkpoints: conditional captioning, e.g. "a picture of");
+    /// the caption printed is the whole text, token_ids the generated ones.
+    #[arg(long, value_name = "TEXT")]
+    prompt: Option<String>,
 }
 
 /// A usage or model problem: exit code 2.
@@ -272,6 +276,15 @@ fn caption(args: &Args) -> Result<usize, Fatal> {
             .map_err(Fatal)?,
         None => gen,
     };
+    // A model without prompt handling is refused before any image is read.
+    if let Some(p) = &args.prompt {
+        captioner
+            .model
+            .prompt_ids(p)
+            .context("--prompt")
+            .map_err(Fatal)?;
+    }
+    let prompt = args.prompt.as_deref();
     let mut listed = args.inputs.clone();
     if let Some(list) = &args.files_from {
         listed.extend(read_list(list).map_err(Fatal)?);
@@ -331,14 +344,19 @@ fn caption(args: &Args) -> Result<usize, Fatal> {
         let captions: Vec<anyhow::Result<Caption>> = if pixels.is_empty() {
             Vec::new()
         } else {
-            match captioner.caption_pixels(&pixels, &gen, &mut |_| {}) {
+            match captioner.caption_pixels_from(&pixels, &gen, prompt, &mut |_| {}) {
                 Ok(c) => c.into_iter().map(Ok).collect(),
                 // A failed batch is retried image by image.
                 Err(_) if pixels.len() > 1 => pixels
                     .iter()
                     .map(|p| {
                         captioner
-                            .caption_pixels(std::slice::from_ref(p), &gen, &mut |_| {})?
+                            .caption_pixels_from(
+                                std::slice::from_ref(p),
+                                &gen,
+                                prompt,
+                                &mut |_| {},
+                            )?
                             .pop()
                             .context("no caption")
                     })

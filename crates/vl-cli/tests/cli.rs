@@ -248,6 +248,49 @@ fn hf_checkpoints_caption_as_transformers() {
     }
 }
 
+/// BLIP fixtures through the CLI: the checkpoint's defaults, and
+/// `--prompt` continuing a prompt (the caption is the whole text, token_ids
+/// the generated ones), as transformers; a model without prompts refuses
+/// `--prompt` by name, exit 2.
+#[test]
+fn blip_checkpoints_caption_with_and_without_a_prompt() {
+    let dir = common::repo_root().join("tests/fixtures/blip/vision24");
+    let expected: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("expected.json")).expect("expected.json"),
+    )
+    .expect("json");
+    let image = dir.join("image.png");
+    let out = run(&["--model", s(&dir), "--json", s(&image)]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(line["token_ids"], expected["defaults"]);
+    assert_eq!(line["caption"], expected["defaults_text"]);
+    let prompt = expected["prompt"].as_str().expect("prompt");
+    let out = run(&["--model", s(&dir), "--json", "--prompt", prompt, s(&image)]);
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(line["token_ids"], expected["prompt_defaults"]);
+    assert_eq!(line["caption"], expected["prompt_defaults_text"]);
+    let hf = common::repo_root().join("tests/fixtures/hf/equal");
+    let out = run(&[
+        "--model",
+        s(&hf),
+        "--prompt",
+        prompt,
+        s(&hf.join("image.png")),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--prompt") && err.contains("only BLIP"),
+        "{err}"
+    );
+}
+
 #[cfg(not(feature = "hub"))]
 #[test]
 fn model_id_without_the_hub_feature_says_how_to_get_it() {

@@ -141,6 +141,11 @@ pub struct DecoderConfig {
     /// (default false; BART's and TrOCR's `layernorm_embedding`).
     #[serde(default, skip_serializing_if = "is_false")]
     pub layernorm_embedding: bool,
+    /// A transform `norm(act(dense(x)))` before the LM head (default
+    /// false; BERT's `cls.predictions.transform`, BLIP's text decoder),
+    /// see [`crate::head::OutputTransform`].
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub output_transform: bool,
     /// Learned (default) or sinusoidal positions, see [`crate::positions`].
     #[serde(default, skip_serializing_if = "is_default")]
     pub position_embedding: PositionEmbedding,
@@ -316,6 +321,7 @@ impl DecoderConfig {
             final_norm: true,
             scale_embedding: false,
             layernorm_embedding: false,
+            output_transform: false,
             position_embedding: PositionEmbedding::Learned,
             position_offset: 0,
             position_padding_idx: None,

@@ -159,10 +159,54 @@ pub fn generate(
     cfg: &GenerationConfig,
     on_token: &mut dyn FnMut(TokenEvent),
 ) -> Result<Vec<Generated>> {
+    generate_from(model, image, cfg, &[], on_token)
+}
+
+/// As [`generate`], continuing `prompt`: every caption starts from the
+/// start token followed by `prompt` (fed in one step, the image keys and
+/// values still projected once), and [`Generated::tokens`] holds only the
+/// tokens generated after it. The repetition penalty and the n-gram ban
+/// see the prompt, as transformers' `input_ids` holds it; beam scores'
+/// lengths count generated tokens only (transformers' `decoder_prompt_len`).
+/// An empty `prompt` is [`generate`].
+///
+/// # Errors
+/// As [`generate`]; [`DecoderError::Argument`](crate::DecoderError::Argument)
+/// naming `prompt` when one of its ids is not in the vocabulary or it does
+/// not fit in `max_position_embeddings` with the start token.
+pub fn generate_from(
+    model: &VisionLanguageDecoder,
+    image: &ImageContext,
+    cfg: &GenerationConfig,
+    prompt: &[u32],
+    on_token: &mut dyn FnMut(TokenEvent),
+) -> Result<Vec<Generated>> {
     cfg.validate()?;
-    cfg.check_ids(model.config().vocab_size)?;
+    let mc = model.config();
+    cfg.check_ids(mc.vocab_size)?;
+    if let Some(id) = prompt.iter().find(|&&id| id as usize >= mc.vocab_size) {
+        return crate::error::arg_err(
+            "prompt",
+            format!("token id {id} is not below vocab_size {}", mc.vocab_size),
+        );
+    }
+    if prompt.len() >= mc.max_position_embeddings {
+        return crate::error::arg_err(
+            "prompt",
+            format!(
+                "{} tokens and the start token do not fit in max_position_embeddings {}",
+                prompt.len(),
+                mc.max_position_embeddings
+            ),
+        );
+    }
+    let prefix: Vec<u32> = std::iter::once(cfg.start_token_id)
+        .chain(prompt.iter().copied())
+        .collect();
     match cfg.strategy {
-        Strategy::Beam { .. } => beam::decode(model, image, cfg, on_token),
-        Strategy::Greedy | Strategy::Sample { .. } => sampling::decode(model, image, cfg, on_token),
+        Strategy::Beam { .. } => beam::decode(model, image, cfg, &prefix, on_token),
+        Strategy::Greedy | Strategy::Sample { .. } => {
+            sampling::decode(model, image, cfg, &prefix, on_token)
+        }
     }
 }

@@ -40,6 +40,7 @@ pub mod block;
 pub mod config;
 pub mod error;
 pub mod generate;
+pub mod head;
 pub mod init;
 pub mod model;
 pub mod positions;
@@ -50,8 +51,10 @@ pub use block::DecoderBlock;
 pub use config::{Activation, DecoderConfig, Dropouts, NormPlacement};
 pub use error::{DecoderError, Result};
 pub use generate::{
-    generate, EarlyStopping, Generated, GenerationConfig, StopReason, Strategy, TokenEvent,
+    generate, generate_from, EarlyStopping, Generated, GenerationConfig, StopReason, Strategy,
+    TokenEvent,
 };
+pub use head::OutputTransform;
 pub use model::{DecodeState, DecoderParts, ForwardMasks, ImageContext, VisionLanguageDecoder};
 pub use positions::{PositionEmbedding, Positions};
 pub use quantize::Quantization;

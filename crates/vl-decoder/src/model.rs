@@ -20,6 +20,7 @@ use vl_attn::{CrossKv, Dropout, DropoutRng, KvCache, Mask, Mode, Proj};
 use crate::block::{layer_norm, BlockInputs, DecoderBlock, ImageInput};
 use crate::config::{DecoderConfig, PositionEmbedding};
 use crate::error::{arg_err, DecoderError, Result};
+use crate::head::OutputTransform;
 use crate::positions::Positions;
 
 /// The masks of a full forward pass.
@@ -215,6 +216,8 @@ pub struct DecoderParts {
     pub blocks: Vec<DecoderBlock>,
     /// The norm after the last block, exactly when `final_norm`.
     pub final_norm: Option<LayerNorm>,
+    /// The transform before the LM head, exactly when `output_transform`.
+    pub output_transform: Option<OutputTransform>,
     /// The LM head, `(vocab_size, hidden_size)`, with or without a bias.
     pub lm_head: Linear,
 }
@@ -229,6 +232,7 @@ pub struct VisionLanguageDecoder {
     embedding_norm: Option<LayerNorm>,
     blocks: Vec<DecoderBlock>,
     final_norm: Option<LayerNorm>,
+    output_transform: Option<OutputTransform>,
     /// Dense, or quantized by [`VisionLanguageDecoder::quantize`].
     lm_head: Proj,
     /// On the token plus position embeddings, in training.
@@ -241,7 +245,8 @@ impl VisionLanguageDecoder {
     /// Loads (or, with a `VarMap`-backed builder, initialises) the decoder:
     /// `embed_tokens`, `embed_positions` (learned positions only),
     /// `embedding_norm` (`layernorm_embedding` only), `blocks.{i}.*`,
-    /// `final_norm` (unless `final_norm` is false), and `lm_head` unless
+    /// `final_norm` (unless `final_norm` is false), `output_transform.*`
+    /// (`output_transform` only), and `lm_head` unless
     /// `tie_word_embeddings`.
     pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<Self> {
         cfg.validate()?;
@@ -267,6 +272,11 @@ impl VisionLanguageDecoder {
         } else {
             None
         };
+        let output_transform = if cfg.output_transform {
+            Some(OutputTransform::load(vb.pp("output_transform"), cfg)?)
+        } else {
+            None
+        };
         let lm_head = if cfg.tie_word_embeddings {
             Linear::new(embed_tokens.embeddings().clone(), None)
         } else {
@@ -279,6 +289,7 @@ impl VisionLanguageDecoder {
                 embedding_norm,
                 blocks,
                 final_norm,
+                output_transform,
                 lm_head,
             },
             cfg,
@@ -306,6 +317,7 @@ impl VisionLanguageDecoder {
                 embedding_norm: None,
                 blocks,
                 final_norm: Some(final_norm),
+                output_transform: None,
                 lm_head,
             },
             cfg,
@@ -322,7 +334,8 @@ impl VisionLanguageDecoder {
     /// `embed_tokens`, `lm_head` not `(vocab_size, hidden_size)`,
     /// `embed_positions` not `(max_position_embeddings + position_offset,
     /// hidden_size)`, missing for learned positions or given for
-    /// sinusoids, `embedding_norm` or `final_norm` present where the config
+    /// sinusoids, `embedding_norm`, `final_norm` or `output_transform`
+    /// present where the config
     /// has none or missing where it has one, `blocks` not
     /// `num_hidden_layers` blocks with cross-attention every
     /// `cross_attention_every`.
@@ -334,6 +347,7 @@ impl VisionLanguageDecoder {
             embedding_norm,
             blocks,
             final_norm,
+            output_transform,
             lm_head,
         } = parts;
         let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
@@ -363,6 +377,12 @@ impl VisionLanguageDecoder {
                 final_norm.is_some(),
                 "final_norm",
                 cfg.final_norm,
+            ),
+            (
+                "output_transform",
+                output_transform.is_some(),
+                "output_transform",
+                cfg.output_transform,
             ),
         ] {
             if given != wanted {
@@ -408,6 +428,7 @@ impl VisionLanguageDecoder {
             embedding_norm,
             blocks,
             final_norm,
+            output_transform,
             lm_head: lm_head.into(),
             embd_dropout: dropouts.embedding,
             mode: Mode::Inference,
@@ -695,10 +716,15 @@ impl VisionLanguageDecoder {
     /// # Shapes
     /// `hidden: (batch, len, hidden)` → `(batch, len, vocab)`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        match &self.final_norm {
-            Some(norm) => Ok(self.lm_head.forward(&norm.forward(hidden)?)?),
-            None => Ok(self.lm_head.forward(hidden)?),
-        }
+        let x = match &self.final_norm {
+            Some(norm) => norm.forward(hidden)?,
+            None => hidden.clone(),
+        };
+        let x = match &self.output_transform {
+            Some(t) => t.forward(&x)?,
+            None => x,
+        };
+        Ok(self.lm_head.forward(&x)?)
     }
 
     /// Projects every block's image keys and values, once per image batch.

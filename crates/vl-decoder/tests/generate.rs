@@ -12,7 +12,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 use vl_decoder::{
-    generate, DecoderConfig, DecoderError, EarlyStopping, ForwardMasks, Generated,
+    generate, generate_from, DecoderConfig, DecoderError, EarlyStopping, ForwardMasks, Generated,
     GenerationConfig, StopReason, Strategy, TokenEvent, VisionLanguageDecoder,
 };
 
@@ -759,6 +759,80 @@ fn max_positions_is_a_stop_not_an_error() -> Result<()> {
         // Exactly at the limit, max_new_tokens is the reason.
         let g = &run(&t, &mem, &no_eos(&t, 6).with_strategy(strategy.clone()))?[0];
         assert_eq!((g.tokens.len(), g.stop), (6, StopReason::MaxNewTokens));
+    }
+    Ok(())
+}
+
+/// A prompt is continued by every strategy: greedy tokens are the argmax
+/// of the uncached forward after start + prompt + the tokens before;
+/// sampling at temperature 0 is that greedy run and seeded sampling is
+/// reproducible; a 1-beam search is greedy too; an empty prompt is
+/// `generate`; bad prompts are named.
+#[test]
+fn prompts_are_continued_by_every_strategy() -> Result<()> {
+    let t = tiny(40, 9, |_| {})?;
+    let mem = memory(2, 9)?;
+    let ctx = t.model.image_context(&mem, None)?;
+    let prompt = [7u32, 3, 12];
+    let from = |cfg: &GenerationConfig, prompt: &[u32]| -> Result<Vec<Vec<u32>>> {
+        Ok(tokens(&generate_from(
+            &t.model,
+            &ctx,
+            cfg,
+            prompt,
+            &mut |_| {},
+        )?))
+    };
+    let greedy = from(&no_eos(&t, 8), &prompt)?;
+    for (i, caption) in greedy.iter().enumerate() {
+        assert_eq!(caption.len(), 8);
+        let image = mem.narrow(0, i, 1)?;
+        let mut seq = vec![t.cfg.bos_token_id];
+        seq.extend(prompt);
+        for &tok in caption {
+            let lp = next_log_probs(&t, &image, &seq)?;
+            let best = lp.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(lp[tok as usize], best, "image {i} after {seq:?}");
+            seq.push(tok);
+        }
+    }
+    assert_ne!(greedy, from(&no_eos(&t, 8), &[])?, "prompt ignored");
+    assert_eq!(
+        from(&no_eos(&t, 8), &[])?,
+        tokens(&run(&t, &mem, &no_eos(&t, 8))?)
+    );
+    let sample = |temperature, seed| {
+        no_eos(&t, 8).with_strategy(Strategy::Sample {
+            temperature,
+            top_k: None,
+            top_p: None,
+            seed,
+        })
+    };
+    assert_eq!(from(&sample(0.0, 1), &prompt)?, greedy);
+    assert_eq!(
+        from(&sample(1.5, 3), &prompt)?,
+        from(&sample(1.5, 3), &prompt)?
+    );
+    let one_beam = no_eos(&t, 8).with_strategy(Strategy::Beam {
+        num_beams: 1,
+        length_penalty: 1.0,
+        early_stopping: EarlyStopping::False,
+    });
+    assert_eq!(from(&one_beam, &prompt)?, greedy);
+    let beams = one_beam.clone().with_strategy(Strategy::Beam {
+        num_beams: 3,
+        length_penalty: 1.0,
+        early_stopping: EarlyStopping::False,
+    });
+    let b = from(&beams, &prompt)?;
+    assert!(b.iter().all(|c| c.len() == 8));
+    assert_ne!(b, from(&beams, &[])?, "beam search ignored the prompt");
+    for bad in [vec![40u32], vec![1; 64]] {
+        match generate_from(&t.model, &ctx, &no_eos(&t, 4), &bad, &mut |_| {}) {
+            Err(DecoderError::Argument { arg, .. }) => assert_eq!(arg, "prompt"),
+            other => panic!("expected an argument error, got {other:?}"),
+        }
     }
     Ok(())
 }

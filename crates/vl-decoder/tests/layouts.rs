@@ -80,7 +80,51 @@ fn layouts() -> Vec<(&'static str, DecoderConfig)> {
             trocr_like(PositionEmbedding::Sinusoidal),
         ),
         ("gated post-LN", gated_post),
+        ("bert-like, output transform", bert_like()),
     ]
+}
+
+/// BLIP's text decoder (BERT): post-LN, no final norm, an unscaled
+/// embedding norm, learned positions from 0, a transform before the tied
+/// head.
+fn bert_like() -> DecoderConfig {
+    let mut cfg = DecoderConfig::tiny(VOCAB, MEM);
+    cfg.norm_placement = NormPlacement::Post;
+    cfg.final_norm = false;
+    cfg.layernorm_embedding = true;
+    cfg.output_transform = true;
+    cfg
+}
+
+/// The output transform acts, and parts must match the config's flag.
+#[test]
+fn output_transform_acts_and_must_fit() -> anyhow::Result<()> {
+    let cfg = bert_like();
+    let (vars, model) = build(&cfg)?;
+    let toks = tokens(&[&[2, 5, 7]])?;
+    let mem = memory(1, 4)?;
+    let with = model.forward(&toks, Some(&mem), ForwardMasks::default())?;
+    let mut plain = cfg.clone();
+    plain.output_transform = false;
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
+    let without = VisionLanguageDecoder::load(vb, &plain)?;
+    let d = max_abs_diff(
+        &with,
+        &without.forward(&toks, Some(&mem), ForwardMasks::default())?,
+    )?;
+    assert!(d > 1e-3, "output_transform ignored");
+    let s = serde_json::to_string(&cfg)?;
+    assert!(s.contains("\"output_transform\":true"), "{s}");
+    assert!(!serde_json::to_string(&plain)?.contains("output_transform"));
+    let h = cfg.hidden_size;
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
+    let bad = candle_nn::Linear::new(Tensor::zeros((h, h + 1), DType::F32, &Device::Cpu)?, None);
+    let norm = vl_decoder::LayerNorm::load(h, 1e-5, vb.pp("tn"))?;
+    match vl_decoder::OutputTransform::from_parts(bad, norm, &cfg) {
+        Err(DecoderError::Argument { arg, .. }) => assert_eq!(arg, "output_transform.dense"),
+        other => panic!("expected an argument error, got {other:?}"),
+    }
+    Ok(())
 }
 
 #[test]
@@ -222,6 +266,7 @@ fn parts_must_fit_the_layout() -> anyhow::Result<()> {
                 .map(|i| vl_decoder::DecoderBlock::load(vb.pp("b").pp(i), cfg, i))
                 .collect::<Result<_, _>>()?,
             final_norm: None,
+            output_transform: None,
             lm_head: candle_nn::Linear::new(table(VOCAB)?, None),
         })
     };

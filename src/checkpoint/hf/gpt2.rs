@@ -178,6 +178,7 @@ impl HfGpt2Config {
             final_norm: true,
             scale_embedding: false,
             layernorm_embedding: false,
+            output_transform: false,
             position_embedding: PositionEmbedding::Learned,
             position_offset: 0,
             position_padding_idx: None,

@@ -11,6 +11,10 @@
 //! | decoder | `gpt2` with `add_cross_attention` | [`gpt2`] | vit-gpt2 captioners |
 //! | decoder | `trocr` | [`trocr`] (post-LN, BART-style) | `microsoft/trocr-*` |
 //!
+//! BLIP captioners (`model_type` `blip`, not a vision-encoder-decoder
+//! directory) are read by [`blip`], with the same weights, tokenizer and
+//! preprocessor helpers.
+//!
 //! The directory holds:
 //!
 //! - `config.json`: `model_type` `vision-encoder-decoder`, an `encoder`
@@ -32,6 +36,7 @@
 //! One file per model family: its config and its tensors onto vl's
 //! modules; a new family is a new file beside them.
 
+pub mod blip;
 pub mod config;
 pub mod gpt2;
 mod tensors;

@@ -279,6 +279,7 @@ pub(crate) fn decode(
     model: &VisionLanguageDecoder,
     image: &ImageContext,
     cfg: &GenerationConfig,
+    prefix: &[u32],
     on_token: &mut dyn FnMut(TokenEvent),
 ) -> Result<Vec<Generated>> {
     let Strategy::Beam {
@@ -318,7 +319,11 @@ pub(crate) fn decode(
         num_beams,
         length_penalty,
         early_stopping,
-        max_new: cfg.max_new_tokens.min(max_positions),
+        // The prefix takes positions of its own (the start token's is
+        // counted as a generated one's, as before).
+        max_new: cfg
+            .max_new_tokens
+            .min(max_positions.saturating_sub(prefix.len() - 1)),
         beams_to_keep,
     };
     let limit = if p.max_new < cfg.max_new_tokens {
@@ -332,9 +337,11 @@ pub(crate) fn decode(
         .map(|_| ImageSearch::new(num_beams))
         .collect();
     let mut results: Vec<Option<Generated>> = vec![None; searches.len()];
-    let mut next = vec![cfg.start_token_id; rows];
+    // (rows, prefix.len()) in the first step, (rows, 1) after.
+    let mut next: Vec<u32> = prefix.repeat(rows);
     while searches.iter().any(|s| !s.done) {
-        let input = Tensor::from_slice(&next, (rows, 1), model.device())?;
+        let input = Tensor::from_slice(&next, (rows, next.len() / rows), model.device())?;
+        next.truncate(rows);
         let (logits, weights) =
             model.step_last_weights(&mut state, &input, cfg.cross_attention_of)?; // (rows, vocab)
         let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?.to_vec2::<f32>()?;
@@ -354,7 +361,7 @@ pub(crate) fn decode(
                 continue;
             }
             for (row, beam) in block.iter_mut().zip(&search.running) {
-                process(row, beam, cfg);
+                process(row, prefix, beam, cfg);
             }
             for (j, (src, token)) in search
                 .step(&block, &block_weights, &p, cfg)

@@ -14,13 +14,18 @@ use crate::error::Result;
 /// to one row's scores (logits for greedy and sampling, log-probabilities
 /// for beam search, as in transformers).
 ///
-/// `generated` holds the row's tokens after the start token; the penalty
-/// also covers the start token, which transformers' `input_ids` holds.
-pub(crate) fn process(scores: &mut [f32], generated: &[u32], cfg: &GenerationConfig) {
+/// `prefix` holds what was fed before the first generated token (the
+/// start token, then the prompt), `generated` the row's tokens after it;
+/// the penalty and the n-gram ban also cover the prefix, which
+/// transformers' `input_ids` holds.
+pub(crate) fn process(
+    scores: &mut [f32],
+    prefix: &[u32],
+    generated: &[u32],
+    cfg: &GenerationConfig,
+) {
     if cfg.repetition_penalty != 1.0 {
-        let mut seen: Vec<u32> = std::iter::once(cfg.start_token_id)
-            .chain(generated.iter().copied())
-            .collect();
+        let mut seen: Vec<u32> = prefix.iter().chain(generated.iter()).copied().collect();
         seen.sort_unstable();
         seen.dedup();
         for t in seen {
@@ -34,12 +39,7 @@ pub(crate) fn process(scores: &mut [f32], generated: &[u32], cfg: &GenerationCon
         }
     }
     if cfg.no_repeat_ngram_size > 0 {
-        ban_repeated_ngrams(
-            scores,
-            cfg.start_token_id,
-            generated,
-            cfg.no_repeat_ngram_size,
-        );
+        ban_repeated_ngrams(scores, prefix, generated, cfg.no_repeat_ngram_size);
     }
     if generated.len() < cfg.min_new_tokens {
         for &eos in &cfg.eos_token_ids {
@@ -50,13 +50,11 @@ pub(crate) fn process(scores: &mut [f32], generated: &[u32], cfg: &GenerationCon
     }
 }
 
-/// transformers' `NoRepeatNGramLogitsProcessor` over `[start] + generated`:
+/// transformers' `NoRepeatNGramLogitsProcessor` over `prefix + generated`:
 /// every token that would complete an `n`-gram already in the sequence gets
 /// `-inf`.
-fn ban_repeated_ngrams(scores: &mut [f32], start: u32, generated: &[u32], n: usize) {
-    let seq: Vec<u32> = std::iter::once(start)
-        .chain(generated.iter().copied())
-        .collect();
+fn ban_repeated_ngrams(scores: &mut [f32], prefix: &[u32], generated: &[u32], n: usize) {
+    let seq: Vec<u32> = prefix.iter().chain(generated.iter()).copied().collect();
     if seq.len() + 1 < n {
         return;
     }
@@ -198,10 +196,10 @@ mod tests {
             cross_attention_of: None,
         };
         let mut s = [4.0, -1.0, 1.0, 5.0];
-        process(&mut s, &[1, 1], &cfg);
+        process(&mut s, &[cfg.start_token_id], &[1, 1], &cfg);
         assert_eq!(s, [2.0, -2.0, 1.0, 5.0]);
         let mut s = [4.0, -1.0, 1.0, 5.0];
-        process(&mut s, &[1], &cfg);
+        process(&mut s, &[cfg.start_token_id], &[1], &cfg);
         assert_eq!(s[3], f32::NEG_INFINITY);
         assert_eq!(argmax(&[1.0, 2.0, 2.0]), 1);
     }
@@ -211,17 +209,17 @@ mod tests {
         // [start 0] 1 2 3 1 2: the trigram (1, 2, 3) is taken, so 3 is banned;
         // the bigram ban (n = 2) after "2" also bans 3, after "1" bans 2.
         let mut s = [0.0f32; 5];
-        ban_repeated_ngrams(&mut s, 0, &[1, 2, 3, 1, 2], 3);
+        ban_repeated_ngrams(&mut s, &[0], &[1, 2, 3, 1, 2], 3);
         assert_eq!(s, [0.0, 0.0, 0.0, f32::NEG_INFINITY, 0.0]);
         let mut s = [0.0f32; 5];
-        ban_repeated_ngrams(&mut s, 0, &[1, 2, 3, 1], 2);
+        ban_repeated_ngrams(&mut s, &[0], &[1, 2, 3, 1], 2);
         assert_eq!(s, [0.0, 0.0, f32::NEG_INFINITY, 0.0, 0.0]);
         // Too short to repeat anything; the start token counts.
         let mut s = [0.0f32; 5];
-        ban_repeated_ngrams(&mut s, 0, &[1], 3);
+        ban_repeated_ngrams(&mut s, &[0], &[1], 3);
         assert_eq!(s, [0.0; 5]);
         let mut s = [0.0f32; 5];
-        ban_repeated_ngrams(&mut s, 4, &[4], 2);
+        ban_repeated_ngrams(&mut s, &[4], &[4], 2);
         assert_eq!(s[4], f32::NEG_INFINITY);
     }
 }

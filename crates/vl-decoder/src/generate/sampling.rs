@@ -16,10 +16,14 @@ use crate::model::{ImageContext, VisionLanguageDecoder};
 /// ignored; decoding stops when every row has ended, after
 /// `max_new_tokens`, or when the next step would need a position past
 /// `max_position_embeddings`.
+///
+/// `prefix` (the start token, then any prompt) is fed to every row in the
+/// first step.
 pub(crate) fn decode(
     model: &VisionLanguageDecoder,
     image: &ImageContext,
     cfg: &GenerationConfig,
+    prefix: &[u32],
     on_token: &mut dyn FnMut(TokenEvent),
 ) -> Result<Vec<Generated>> {
     let mut state = model.start(image, 1)?;
@@ -29,14 +33,16 @@ pub(crate) fn decode(
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); rows];
     let mut maps: Vec<Vec<Vec<f32>>> = vec![Vec::new(); rows];
     let mut stops: Vec<Option<StopReason>> = vec![None; rows];
-    let mut next = vec![cfg.start_token_id; rows];
+    // (rows, prefix.len()) in the first step, (rows, 1) after.
+    let mut next: Vec<u32> = prefix.repeat(rows);
     let mut limit = StopReason::MaxNewTokens;
     for index in 0..cfg.max_new_tokens {
         if state.position() >= max_positions {
             limit = StopReason::MaxPositions;
             break;
         }
-        let input = Tensor::from_slice(&next, (rows, 1), model.device())?;
+        let input = Tensor::from_slice(&next, (rows, next.len() / rows), model.device())?;
+        next.truncate(rows);
         let (logits, weights) =
             model.step_last_weights(&mut state, &input, cfg.cross_attention_of)?;
         let logits = logits.to_vec2::<f32>()?; // (rows, vocab)
@@ -49,7 +55,7 @@ pub(crate) fn decode(
                 next[row] = cfg.pad_token_id;
                 continue;
             }
-            process(&mut scores, &tokens[row], cfg);
+            process(&mut scores, prefix, &tokens[row], cfg);
             let token = chooser.choose(row, &mut scores)?;
             tokens[row].push(token);
             if let Some(w) = weights[row].take() {

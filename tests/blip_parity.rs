@@ -1,0 +1,293 @@
+//! Parity with transformers on the committed BLIP fixtures
+//! (`scripts/blip_fixtures.py` writes them): preprocessing (bicubic, CLIP
+//! mean and std), the vision tower's last hidden state, teacher-forced
+//! logits of the BERT text decoder in one pass and cached, the ids of
+//! greedy, 3-beam and checkpoint-default generation and their text.
+#![allow(missing_docs)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor, D};
+use serde::Deserialize;
+use vl::captioner::Captioner;
+use vl::vl_decoder::{
+    generate_from, EarlyStopping, ForwardMasks, GenerationConfig, NormPlacement, Strategy,
+};
+use vl::vl_vision::preprocess::{load_image, preprocess};
+use vl::vl_vision::VisionEncoder;
+use vl::{ModelFormat, VlModel};
+
+/// f32 parity bound of the issue: max abs diff of hidden states and logits.
+const TOL: f32 = 1e-4;
+/// Pixels: one rounding of `(x / 255 - mean) / std` apart at most.
+const PIXEL_TOL: f32 = 1e-5;
+/// `[DEC]` in the fixtures' tokenizer, `text_config.bos_token_id`.
+const DEC: u32 = 5;
+/// `[SEP]`, `text_config.sep_token_id`.
+const SEP: u32 = 3;
+/// New tokens of the fixtures' greedy and 3-beam runs.
+const NEW_TOKENS: usize = 12;
+
+#[derive(Deserialize)]
+struct Expected {
+    greedy: Vec<u32>,
+    greedy_text: String,
+    beam3: Vec<u32>,
+    beam3_text: String,
+    defaults: Vec<u32>,
+    defaults_text: String,
+    prompt: String,
+    /// `[DEC]` then the prompt's words, as transformers feeds them.
+    prompt_ids: Vec<u32>,
+    prompt_greedy: Vec<u32>,
+    prompt_greedy_text: String,
+    prompt_beam3: Vec<u32>,
+    prompt_beam3_text: String,
+    prompt_defaults: Vec<u32>,
+    prompt_defaults_text: String,
+}
+
+fn fixture(kind: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/blip")
+        .join(kind)
+}
+
+struct Fixture {
+    model: VlModel,
+    tensors: HashMap<String, Tensor>,
+    expected: Expected,
+    dir: PathBuf,
+}
+
+fn load(kind: &str) -> anyhow::Result<Fixture> {
+    let dir = fixture(kind);
+    let model = VlModel::load(&dir, DType::F32, &Device::Cpu)?;
+    let tensors = candle_core::safetensors::load(dir.join("expected.safetensors"), &Device::Cpu)?;
+    let expected = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json"))?)?;
+    Ok(Fixture {
+        model,
+        tensors,
+        expected,
+        dir,
+    })
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
+    assert_eq!(a.dims(), b.dims());
+    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+}
+
+fn run_parity(kind: &str) -> anyhow::Result<()> {
+    let f = load(kind)?;
+    assert_eq!(f.model.format, ModelFormat::Blip);
+    assert_eq!(f.model.generation.start_token_id, DEC);
+    assert_eq!(f.model.generation.eos_token_ids, vec![SEP]);
+    let want_pixels = &f.tensors["pixel_values"];
+
+    // Preprocessing of the PNG (already at the input size) as
+    // BlipImageProcessor: bicubic, CLIP mean and std.
+    let img = load_image(&f.dir.join("image.png"))?;
+    let spec = f.model.pixels.expect("pixel spec");
+    let pixels = preprocess(&img, &spec, &Device::Cpu)?.unsqueeze(0)?;
+    let d = max_abs_diff(&pixels, want_pixels)?;
+    eprintln!("{kind}: pixels max abs diff {d:e}");
+    assert!(d <= PIXEL_TOL, "{kind}: pixel values differ by {d}");
+
+    let Some(VisionEncoder::Vit(vit)) = &f.model.vision else {
+        panic!("{kind}: expected a ViT vision tower");
+    };
+    let hidden = vit.last_hidden_state(want_pixels)?;
+    let d = max_abs_diff(&hidden, &f.tensors["vision_last_hidden_state"])?;
+    eprintln!("{kind}: vision hidden state max abs diff {d:e}");
+    assert!(d <= TOL, "{kind}: vision hidden state differs by {d}");
+
+    // Teacher-forced logits, in one pass and through the cache.
+    let memory = f.model.encode_pixels(want_pixels)?;
+    let ids = f.tensors["input_ids"].to_dtype(DType::U32)?;
+    let decoder = &f.model.decoder;
+    let logits = decoder.forward(&ids, Some(&memory), ForwardMasks::default())?;
+    let want = &f.tensors["logits"];
+    let d = max_abs_diff(&logits, want)?;
+    eprintln!("{kind}: teacher-forced logits max abs diff {d:e}");
+    assert!(d <= TOL, "{kind}: teacher-forced logits differ by {d}");
+    let ctx = decoder.image_context(&memory, None)?;
+    let mut state = decoder.start(&ctx, 1)?;
+    let stepped = decoder.step(&mut state, &ids)?;
+    let d = max_abs_diff(&stepped, want)?;
+    eprintln!("{kind}: cached logits max abs diff {d:e}");
+    assert!(d <= TOL, "{kind}: cached logits differ by {d}");
+    assert_eq!(
+        logits.argmax(D::Minus1)?.to_vec2::<u32>()?,
+        want.argmax(D::Minus1)?.to_vec2::<u32>()?
+    );
+
+    // Generation, with the text decode (special tokens skipped) of each.
+    let plain = GenerationConfig {
+        max_new_tokens: NEW_TOKENS,
+        ..f.model.generation.clone()
+    };
+    // The text is the whole sequence decoded: prompt words, then the
+    // generated ids (the start token is special).
+    let run = |cfg: &GenerationConfig, prompt: &[u32]| -> anyhow::Result<(Vec<u32>, String)> {
+        let out = generate_from(decoder, &ctx, cfg, prompt, &mut |_| {})?;
+        let ids = out[0].tokens.clone();
+        let all: Vec<u32> = prompt.iter().chain(&ids).copied().collect();
+        let text = f.model.tokenizer.decode(&all, true).expect("decode");
+        Ok((ids, text))
+    };
+    let e = &f.expected;
+    let prompt = f.model.prompt_ids(&e.prompt)?;
+    assert_eq!(e.prompt_ids[0], DEC);
+    assert_eq!(prompt, e.prompt_ids[1..], "{kind}: prompt ids");
+    let beam3 = plain.clone().with_strategy(Strategy::Beam {
+        num_beams: 3,
+        length_penalty: 1.0,
+        early_stopping: EarlyStopping::False,
+    });
+    let greedy = plain.clone().with_strategy(Strategy::Greedy);
+    for (what, cfg, want, want_prompted) in [
+        (
+            "greedy",
+            &greedy,
+            (&e.greedy, &e.greedy_text),
+            (&e.prompt_greedy, &e.prompt_greedy_text),
+        ),
+        (
+            "3-beam",
+            &beam3,
+            (&e.beam3, &e.beam3_text),
+            (&e.prompt_beam3, &e.prompt_beam3_text),
+        ),
+        (
+            "checkpoint defaults",
+            &f.model.generation,
+            (&e.defaults, &e.defaults_text),
+            (&e.prompt_defaults, &e.prompt_defaults_text),
+        ),
+    ] {
+        let got = run(cfg, &[])?;
+        assert_eq!((&got.0, &got.1), want, "{kind}: {what}");
+        let got = run(cfg, &prompt)?;
+        assert_eq!((&got.0, &got.1), want_prompted, "{kind}: {what}, prompted");
+    }
+
+    // The library entry point gives the same caption.
+    let captioner = Captioner::new(f.model);
+    let caps = captioner.caption_pixels_from(
+        &[want_pixels.squeeze(0)?],
+        &captioner.model.generation,
+        Some(&e.prompt),
+        &mut |_| {},
+    )?;
+    assert_eq!(
+        caps[0].token_ids, *e.prompt_defaults,
+        "{kind}: captioner ids"
+    );
+    assert_eq!(
+        caps[0].text, e.prompt_defaults_text,
+        "{kind}: captioner text"
+    );
+    Ok(())
+}
+
+/// A 24-wide vision tower under the 32-wide text decoder
+/// (`encoder_hidden_size` 24), GELU.
+#[test]
+fn blip_vision24_matches_transformers() -> anyhow::Result<()> {
+    run_parity("vision24")
+}
+
+/// Both 32 wide, ReLU in the text decoder.
+#[test]
+fn blip_vision32_matches_transformers() -> anyhow::Result<()> {
+    run_parity("vision32")
+}
+
+/// The layout read from the config: post-LN, no final norm, an embedding
+/// norm without scale, learned positions from 0, the output transform,
+/// and the generation defaults of BLIP's generate.
+#[test]
+fn blip_config_maps_onto_the_decoder_layout() -> anyhow::Result<()> {
+    let f = load("vision24")?;
+    let c = f.model.decoder.config();
+    assert_eq!(c.norm_placement, NormPlacement::Post);
+    assert!(!c.final_norm && !c.scale_embedding && c.layernorm_embedding);
+    assert!(c.output_transform && c.tie_word_embeddings);
+    assert_eq!((c.position_offset, c.memory_dim), (0, 24));
+    assert_eq!(f.model.generation.strategy, Strategy::Greedy);
+    assert_eq!(f.model.generation.max_new_tokens, 20);
+    let memory = f.model.encode_pixels(&f.tensors["pixel_values"])?;
+    // CLS + 4 x 4 patches, 24 wide.
+    assert_eq!(memory.dims(), &[1, 17, 24]);
+    Ok(())
+}
+
+/// Copies a fixture into a temporary directory to break it.
+fn copy_fixture(kind: &str) -> anyhow::Result<tempfile::TempDir> {
+    let tmp = tempfile::tempdir()?;
+    for entry in std::fs::read_dir(fixture(kind))? {
+        let p = entry?.path();
+        std::fs::copy(&p, tmp.path().join(p.file_name().expect("name")))?;
+    }
+    Ok(tmp)
+}
+
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> anyhow::Result<()> {
+    let path = dir.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+    edit(&mut v);
+    std::fs::write(&path, serde_json::to_string(&v)?)?;
+    Ok(())
+}
+
+/// Bad configs and tensors are errors naming the field or the tensor.
+#[test]
+fn blip_errors_name_the_culprit() -> anyhow::Result<()> {
+    let tmp = copy_fixture("vision24")?;
+    edit_config(tmp.path(), |v| {
+        v["text_config"]["encoder_hidden_size"] = 32.into();
+    })?;
+    let err = VlModel::load(tmp.path(), DType::F32, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("text_config.encoder_hidden_size"), "{err}");
+
+    let tmp = copy_fixture("vision24")?;
+    edit_config(tmp.path(), |v| {
+        v["text_config"]["max_position_embeddings"] = 65.into();
+    })?;
+    let err = VlModel::load(tmp.path(), DType::F32, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("text_decoder.bert.embeddings.position_embeddings.weight"),
+        "{err}"
+    );
+
+    let tmp = copy_fixture("vision24")?;
+    edit_config(tmp.path(), |v| {
+        v["vision_config"]["patch_size"] = 6.into();
+    })?;
+    let err = VlModel::load(tmp.path(), DType::F32, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("patch_size"), "{err}");
+    Ok(())
+}
+
+/// Only BLIP defines prompts: a TrOCR checkpoint refuses one, naming
+/// `prompt`.
+#[test]
+fn prompts_are_refused_by_families_without_them() -> anyhow::Result<()> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/trocr/vit_learned");
+    let model = VlModel::load(&dir, DType::F32, &Device::Cpu)?;
+    let err = model.prompt_ids("a picture of").unwrap_err();
+    assert!(
+        matches!(&err, vl::Error::Argument { arg: "prompt", .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("only BLIP"), "{err}");
+    Ok(())
+}
