@@ -210,7 +210,11 @@ fn bidirectional_sees_the_future() -> anyhow::Result<()> {
     );
     // The first query gives the last key some weight: no causal mask.
     assert!(w.i((0, 0, 0, 4))?.to_scalar::<f32>()? > 0.0);
-    assert!(max_abs_diff(&out.output, &a) <= 1e-6);
+    // `forward` may take the fused kernel, `attend` with weights the
+    // reference one: two summation orders over unseeded inputs, so 1e-5
+    // (1.4e-6 seen).
+    let d = max_abs_diff(&out.output, &a);
+    assert!(d <= 1e-5, "{d}");
     Ok(())
 }
 
