@@ -15,6 +15,12 @@
 //! baseline on aarch64, so the plain build vectorises there). Every path
 //! is tested against a plain f64 reference on odd shapes.
 //!
+//! [`gemv_q8_0`] runs candle's q8_0 blocks with `x` in f32. It is not
+//! routed to by [`crate::Proj`]: measured next to candle's q8_0 kernel
+//! (which rounds `x` to 8 bits and uses integer dot products) it is slower
+//! wherever the weight sits in cache — the per-element dequantisation
+//! makes it compute-bound (`benches/gemv.rs`).
+//!
 //! [`gemv`] is a candle `CustomOp2`, so models stay candle modules; it runs
 //! on CPU only and takes no part in autograd: [`crate::Proj`] routes to it
 //! only for plain (untracked) CPU tensors of a supported shape, and to

@@ -212,23 +212,6 @@ impl Module for Proj {
                 }
             }
             Inner::Dense(l) => l.forward(x),
-            // q8_0 on the CPU: vl's kernel, x kept in f32, the same
-            // arithmetic for a decode step and a prefill.
-            Inner::Quantized {
-                weight: QMatMul::QTensor(q),
-                format: GgmlDType::Q8_0,
-                bias,
-                in_dim,
-                ..
-            } if x.device().is_cpu() && !x.track_op() && x.dims().last() == Some(in_dim) => {
-                let dtype = x.dtype();
-                let y = crate::gemv::gemv_q8_0(x, q)?;
-                let y = match bias {
-                    Some(b) => y.broadcast_add(b)?,
-                    None => y,
-                };
-                y.to_dtype(dtype)
-            }
             Inner::Quantized { weight, bias, .. } => {
                 let dtype = x.dtype();
                 // The quantized kernels take contiguous f32 activations.
