@@ -19,6 +19,8 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use half::bf16;
 use rayon::prelude::*;
 
+use crate::kernel::contiguous;
+
 /// Columns of a packed panel: two AVX-512 registers of f32.
 const NR: usize = 32;
 /// Rows of the micro-kernel.
@@ -26,17 +28,21 @@ const MR: usize = 8;
 /// Rows per parallel task (a multiple of [`MR`]).
 const TASK_ROWS: usize = 8 * MR;
 
-/// Whether this CPU runs the kernel (x86-64 with AVX512F and AVX512_BF16).
+/// Whether this CPU runs the kernel (x86-64 with AVX512F and AVX512_BF16),
+/// detected once.
 pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bf16")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bf16")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
 }
 
 /// Whether [`matmul`] takes `x` and `w`: the kernel [`available`], both
@@ -76,6 +82,12 @@ pub fn matmul(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
             w.dtype()
         );
     }
+    apply(x, w)
+}
+
+/// [`matmul`] for operands the caller has checked with [`applies`] (the op
+/// itself still refuses what it cannot compute).
+pub(crate) fn apply(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     x.contiguous()?.apply_op2_no_bwd(w, &GemmBf16)
 }
 
@@ -85,10 +97,7 @@ fn slice<'a>(s: &'a CpuStorage, l: &Layout, arg: &str) -> candle_core::Result<&'
     let CpuStorage::BF16(d) = s else {
         candle_core::bail!("vl-gemm-bf16: {arg} must be bf16, got {:?}", s.dtype());
     };
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&d[a..b]),
-        None => candle_core::bail!("vl-gemm-bf16: {arg} must be contiguous"),
-    }
+    contiguous(d, l, "vl-gemm-bf16", arg)
 }
 
 impl CustomOp2 for GemmBf16 {

@@ -34,6 +34,8 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use crate::kernel::contiguous;
+
 /// The most rows of `x` the kernel takes; more go to candle's matmul.
 pub const MAX_ROWS: usize = 8;
 
@@ -273,6 +275,10 @@ fn parallel(
             let start = t * per_task;
             run(start..start + yt.len() / rows, yt)
         });
+    if rows == 1 {
+        // A decode step: (out, 1) is already (1, out).
+        return yt;
+    }
     let mut y = vec![0f32; rows * out];
     for (o, yo) in yt.chunks_exact(rows).enumerate() {
         for (r, v) in yo.iter().enumerate() {
@@ -375,20 +381,18 @@ struct Gemv {
     isa: Isa,
 }
 
-/// The contiguous slice a layout covers, or an error naming the argument.
-fn contiguous<'a, T>(data: &'a [T], layout: &Layout, arg: &str) -> candle_core::Result<&'a [T]> {
-    match layout.contiguous_offsets() {
-        Some((start, end)) => Ok(&data[start..end]),
-        None => candle_core::bail!("vl-gemv: {arg} must be contiguous"),
-    }
-}
-
 /// `x` as f32 values, converted from its dtype.
 fn x_f32(s: &CpuStorage, l: &Layout) -> candle_core::Result<Vec<f32>> {
     Ok(match s {
-        CpuStorage::F32(d) => contiguous(d, l, "x")?.to_vec(),
-        CpuStorage::BF16(d) => contiguous(d, l, "x")?.iter().map(|v| v.to_f32()).collect(),
-        CpuStorage::F16(d) => contiguous(d, l, "x")?.iter().map(|v| v.to_f32()).collect(),
+        CpuStorage::F32(d) => contiguous(d, l, "vl-gemv", "x")?.to_vec(),
+        CpuStorage::BF16(d) => contiguous(d, l, "vl-gemv", "x")?
+            .iter()
+            .map(|v| v.to_f32())
+            .collect(),
+        CpuStorage::F16(d) => contiguous(d, l, "vl-gemv", "x")?
+            .iter()
+            .map(|v| v.to_f32())
+            .collect(),
         _ => candle_core::bail!("vl-gemv: x must be f32, f16 or bf16, got {:?}", s.dtype()),
     })
 }
@@ -423,9 +427,15 @@ impl CustomOp2 for Gemv {
         }
         let x = x_f32(s1, l1)?;
         let y = match s2 {
-            CpuStorage::F32(w) => product(self.isa, &x, rows, contiguous(w, l2, "w")?, out),
-            CpuStorage::BF16(w) => product(self.isa, &x, rows, contiguous(w, l2, "w")?, out),
-            CpuStorage::F16(w) => product(self.isa, &x, rows, contiguous(w, l2, "w")?, out),
+            CpuStorage::F32(w) => {
+                product(self.isa, &x, rows, contiguous(w, l2, "vl-gemv", "w")?, out)
+            }
+            CpuStorage::BF16(w) => {
+                product(self.isa, &x, rows, contiguous(w, l2, "vl-gemv", "w")?, out)
+            }
+            CpuStorage::F16(w) => {
+                product(self.isa, &x, rows, contiguous(w, l2, "vl-gemv", "w")?, out)
+            }
             _ => candle_core::bail!("vl-gemv: weight dtype {:?}", s2.dtype()),
         };
         let storage = match s1.dtype() {
@@ -485,6 +495,16 @@ pub fn gemv_with(isa: Isa, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor
             w.dtype()
         );
     }
+    apply_with(isa, x, w)
+}
+
+/// [`gemv`] for operands the caller has checked with [`applies`] (the op
+/// itself still refuses what it cannot compute).
+pub(crate) fn apply(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    apply_with(isa(), x, w)
+}
+
+fn apply_with(isa: Isa, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     x.contiguous()?.apply_op2_no_bwd(w, &Gemv { isa })
 }
 

@@ -546,6 +546,21 @@ impl FusedCpu {
     }
 }
 
+/// The part of a CPU buffer that a contiguous layout covers, or an error
+/// naming the op and the argument: the input check of vl's `CustomOp`s
+/// (this kernel, [`crate::gemv`], [`crate::gemm_bf16`]).
+pub(crate) fn contiguous<'a, T>(
+    data: &'a [T],
+    layout: &Layout,
+    op: &str,
+    arg: &str,
+) -> candle_core::Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&data[start..end]),
+        None => candle_core::bail!("{op}: {arg} must be contiguous"),
+    }
+}
+
 impl CustomOp3 for FusedCpu {
     fn name(&self) -> &'static str {
         "vl-fused-attention"
@@ -561,13 +576,9 @@ impl CustomOp3 for FusedCpu {
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         fn slice<'a>(s: &'a CpuStorage, l: &Layout, name: &str) -> candle_core::Result<&'a [f32]> {
-            let data = match s {
-                CpuStorage::F32(d) => d.as_slice(),
+            match s {
+                CpuStorage::F32(d) => contiguous(d, l, "fused attention", name),
                 _ => candle_core::bail!("fused attention: {name} must be f32"),
-            };
-            match l.contiguous_offsets() {
-                Some((a, b)) => Ok(&data[a..b]),
-                None => candle_core::bail!("fused attention: {name} must be contiguous"),
             }
         }
         let (q, k, v) = (

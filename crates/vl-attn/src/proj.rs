@@ -195,23 +195,22 @@ impl Module for Proj {
     /// `x: (..., in)` → `(..., out)`, in `x`'s dtype.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match &self.inner {
-            // Decode shapes on the CPU: vl's parallel kernel.
-            Inner::Dense(l) if crate::gemv::applies(x, l.weight()) => {
-                let y = crate::gemv::gemv(x, l.weight())?;
+            Inner::Dense(l) => {
+                let w = l.weight();
+                let y = if crate::gemv::applies(x, w) {
+                    // Decode shapes on the CPU: vl's parallel kernel.
+                    crate::gemv::apply(x, w)?
+                } else if crate::gemm_bf16::applies(x, w) {
+                    // Many bf16 rows on a CPU with AVX512_BF16: vl's GEMM.
+                    crate::gemm_bf16::apply(x, w)?
+                } else {
+                    return l.forward(x);
+                };
                 match l.bias() {
                     Some(b) => y.broadcast_add(b),
                     None => Ok(y),
                 }
             }
-            // Many bf16 rows on a CPU with AVX512_BF16: vl's bf16 GEMM.
-            Inner::Dense(l) if crate::gemm_bf16::applies(x, l.weight()) => {
-                let y = crate::gemm_bf16::matmul(x, l.weight())?;
-                match l.bias() {
-                    Some(b) => y.broadcast_add(b),
-                    None => Ok(y),
-                }
-            }
-            Inner::Dense(l) => l.forward(x),
             Inner::Quantized { weight, bias, .. } => {
                 let dtype = x.dtype();
                 // The quantized kernels take contiguous f32 activations.
