@@ -5,23 +5,21 @@
 //! greedy, 3-beam and checkpoint-default generation and their text.
 #![allow(missing_docs)]
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+mod parity;
 
-use candle_core::{DType, Device, Tensor, D};
+use std::path::Path;
+
+use candle_core::{DType, Device};
 use serde::Deserialize;
 use vl::captioner::Captioner;
-use vl::vl_decoder::{
-    generate_from, EarlyStopping, ForwardMasks, GenerationConfig, NormPlacement, Strategy,
-};
-use vl::vl_vision::preprocess::{load_image, preprocess};
-use vl::vl_vision::VisionEncoder;
+use vl::vl_decoder::{generate_from, EarlyStopping, GenerationConfig, NormPlacement, Strategy};
 use vl::{ModelFormat, VlModel};
 
-/// f32 parity bound of the issue: max abs diff of hidden states and logits.
-const TOL: f32 = 1e-4;
-/// Pixels: one rounding of `(x / 255 - mean) / std` apart at most.
-const PIXEL_TOL: f32 = 1e-5;
+use parity::{check_forward, copy_fixture, load, Fixture};
+
+/// The fixtures' folder under `tests/fixtures`.
+const FAMILY: &str = "blip";
+
 /// `[DEC]` in the fixtures' tokenizer, `text_config.bos_token_id`.
 const DEC: u32 = 5;
 /// `[SEP]`, `text_config.sep_token_id`.
@@ -48,80 +46,17 @@ struct Expected {
     prompt_defaults_text: String,
 }
 
-fn fixture(kind: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/blip")
-        .join(kind)
-}
-
-struct Fixture {
-    model: VlModel,
-    tensors: HashMap<String, Tensor>,
-    expected: Expected,
-    dir: PathBuf,
-}
-
-fn load(kind: &str) -> anyhow::Result<Fixture> {
-    let dir = fixture(kind);
-    let model = VlModel::load(&dir, DType::F32, &Device::Cpu)?;
-    let tensors = candle_core::safetensors::load(dir.join("expected.safetensors"), &Device::Cpu)?;
-    let expected = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json"))?)?;
-    Ok(Fixture {
-        model,
-        tensors,
-        expected,
-        dir,
-    })
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
-    assert_eq!(a.dims(), b.dims());
-    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
-}
-
 fn run_parity(kind: &str) -> anyhow::Result<()> {
-    let f = load(kind)?;
+    let f: Fixture<Expected> = load(FAMILY, kind)?;
     assert_eq!(f.model.format, ModelFormat::Blip);
     assert_eq!(f.model.generation.start_token_id, DEC);
     assert_eq!(f.model.generation.eos_token_ids, vec![SEP]);
-    let want_pixels = &f.tensors["pixel_values"];
-
-    // Preprocessing of the PNG (already at the input size) as
-    // BlipImageProcessor: bicubic, CLIP mean and std.
-    let img = load_image(&f.dir.join("image.png"))?;
-    let spec = f.model.pixels.expect("pixel spec");
-    let pixels = preprocess(&img, &spec, &Device::Cpu)?.unsqueeze(0)?;
-    let d = max_abs_diff(&pixels, want_pixels)?;
-    eprintln!("{kind}: pixels max abs diff {d:e}");
-    assert!(d <= PIXEL_TOL, "{kind}: pixel values differ by {d}");
-
-    let Some(VisionEncoder::Vit(vit)) = &f.model.vision else {
-        panic!("{kind}: expected a ViT vision tower");
-    };
-    let hidden = vit.last_hidden_state(want_pixels)?;
-    let d = max_abs_diff(&hidden, &f.tensors["vision_last_hidden_state"])?;
-    eprintln!("{kind}: vision hidden state max abs diff {d:e}");
-    assert!(d <= TOL, "{kind}: vision hidden state differs by {d}");
-
-    // Teacher-forced logits, in one pass and through the cache.
-    let memory = f.model.encode_pixels(want_pixels)?;
-    let ids = f.tensors["input_ids"].to_dtype(DType::U32)?;
+    // Pixels of the PNG (already at the input size) as
+    // BlipImageProcessor (bicubic, CLIP mean and std), the vision tower's
+    // last hidden state, teacher-forced logits in one pass and through the
+    // cache.
+    let ctx = check_forward(&f, kind, "vision_last_hidden_state", "input_ids")?;
     let decoder = &f.model.decoder;
-    let logits = decoder.forward(&ids, Some(&memory), ForwardMasks::default())?;
-    let want = &f.tensors["logits"];
-    let d = max_abs_diff(&logits, want)?;
-    eprintln!("{kind}: teacher-forced logits max abs diff {d:e}");
-    assert!(d <= TOL, "{kind}: teacher-forced logits differ by {d}");
-    let ctx = decoder.image_context(&memory, None)?;
-    let mut state = decoder.start(&ctx, 1)?;
-    let stepped = decoder.step(&mut state, &ids)?;
-    let d = max_abs_diff(&stepped, want)?;
-    eprintln!("{kind}: cached logits max abs diff {d:e}");
-    assert!(d <= TOL, "{kind}: cached logits differ by {d}");
-    assert_eq!(
-        logits.argmax(D::Minus1)?.to_vec2::<u32>()?,
-        want.argmax(D::Minus1)?.to_vec2::<u32>()?
-    );
 
     // Generation, with the text decode (special tokens skipped) of each.
     let plain = GenerationConfig {
@@ -174,9 +109,10 @@ fn run_parity(kind: &str) -> anyhow::Result<()> {
     }
 
     // The library entry point gives the same caption.
+    let pixels = f.tensors["pixel_values"].squeeze(0)?;
     let captioner = Captioner::new(f.model);
     let caps = captioner.caption_pixels_from(
-        &[want_pixels.squeeze(0)?],
+        &[pixels],
         &captioner.model.generation,
         Some(&e.prompt),
         &mut |_| {},
@@ -210,7 +146,7 @@ fn blip_vision32_matches_transformers() -> anyhow::Result<()> {
 /// and the generation defaults of BLIP's generate.
 #[test]
 fn blip_config_maps_onto_the_decoder_layout() -> anyhow::Result<()> {
-    let f = load("vision24")?;
+    let f: Fixture<Expected> = load(FAMILY, "vision24")?;
     let c = f.model.decoder.config();
     assert_eq!(c.norm_placement, NormPlacement::Post);
     assert!(!c.final_norm && !c.scale_embedding && c.layernorm_embedding);
@@ -225,15 +161,6 @@ fn blip_config_maps_onto_the_decoder_layout() -> anyhow::Result<()> {
 }
 
 /// Copies a fixture into a temporary directory to break it.
-fn copy_fixture(kind: &str) -> anyhow::Result<tempfile::TempDir> {
-    let tmp = tempfile::tempdir()?;
-    for entry in std::fs::read_dir(fixture(kind))? {
-        let p = entry?.path();
-        std::fs::copy(&p, tmp.path().join(p.file_name().expect("name")))?;
-    }
-    Ok(tmp)
-}
-
 fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> anyhow::Result<()> {
     let path = dir.join("config.json");
     let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
@@ -245,7 +172,7 @@ fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> anyhow:
 /// Bad configs and tensors are errors naming the field or the tensor.
 #[test]
 fn blip_errors_name_the_culprit() -> anyhow::Result<()> {
-    let tmp = copy_fixture("vision24")?;
+    let tmp = copy_fixture(FAMILY, "vision24")?;
     edit_config(tmp.path(), |v| {
         v["text_config"]["encoder_hidden_size"] = 32.into();
     })?;
@@ -254,7 +181,7 @@ fn blip_errors_name_the_culprit() -> anyhow::Result<()> {
         .to_string();
     assert!(err.contains("text_config.encoder_hidden_size"), "{err}");
 
-    let tmp = copy_fixture("vision24")?;
+    let tmp = copy_fixture(FAMILY, "vision24")?;
     edit_config(tmp.path(), |v| {
         v["text_config"]["max_position_embeddings"] = 65.into();
     })?;
@@ -266,7 +193,7 @@ fn blip_errors_name_the_culprit() -> anyhow::Result<()> {
         "{err}"
     );
 
-    let tmp = copy_fixture("vision24")?;
+    let tmp = copy_fixture(FAMILY, "vision24")?;
     edit_config(tmp.path(), |v| {
         v["vision_config"]["patch_size"] = 6.into();
     })?;

@@ -4,20 +4,17 @@
 //! greedy, 3-beam and checkpoint-default generation.
 #![allow(missing_docs)]
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+mod parity;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device};
 use serde::Deserialize;
 use vl::vl_decoder::{generate, EarlyStopping, ForwardMasks, GenerationConfig, Strategy};
-use vl::vl_vision::preprocess::{load_image, preprocess};
-use vl::vl_vision::VisionEncoder;
 use vl::{ModelFormat, VlModel};
 
-/// f32 parity bound of the issue: max abs diff of hidden states and logits.
-const TOL: f32 = 1e-4;
-/// Pixels: one rounding of `(x / 255 - mean) / std` apart at most.
-const PIXEL_TOL: f32 = 1e-5;
+use parity::{check_forward, copy_fixture, fixture, load, load_err, max_abs_diff, Fixture};
+
+/// The fixtures' folder under `tests/fixtures`.
+const FAMILY: &str = "hf";
 
 #[derive(Deserialize)]
 struct Expected {
@@ -27,89 +24,13 @@ struct Expected {
     defaults_text: String,
 }
 
-fn fixture(kind: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/hf")
-        .join(kind)
-}
-
-struct Fixture {
-    model: VlModel,
-    tensors: HashMap<String, Tensor>,
-    expected: Expected,
-    dir: PathBuf,
-}
-
-fn load(kind: &str) -> anyhow::Result<Fixture> {
-    let dir = fixture(kind);
-    let model = VlModel::load(&dir, DType::F32, &Device::Cpu)?;
-    let tensors = candle_core::safetensors::load(dir.join("expected.safetensors"), &Device::Cpu)?;
-    let expected = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json"))?)?;
-    Ok(Fixture {
-        model,
-        tensors,
-        expected,
-        dir,
-    })
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
-    assert_eq!(a.dims(), b.dims());
-    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
-}
-
-fn vit(model: &VlModel) -> &vl::vl_vision::Vit {
-    match &model.vision {
-        Some(VisionEncoder::Vit(v)) => v,
-        other => panic!("expected a ViT, got {other:?}"),
-    }
-}
-
 fn run_parity(kind: &str) -> anyhow::Result<()> {
-    let f = load(kind)?;
+    let f: Fixture<Expected> = load(FAMILY, kind)?;
     assert_eq!(f.model.format, ModelFormat::VisionEncoderDecoder);
-    let want_pixels = &f.tensors["pixel_values"];
-
-    // Preprocessing of the PNG as transformers' ViTImageProcessor.
-    let img = load_image(&f.dir.join("image.png"))?;
-    let spec = f.model.pixels.expect("pixel spec");
-    let pixels = preprocess(&img, &spec, &Device::Cpu)?.unsqueeze(0)?;
-    let d = max_abs_diff(&pixels, want_pixels)?;
-    eprintln!("{kind}: pixels max abs diff {d:e}");
-    assert!(d <= PIXEL_TOL, "{kind}: pixel values differ by {d}");
-
-    // The encoder's last hidden state (before enc_to_dec_proj).
-    let hidden = vit(&f.model).last_hidden_state(want_pixels)?;
-    let d = max_abs_diff(&hidden, &f.tensors["encoder_last_hidden_state"])?;
-    eprintln!("{kind}: encoder hidden state max abs diff {d:e}");
-    assert!(d <= TOL, "{kind}: encoder hidden state differs by {d}");
-
-    // Teacher-forced logits, in one pass and step by step.
-    let memory = f
-        .model
-        .vision
-        .as_ref()
-        .expect("vision")
-        .forward(want_pixels)?;
-    let ids = f.tensors["decoder_input_ids"].to_dtype(DType::U32)?;
-    let logits = f
-        .model
-        .decoder
-        .forward(&ids, Some(&memory), ForwardMasks::default())?;
-    let want = &f.tensors["logits"];
-    let d = max_abs_diff(&logits, want)?;
-    eprintln!("{kind}: teacher-forced logits max abs diff {d:e}");
-    assert!(d <= TOL, "{kind}: teacher-forced logits differ by {d}");
-    let ctx = f.model.decoder.image_context(&memory, None)?;
-    let mut state = f.model.decoder.start(&ctx, 1)?;
-    let stepped = f.model.decoder.step(&mut state, &ids)?;
-    let d = max_abs_diff(&stepped, want)?;
-    eprintln!("{kind}: cached logits max abs diff {d:e}");
-    assert!(d <= TOL, "{kind}: cached logits differ by {d}");
-    assert_eq!(
-        logits.argmax(D::Minus1)?.to_vec2::<u32>()?,
-        want.argmax(D::Minus1)?.to_vec2::<u32>()?
-    );
+    // Pixels of the PNG as transformers' ViTImageProcessor, the encoder's
+    // last hidden state (before enc_to_dec_proj), teacher-forced logits in
+    // one pass and step by step.
+    let ctx = check_forward(&f, kind, "encoder_last_hidden_state", "decoder_input_ids")?;
 
     // Generation: greedy and 3 beams for 20 new tokens, and the
     // checkpoint's own defaults.
@@ -155,7 +76,7 @@ fn narrower_encoder_matches_transformers() -> anyhow::Result<()> {
 #[test]
 fn generation_defaults_come_from_the_checkpoint() -> anyhow::Result<()> {
     // generation_config.json: 3 beams, early stopping, max_length 21.
-    let equal = VlModel::load(&fixture("equal"), DType::F32, &Device::Cpu)?;
+    let equal = VlModel::load(&fixture(FAMILY, "equal"), DType::F32, &Device::Cpu)?;
     assert_eq!(equal.generation.max_new_tokens, 20);
     assert_eq!(
         equal.generation.strategy,
@@ -166,7 +87,7 @@ fn generation_defaults_come_from_the_checkpoint() -> anyhow::Result<()> {
         }
     );
     // config.json only (older layout): greedy, no_repeat_ngram_size 3.
-    let narrow = VlModel::load(&fixture("narrow"), DType::F32, &Device::Cpu)?;
+    let narrow = VlModel::load(&fixture(FAMILY, "narrow"), DType::F32, &Device::Cpu)?;
     assert_eq!(narrow.generation.strategy, Strategy::Greedy);
     assert_eq!(narrow.generation.no_repeat_ngram_size, 3);
     assert_eq!(narrow.generation.max_new_tokens, 20);
@@ -184,10 +105,10 @@ fn dropout_is_read_on_load() -> anyhow::Result<()> {
         let c = m.decoder.config();
         (c.attention_dropout, c.residual_dropout, c.embedding_dropout)
     };
-    let f = load("equal")?;
+    let f: Fixture<Expected> = load(FAMILY, "equal")?;
     assert_eq!(dropouts(&f.model), (0.1, 0.1, 0.1));
     let edit = |f: &dyn Fn(&mut serde_json::Value)| -> anyhow::Result<tempfile::TempDir> {
-        let tmp = copy_fixture("equal")?;
+        let tmp = copy_fixture(FAMILY, "equal")?;
         let path = tmp.path().join("config.json");
         let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
         cfg["encoder"]["attention_probs_dropout_prob"] = 0.05.into();
@@ -234,25 +155,9 @@ fn dropout_is_read_on_load() -> anyhow::Result<()> {
 }
 
 /// Copies a fixture into a temporary directory to break it.
-fn copy_fixture(kind: &str) -> anyhow::Result<tempfile::TempDir> {
-    let tmp = tempfile::tempdir()?;
-    for entry in std::fs::read_dir(fixture(kind))? {
-        let entry = entry?;
-        std::fs::copy(entry.path(), tmp.path().join(entry.file_name()))?;
-    }
-    Ok(tmp)
-}
-
-fn load_err(dir: &Path) -> String {
-    format!(
-        "{:#}",
-        VlModel::load(dir, DType::F32, &Device::Cpu).expect_err("must fail")
-    )
-}
-
 #[test]
 fn pickle_only_checkpoints_are_refused() -> anyhow::Result<()> {
-    let tmp = copy_fixture("equal")?;
+    let tmp = copy_fixture(FAMILY, "equal")?;
     std::fs::rename(
         tmp.path().join("model.safetensors"),
         tmp.path().join("pytorch_model.bin"),
@@ -267,7 +172,7 @@ fn pickle_only_checkpoints_are_refused() -> anyhow::Result<()> {
 
 #[test]
 fn shards_outside_the_directory_are_refused() -> anyhow::Result<()> {
-    let tmp = copy_fixture("narrow")?;
+    let tmp = copy_fixture(FAMILY, "narrow")?;
     let index_path = tmp.path().join("model.safetensors.index.json");
     let index = std::fs::read_to_string(&index_path)?;
     let bad = index.replacen(
@@ -286,7 +191,7 @@ fn shards_outside_the_directory_are_refused() -> anyhow::Result<()> {
 
 #[test]
 fn a_missing_tensor_is_named() -> anyhow::Result<()> {
-    let tmp = copy_fixture("equal")?;
+    let tmp = copy_fixture(FAMILY, "equal")?;
     let path = tmp.path().join("model.safetensors");
     let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu)?;
     tensors.remove("decoder.transformer.h.1.crossattention.q_attn.weight");
@@ -302,7 +207,7 @@ fn a_missing_tensor_is_named() -> anyhow::Result<()> {
 
 #[test]
 fn config_errors_name_the_field_and_file() -> anyhow::Result<()> {
-    let tmp = copy_fixture("equal")?;
+    let tmp = copy_fixture(FAMILY, "equal")?;
     let path = tmp.path().join("config.json");
     let cfg = std::fs::read_to_string(&path)?;
     std::fs::write(

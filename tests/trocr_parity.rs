@@ -6,23 +6,20 @@
 //! text; and the refusal of what vl does not load.
 #![allow(missing_docs)]
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+mod parity;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::Device;
 use serde::Deserialize;
 use vl::vl_decoder::{
-    generate, EarlyStopping, ForwardMasks, GenerationConfig, NormPlacement, PositionEmbedding,
-    Strategy,
+    generate, EarlyStopping, GenerationConfig, NormPlacement, PositionEmbedding, Strategy,
 };
-use vl::vl_vision::preprocess::{load_image, preprocess};
-use vl::vl_vision::VisionEncoder;
-use vl::{ModelFormat, VlModel};
+use vl::ModelFormat;
 
-/// f32 parity bound of the issue: max abs diff of hidden states and logits.
-const TOL: f32 = 1e-4;
-/// Pixels: one rounding of `(x / 255 - mean) / std` apart at most.
-const PIXEL_TOL: f32 = 1e-5;
+use parity::{check_forward, copy_fixture, load, load_err, Fixture};
+
+/// The fixtures' folder under `tests/fixtures`.
+const FAMILY: &str = "trocr";
+
 /// The start token of TrOCR checkpoints (`decoder_start_token_id`, `</s>`).
 const TROCR_START: u32 = 2;
 
@@ -34,82 +31,17 @@ struct Expected {
     defaults_text: String,
 }
 
-fn fixture(kind: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/trocr")
-        .join(kind)
-}
-
-struct Fixture {
-    model: VlModel,
-    tensors: HashMap<String, Tensor>,
-    expected: Expected,
-    dir: PathBuf,
-}
-
-fn load(kind: &str) -> anyhow::Result<Fixture> {
-    let dir = fixture(kind);
-    let model = VlModel::load(&dir, DType::F32, &Device::Cpu)?;
-    let tensors = candle_core::safetensors::load(dir.join("expected.safetensors"), &Device::Cpu)?;
-    let expected = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json"))?)?;
-    Ok(Fixture {
-        model,
-        tensors,
-        expected,
-        dir,
-    })
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
-    assert_eq!(a.dims(), b.dims());
-    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
-}
-
 fn run_parity(kind: &str) -> anyhow::Result<()> {
-    let f = load(kind)?;
+    let f: Fixture<Expected> = load(FAMILY, kind)?;
     assert_eq!(f.model.format, ModelFormat::VisionEncoderDecoder);
     assert_eq!(f.model.generation.start_token_id, TROCR_START);
-    let want_pixels = &f.tensors["pixel_values"];
-
-    // Preprocessing of the PNG (already at the input size) as transformers'
-    // ViTImageProcessor, TrOCR's.
-    let img = load_image(&f.dir.join("image.png"))?;
-    let spec = f.model.pixels.expect("pixel spec");
-    let pixels = preprocess(&img, &spec, &Device::Cpu)?.unsqueeze(0)?;
-    let d = max_abs_diff(&pixels, want_pixels)?;
-    eprintln!("{kind}: pixels max abs diff {d:e}");
-    assert!(d <= PIXEL_TOL, "{kind}: pixel values differ by {d}");
-
-    // The encoder's last hidden state (before enc_to_dec_proj); DeiT's
-    // holds the distillation token after CLS.
-    let Some(VisionEncoder::Vit(vit)) = &f.model.vision else {
-        panic!("{kind}: expected a ViT encoder");
-    };
-    let hidden = vit.last_hidden_state(want_pixels)?;
-    let d = max_abs_diff(&hidden, &f.tensors["encoder_last_hidden_state"])?;
-    eprintln!("{kind}: encoder hidden state max abs diff {d:e}");
-    assert!(d <= TOL, "{kind}: encoder hidden state differs by {d}");
-
-    // Teacher-forced logits (a padding token among the ids), in one pass
+    // Pixels of the PNG (already at the input size) as transformers'
+    // ViTImageProcessor, TrOCR's; the encoder's last hidden state (before
+    // enc_to_dec_proj; DeiT's holds the distillation token after CLS);
+    // teacher-forced logits (a padding token among the ids), in one pass
     // and through the cache.
-    let memory = f.model.encode_pixels(want_pixels)?;
-    let ids = f.tensors["decoder_input_ids"].to_dtype(DType::U32)?;
+    let ctx = check_forward(&f, kind, "encoder_last_hidden_state", "decoder_input_ids")?;
     let decoder = &f.model.decoder;
-    let logits = decoder.forward(&ids, Some(&memory), ForwardMasks::default())?;
-    let want = &f.tensors["logits"];
-    let d = max_abs_diff(&logits, want)?;
-    eprintln!("{kind}: teacher-forced logits max abs diff {d:e}");
-    assert!(d <= TOL, "{kind}: teacher-forced logits differ by {d}");
-    let ctx = decoder.image_context(&memory, None)?;
-    let mut state = decoder.start(&ctx, 1)?;
-    let stepped = decoder.step(&mut state, &ids)?;
-    let d = max_abs_diff(&stepped, want)?;
-    eprintln!("{kind}: cached logits max abs diff {d:e}");
-    assert!(d <= TOL, "{kind}: cached logits differ by {d}");
-    assert_eq!(
-        logits.argmax(D::Minus1)?.to_vec2::<u32>()?,
-        want.argmax(D::Minus1)?.to_vec2::<u32>()?
-    );
 
     // Generation: greedy and 3 beams for 20 new tokens, and the
     // checkpoint's own defaults, with their text.
@@ -170,7 +102,7 @@ fn vit_projected_matches_transformers() -> anyhow::Result<()> {
 /// position kind, the memory width and the DeiT prefix.
 #[test]
 fn trocr_configs_map_onto_the_decoder_layout() -> anyhow::Result<()> {
-    let f = load("deit_sinusoidal")?;
+    let f: Fixture<Expected> = load(FAMILY, "deit_sinusoidal")?;
     let c = f.model.decoder.config();
     assert_eq!(c.norm_placement, NormPlacement::Post);
     assert!(!c.final_norm && c.scale_embedding && c.layernorm_embedding);
@@ -181,7 +113,7 @@ fn trocr_configs_map_onto_the_decoder_layout() -> anyhow::Result<()> {
     let memory = f.model.encode_pixels(&f.tensors["pixel_values"])?;
     // CLS + distillation + 4 x 4 patches, 24 wide.
     assert_eq!(memory.dims(), &[1, 18, 24]);
-    let f = load("vit_learned")?;
+    let f: Fixture<Expected> = load(FAMILY, "vit_learned")?;
     let c = f.model.decoder.config();
     assert_eq!(c.position_embedding, PositionEmbedding::Learned);
     assert_eq!((c.position_offset, c.position_padding_idx), (2, None));
@@ -197,25 +129,9 @@ fn trocr_configs_map_onto_the_decoder_layout() -> anyhow::Result<()> {
 }
 
 /// Copies a fixture into a temporary directory to break it.
-fn copy_fixture(kind: &str) -> anyhow::Result<tempfile::TempDir> {
-    let tmp = tempfile::tempdir()?;
-    for entry in std::fs::read_dir(fixture(kind))? {
-        let entry = entry?;
-        std::fs::copy(entry.path(), tmp.path().join(entry.file_name()))?;
-    }
-    Ok(tmp)
-}
-
-fn load_err(dir: &Path) -> String {
-    format!(
-        "{:#}",
-        VlModel::load(dir, DType::F32, &Device::Cpu).expect_err("must fail")
-    )
-}
-
 /// Edits `config.json` of a copy of fixture `kind`.
 fn edited(kind: &str, edit: impl Fn(&mut serde_json::Value)) -> anyhow::Result<tempfile::TempDir> {
-    let tmp = copy_fixture(kind)?;
+    let tmp = copy_fixture(FAMILY, kind)?;
     let path = tmp.path().join("config.json");
     let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
     edit(&mut cfg);
@@ -282,7 +198,7 @@ fn a_missing_trocr_tensor_is_named() -> anyhow::Result<()> {
         ("deit_sinusoidal", "decoder.output_projection.weight"),
         ("deit_sinusoidal", "encoder.embeddings.distillation_token"),
     ] {
-        let tmp = copy_fixture(kind)?;
+        let tmp = copy_fixture(FAMILY, kind)?;
         let path = tmp.path().join("model.safetensors");
         let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu)?;
         assert!(tensors.remove(name).is_some(), "{kind}: no {name}");
