@@ -104,6 +104,22 @@ pub(crate) fn config_err<T>(field: &'static str, reason: impl Into<String>) -> R
     })
 }
 
+/// Checks dropout probabilities read from a checkpoint's config with vl's
+/// own rule ([`vl_attn::Dropout::new`]: `0 <= p < 1`), naming the first
+/// field that breaks it.
+pub(crate) fn check_dropouts(fields: &[(&'static str, f64)]) -> Result<()> {
+    for &(field, p) in fields {
+        if let Err(e) = vl_attn::Dropout::new(field, p) {
+            let reason = match e {
+                vl_attn::AttnError::Argument { reason, .. } => reason,
+                other => other.to_string(),
+            };
+            return config_err(field, reason);
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn arg_err<T>(arg: &'static str, reason: impl Into<String>) -> Result<T> {
     Err(Error::Argument {
         arg,

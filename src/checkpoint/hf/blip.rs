@@ -46,7 +46,7 @@ use super::{weight_files, PREPROCESSOR_FILE};
 use crate::checkpoint::safetensors::open_weights;
 use crate::checkpoint::tokenizer::load_hf_tokenizer;
 use crate::checkpoint::{read_json, ModelFormat, VlConfig, VlModel, CONFIG_FILE};
-use crate::error::{config_err, in_file, weights_error, Result};
+use crate::error::{check_dropouts, config_err, in_file, weights_error, Result};
 
 /// The `model_type` of a BLIP checkpoint.
 pub const MODEL_TYPE: &str = "blip";
@@ -217,21 +217,14 @@ impl HfBlipConfig {
                 ),
             );
         }
-        for (field, p) in [
+        check_dropouts(&[
             ("text_config.hidden_dropout_prob", t.hidden_dropout_prob),
             (
                 "text_config.attention_probs_dropout_prob",
                 t.attention_probs_dropout_prob,
             ),
             ("vision_config.attention_dropout", v.attention_dropout),
-        ] {
-            if !(0.0..1.0).contains(&p) {
-                return config_err(
-                    field,
-                    format!("expected a dropout probability in [0, 1), got {p}"),
-                );
-            }
-        }
+        ])?;
         Ok(())
     }
 

@@ -24,7 +24,7 @@ use vl_decoder::{
 };
 
 use super::tensors::layer_norm;
-use crate::error::{config_err, Result};
+use crate::error::{check_dropouts, config_err, Result};
 
 fn gpt2_eps() -> f64 {
     1e-5
@@ -116,18 +116,11 @@ impl HfGpt2Config {
                  (scale_attn_weights true, scale_attn_by_inverse_layer_idx false)",
             );
         }
-        for (field, p) in [
+        check_dropouts(&[
             ("decoder.attn_pdrop", self.attn_pdrop),
             ("decoder.resid_pdrop", self.resid_pdrop),
             ("decoder.embd_pdrop", self.embd_pdrop),
-        ] {
-            if !(0.0..1.0).contains(&p) {
-                return config_err(
-                    field,
-                    format!("expected a dropout probability in [0, 1), got {p}"),
-                );
-            }
-        }
+        ])?;
         if let Some(w) = self
             .cross_attention_hidden_size
             .filter(|&w| w != self.n_embd)

@@ -31,7 +31,7 @@ use vl_decoder::{
 };
 
 use super::tensors::{layer_norm, linear};
-use crate::error::{config_err, Result};
+use crate::error::{check_dropouts, config_err, Result};
 
 /// TrOCR's layer norms are `torch.nn.LayerNorm` with its default epsilon.
 pub const TROCR_LAYER_NORM_EPS: f64 = 1e-5;
@@ -129,17 +129,10 @@ impl HfTrocrConfig {
     /// Rejects what vl cannot run, naming the field; `encoder_width` is
     /// the encoder's `hidden_size`.
     pub fn validate(&self, encoder_width: usize) -> Result<()> {
-        for (field, p) in [
+        check_dropouts(&[
             ("decoder.dropout", self.dropout),
             ("decoder.attention_dropout", self.attention_dropout),
-        ] {
-            if !(0.0..1.0).contains(&p) {
-                return config_err(
-                    field,
-                    format!("expected a dropout probability in [0, 1), got {p}"),
-                );
-            }
-        }
+        ])?;
         if let Some(w) = self
             .cross_attention_hidden_size
             .filter(|&w| w != encoder_width)
