@@ -3,10 +3,40 @@
 ratios (vl / torch; below 1 means vl is faster or smaller) and writes the raw
 figures as JSON.
 
-    python3 -m venv .venv && .venv/bin/pip install torch transformers safetensors pillow
-    .venv/bin/python scripts/hf_fixtures.py --base /tmp/vit-gpt2-base
+Three families, told apart by DIR/config.json: `model_type` "blip" runs
+transformers' BlipForConditionalGeneration, anything else a
+VisionEncoderDecoderModel (ViT + GPT-2, ViT/DeiT + TrOCR). The vl side is
+`vl bench --model DIR` whatever the family. Base-size random checkpoints
+(never committed):
+
+    python3 -m venv .venv && .venv/bin/pip install torch transformers tokenizers safetensors pillow
     cargo build --release -p vl-cli && cargo build --release --example bench_attention
+    # ViT-B/16 224 + GPT-2 small (~1 GB; also rewrites tests/fixtures/hf: `git checkout tests/fixtures`)
+    .venv/bin/python scripts/hf_fixtures.py --base /tmp/vit-gpt2-base
     .venv/bin/python scripts/bench_vs_torch.py /tmp/vit-gpt2-base --threads 2
+    # TrOCR-base shape: ViT-B/16 384 + 1024-wide TrOCR decoder (~1.3 GB)
+    .venv/bin/python scripts/trocr_fixtures.py --base /tmp/trocr-base
+    .venv/bin/python scripts/bench_vs_torch.py /tmp/trocr-base --threads 2 --skip-attention
+    # BLIP-base captioner shape: ViT-B/16 384 + BERT-base decoder (~0.9 GB)
+    .venv/bin/python scripts/blip_fixtures.py --base /tmp/blip-base
+    .venv/bin/python scripts/bench_vs_torch.py /tmp/blip-base --threads 2 --skip-attention
+
+The attention rows do not depend on the checkpoint: run them once (with the
+vit-gpt2 run) and pass `--skip-attention` to the others. `--configs` limits
+a run to some columns, e.g. `--configs torch-bf16,vl-q8_0,vl-bf16-q8_0`.
+
+What is timed, on both sides, from a fixed synthetic image at the model's
+input size, with 16 new tokens:
+- encode ms: the vision tower alone (`model.encoder`, or BLIP's
+  `model.vision_model`).
+- decode ms/token: (generate k=17 tokens - generate k=1 token) / 16,
+  greedy, `min_new_tokens` = `max_new_tokens` = k so the end token never
+  stops it early (the script checks the generated length). For the
+  vision-encoder-decoder both generations start from the same encoder
+  outputs; BLIP's `generate` takes pixel values only, so both of its
+  generations include one encode, which the difference cancels.
+- caption ms: generate 16 tokens from pixel values (encode included).
+- images/s: the same for a batch of `--batch` copies of the image.
 
 Every measurement runs in its own process (one model at a time, a fresh
 peak-RSS counter), with the same number of threads on both sides.
@@ -22,6 +52,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 16
+# Column ids (for --configs), their labels, and vl bench's flags.
+TORCH_CONFIGS = {"torch-f32": ("torch f32", "f32"), "torch-bf16": ("torch bf16", "bf16")}
+VL_CONFIGS = {
+    "vl-f32": ("vl f32", ["--dtype", "f32"]),
+    "vl-bf16": ("vl bf16", ["--dtype", "bf16"]),
+    "vl-q8_0": ("vl q8_0", ["--quantize", "q8_0"]),
+    "vl-q4k": ("vl q4k", ["--quantize", "q4k"]),
+    "vl-bf16-q8_0": ("vl bf16 + q8_0", ["--dtype", "bf16", "--quantize", "q8_0"]),
+}
+ALL_CONFIGS = list(TORCH_CONFIGS) + list(VL_CONFIGS)
 
 
 def median(xs):
@@ -29,21 +69,39 @@ def median(xs):
     return xs[len(xs) // 2]
 
 
+def is_blip(model_dir: str) -> bool:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return cfg.get("model_type") == "blip"
+
+
 def torch_worker(model_dir: str, dtype: str, repeats: int, batch: int) -> dict:
     import resource
 
     import torch
-    from transformers import VisionEncoderDecoderModel
 
     torch.manual_seed(0)
     dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    blip = is_blip(model_dir)
+    if blip:
+        from transformers import BlipForConditionalGeneration as Model
+    else:
+        from transformers import VisionEncoderDecoderModel as Model
     t0 = time.perf_counter()
-    model = VisionEncoderDecoderModel.from_pretrained(model_dir, dtype=dt).eval()
+    model = Model.from_pretrained(model_dir, dtype=dt).eval()
     load_ms = (time.perf_counter() - t0) * 1e3
-    side = model.config.encoder.image_size
+    if blip:
+        side = model.config.vision_config.image_size
+        encoder = model.vision_model
+        # BLIP's generate passes its own eos (sep_token_id) and pad to the
+        # text decoder (a second eos_token_id would be a duplicate keyword):
+        # min_new_tokens alone keeps the end token out.
+        gen = dict(do_sample=False, num_beams=1)
+    else:
+        side = model.config.encoder.image_size
+        encoder = model.encoder
+        gen = dict(do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=0)
     n = 3 * side * side
     pixels = (torch.arange(n, dtype=torch.float32) / n - 0.5).reshape(1, 3, side, side).to(dt)
-    gen = dict(do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=0)
 
     def timed(f, reps=repeats):
         f()
@@ -55,14 +113,25 @@ def torch_worker(model_dir: str, dtype: str, repeats: int, batch: int) -> dict:
         return median(out)
 
     with torch.inference_mode():
-        encode_ms = timed(lambda: model.encoder(pixel_values=pixels))
-        enc = model.encoder(pixel_values=pixels)
+        encode_ms = timed(lambda: encoder(pixel_values=pixels))
+        enc = encoder(pixel_values=pixels)
 
         def gen_n(k, px=None, e=enc):
+            """k new tokens, exactly: from pixels (px), else from the encoder
+            outputs e (BLIP: from pixels always, its generate's only input)."""
+            kw = dict(max_new_tokens=k, min_new_tokens=k, **gen)
+            if blip:
+                return model.generate(pixel_values=pixels if px is None else px, **kw)
             if px is not None:
-                return model.generate(px, max_new_tokens=k, min_new_tokens=k, **gen)
-            return model.generate(encoder_outputs=e, max_new_tokens=k, min_new_tokens=k, **gen)
+                return model.generate(px, **kw)
+            return model.generate(encoder_outputs=e, **kw)
 
+        # Every sequence is the start token plus exactly k new tokens.
+        for k, px in [(1, None), (NEW_TOKENS + 1, None), (NEW_TOKENS, pixels),
+                      (2, pixels.repeat(2, 1, 1, 1))]:
+            shape = tuple(gen_n(k, px=px).shape)
+            want = (1 if px is None else px.shape[0], 1 + k)
+            assert shape == want, f"generate gave {shape}, want {want}"
         one = timed(lambda: gen_n(1))
         many = timed(lambda: gen_n(NEW_TOKENS + 1))
         ms_per_token = (many - one) / NEW_TOKENS
@@ -72,7 +141,8 @@ def torch_worker(model_dir: str, dtype: str, repeats: int, batch: int) -> dict:
     weights = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return dict(
-        side="torch", dtype=dtype, load_ms=load_ms, encode_ms=encode_ms,
+        side="torch", family="blip" if blip else "vision-encoder-decoder", dtype=dtype,
+        load_ms=load_ms, encode_ms=encode_ms,
         ms_per_token=ms_per_token, e2e_ms=e2e_ms, images_per_s=batch * 1e3 / batch_ms,
         peak_rss_mb=rss, weights_mb=weights, rss_over_weights=rss / weights,
         torch=torch.__version__, threads=torch.get_num_threads(),
@@ -114,6 +184,10 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--out", type=Path, default=ROOT / "scripts" / "out" / "bench_vs_torch.json")
+    ap.add_argument("--configs", default=",".join(ALL_CONFIGS),
+                    help=f"comma list among {','.join(ALL_CONFIGS)} (default: all)")
+    ap.add_argument("--skip-attention", action="store_true",
+                    help="skip the attention kernel rows (they do not depend on the checkpoint)")
     ap.add_argument("--worker", choices=["torch", "attention"])
     ap.add_argument("--dtype", default="f32")
     ap.add_argument("--q-len", type=int, default=64)
@@ -131,62 +205,118 @@ def main():
         print(json.dumps(torch_attention(args.q_len, args.k_len, args.repeats)))
         return
 
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in ALL_CONFIGS]
+    if unknown:
+        ap.error(f"--configs: unknown {','.join(unknown)} (known: {','.join(ALL_CONFIGS)})")
+
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
     py = [sys.executable, __file__, args.model, "--threads", str(args.threads),
           "--repeats", str(args.repeats), "--batch", str(args.batch)]
     vl_bin = str(ROOT / "target" / "release" / "vl")
     att_bin = str(ROOT / "target" / "release" / "examples" / "bench_attention")
     results = {}
-    for dtype in ["f32", "bf16"]:
-        results[f"torch {dtype}"] = run_json(py + ["--worker", "torch", "--dtype", dtype], env)
-        print(f"torch {dtype}: {results[f'torch {dtype}']}", file=sys.stderr)
-    for name, extra in [("vl f32", ["--dtype", "f32"]), ("vl bf16", ["--dtype", "bf16"]),
-                        ("vl q8_0", ["--quantize", "q8_0"]), ("vl q4k", ["--quantize", "q4k"])]:
-        results[name] = run_json([vl_bin, "bench", "--model", args.model, "--repeats", str(args.repeats),
-                                  "--batch", str(args.batch)] + extra, env)
-        print(f"{name}: {results[name]}", file=sys.stderr)
-    for q_len, k_len, reps in [(64, 576, 20), (1024, 16384, 2)]:
-        key = f"attention {q_len}x{k_len}"
-        results[f"torch {key}"] = run_json(py + ["--worker", "attention", "--q-len", str(q_len),
-                                                "--k-len", str(k_len), "--repeats", str(reps)], env)
-        results[f"vl {key}"] = run_json([att_bin, "--q-len", str(q_len), "--k-len", str(k_len),
-                                         "--backend", "auto", "--repeats", str(reps)], env)
-    results[f"vl module 1024x16384"] = run_json(
-        [att_bin, "--module", "--backend", "fused", "--q-len", "1024", "--k-len", "16384",
-         "--repeats", "1"], env)
+    columns = []
+    for cid, (name, dtype) in TORCH_CONFIGS.items():
+        if cid in configs:
+            results[name] = run_json(py + ["--worker", "torch", "--dtype", dtype], env)
+            columns.append(name)
+            print(f"{name}: {results[name]}", file=sys.stderr)
+    for cid, (name, extra) in VL_CONFIGS.items():
+        if cid in configs:
+            results[name] = run_json([vl_bin, "bench", "--model", args.model,
+                                      "--repeats", str(args.repeats), "--batch", str(args.batch),
+                                      "--threads", str(args.threads)] + extra, env)
+            columns.append(name)
+            print(f"{name}: {results[name]}", file=sys.stderr)
+    if not args.skip_attention:
+        for q_len, k_len, reps in [(64, 576, 20), (1024, 16384, 2)]:
+            key = f"attention {q_len}x{k_len}"
+            results[f"torch {key}"] = run_json(py + ["--worker", "attention", "--q-len", str(q_len),
+                                                    "--k-len", str(k_len), "--repeats", str(reps)], env)
+            results[f"vl {key}"] = run_json([att_bin, "--q-len", str(q_len), "--k-len", str(k_len),
+                                             "--backend", "auto", "--repeats", str(reps)], env)
+        results["vl module 1024x16384"] = run_json(
+            [att_bin, "--module", "--backend", "fused", "--q-len", "1024", "--k-len", "16384",
+             "--repeats", "1"], env)
 
-    tf32, tbf = results["torch f32"], results["torch bf16"]
+    def get(config, key):
+        """A figure, or None when its configuration did not run or vl bench
+        did not print it."""
+        v = results.get(config, {}).get(key)
+        return v if isinstance(v, (int, float)) else None
+
+    def ratio(a, b):
+        return a / b if a is not None and b not in (None, 0) else None
+
+    def fmt(v, spec="12.1f", width=12):
+        return f"{v:{spec}}" if v is not None else f"{'-':>{width}}"
+
     rows = [("encode ms", "encode_ms"), ("decode ms/token", "ms_per_token"),
-            ("caption ms (encode + 16)", "e2e_ms"), (f"images/s, batch {args.batch}", "images_per_s"),
-            ("peak RSS MB", "peak_rss_mb")]
-    print(f"\n{'':28}" + "".join(f"{k:>12}" for k in ["torch f32", "torch bf16", "vl f32", "vl bf16", "vl q8_0", "vl q4k"]))
+            (f"caption ms (encode + {NEW_TOKENS})", "e2e_ms"),
+            (f"images/s, batch {args.batch}", "images_per_s"),
+            ("peak RSS MB", "peak_rss_mb"), ("peak RSS / weights file", "rss_over_weights")]
+    width = max([12] + [len(c) + 2 for c in columns])
+    print(f"\n{'':28}" + "".join(f"{c:>{width}}" for c in columns))
     for label, key in rows:
-        vals = [results[k].get(key) for k in ["torch f32", "torch bf16", "vl f32", "vl bf16", "vl q8_0", "vl q4k"]]
-        print(f"{label:28}" + "".join(f"{v:12.1f}" if v is not None else f"{'-':>12}" for v in vals))
+        spec = f"{width}.2f" if key == "rss_over_weights" else f"{width}.1f"
+        print(f"{label:28}" + "".join(fmt(get(c, key), spec, width) for c in columns))
+
+    vl_run = [name for cid, (name, _) in VL_CONFIGS.items() if cid in configs]
+
+    def fastest(key, best):
+        """The vl configuration with the best `key` (min or max) and its value."""
+        vals = [(get(c, key), c) for c in vl_run if get(c, key) is not None]
+        return best(vals) if vals else (None, None)
+
+    cap, cap_cfg = fastest("e2e_ms", min)
+    ips, ips_cfg = fastest("images_per_s", max)
+    tf32, tbf = "torch f32", "torch bf16"
     print("\nratios (vl / torch):")
     checks = [
-        ("f32 decode / torch f32 (target <= 0.6)", results["vl f32"]["ms_per_token"] / tf32["ms_per_token"]),
-        ("q8_0 decode / torch bf16 (target <= 0.5)", results["vl q8_0"]["ms_per_token"] / tbf["ms_per_token"]),
-        ("q4k decode / torch bf16 (target <= 0.5)", results["vl q4k"]["ms_per_token"] / tbf["ms_per_token"]),
-        ("q8_0 caption / torch bf16 (target <= 1.0)", results["vl q8_0"]["e2e_ms"] / tbf["e2e_ms"]),
-        ("f32 caption / torch f32", results["vl f32"]["e2e_ms"] / tf32["e2e_ms"]),
-        ("f32 encode / torch f32", results["vl f32"]["encode_ms"] / tf32["encode_ms"]),
-        ("bf16 encode / torch bf16", results["vl bf16"]["encode_ms"] / tbf["encode_ms"]),
-        ("f32 peak RSS / weights file (target <= 1.2)", results["vl f32"]["rss_over_weights"]),
-        ("q8_0 peak RSS / weights file (target <= 1.2)", results["vl q8_0"]["rss_over_weights"]),
-        ("torch f32 peak RSS / weights file", tf32["rss_over_weights"]),
-        ("image cache speedup, f32 (target >= 10)", results["vl f32"]["image_cache_speedup"]),
-        ("ms/token at 200 / at 10, f32 (target <= 1.5)", results["vl f32"]["long_over_short"]),
-        ("attention 64x576 / torch sdpa (target <= 1.0)",
-         results["vl attention 64x576"]["ms"] / results["torch attention 64x576"]["ms"]),
-        ("attention 1024x16384 / torch sdpa",
-         results["vl attention 1024x16384"]["ms"] / results["torch attention 1024x16384"]["ms"]),
+        ("f32 decode / torch f32 (target <= 0.85)",
+         ratio(get("vl f32", "ms_per_token"), get(tf32, "ms_per_token"))),
+        ("q8_0 decode / torch bf16 (target <= 0.25)",
+         ratio(get("vl q8_0", "ms_per_token"), get(tbf, "ms_per_token"))),
+        ("bf16 decode / torch bf16 (target <= 0.5)",
+         ratio(get("vl bf16", "ms_per_token"), get(tbf, "ms_per_token"))),
+        ("bf16 + q8_0 decode / torch bf16",
+         ratio(get("vl bf16 + q8_0", "ms_per_token"), get(tbf, "ms_per_token"))),
+        ("q4k decode / torch bf16",
+         ratio(get("vl q4k", "ms_per_token"), get(tbf, "ms_per_token"))),
+        ("f32 encode / torch f32 (target <= 1.0)",
+         ratio(get("vl f32", "encode_ms"), get(tf32, "encode_ms"))),
+        ("bf16 encode / torch bf16 (target <= 1.0)",
+         ratio(get("vl bf16", "encode_ms"), get(tbf, "encode_ms"))),
+        (f"fastest caption ({cap_cfg or '-'}) / torch bf16 (target <= 0.5)",
+         ratio(cap, get(tbf, "e2e_ms"))),
+        ("f32 caption / torch f32", ratio(get("vl f32", "e2e_ms"), get(tf32, "e2e_ms"))),
+        (f"images/s b{args.batch}, fastest ({ips_cfg or '-'}) / torch bf16 (target >= 1.0)",
+         ratio(ips, get(tbf, "images_per_s"))),
+        ("q8_0 peak RSS / dense weights file (target <= 1.0)", get("vl q8_0", "rss_over_weights")),
+        ("bf16 + q8_0 peak RSS / dense weights file", get("vl bf16 + q8_0", "rss_over_weights")),
+        ("f32 peak RSS / weights file", get("vl f32", "rss_over_weights")),
+        ("torch f32 peak RSS / weights file", get(tf32, "rss_over_weights")),
+        ("q8_0 top-1 agreement with dense", get("vl q8_0", "top1_agreement")),
+        ("bf16 + q8_0 top-1 agreement with dense", get("vl bf16 + q8_0", "top1_agreement")),
+        ("image cache speedup, f32", get("vl f32", "image_cache_speedup")),
+        ("ms/token at 200 / at 10, f32", get("vl f32", "long_over_short")),
     ]
+    if not args.skip_attention:
+        checks += [
+            ("attention 64x576 / torch sdpa (target <= 1.0)",
+             ratio(get("vl attention 64x576", "ms"), get("torch attention 64x576", "ms"))),
+            ("attention 1024x16384 / torch sdpa",
+             ratio(get("vl attention 1024x16384", "ms"), get("torch attention 1024x16384", "ms"))),
+        ]
+    label_width = max(50, *(len(label) for label, _ in checks))
     for label, v in checks:
-        print(f"  {label:50} {v:6.2f}")
-    m = results["vl module 1024x16384"]
-    print(f"  CrossAttention 1024x16384 peak RSS {m['peak_rss_mb']:.0f} MB "
-          f"(a score tensor alone: {m['score_tensor_mb']:.0f} MB)")
+        print(f"  {label:{label_width}} {fmt(v, '6.2f', 6)}")
+    if not args.skip_attention:
+        m = results["vl module 1024x16384"]
+        peak, score = m.get("peak_rss_mb"), m.get("score_tensor_mb")
+        print(f"  CrossAttention 1024x16384 peak RSS {fmt(peak, '.0f', 1)} MB "
+              f"(a score tensor alone: {fmt(score, '.0f', 1)} MB)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nraw figures: {args.out}")

@@ -27,11 +27,25 @@ the same with the prompt PROMPT, tokenized as BlipProcessor does ([CLS]
 replaced by [DEC], the trailing [SEP] dropped by `generate`), the ids
 being the generated ones only and the text the whole decoded sequence.
 
+With `--base DIR`, it writes instead (the fixtures untouched) a
+BLIP-base-shaped captioner to DIR for the benchmarks (random weights,
+~1 GB, never committed): a ViT-B/16 vision tower at 384 under a 768-wide,
+12-layer, 12-head BERT text decoder, vocab 30524, start token [DEC]
+30522, end [SEP] 102, pad 0, as Salesforce/blip-image-captioning-base;
+transformers' own init (std 0.02, the vision tower's too: its config's
+default 1e-10 would leave it near zero) from seed 0; a WordPiece
+`tokenizer.json` laid out as bert-base-uncased's ([PAD] 0, [UNK] 100,
+[CLS] 101, [SEP] 102, [MASK] 103, filler words up to 30521) plus [DEC]
+30522 and [ENC] 30523, so every id the model can emit decodes; BLIP's
+preprocessor (bicubic, CLIP mean and std, 384); a 384x384 `image.png`.
+
 Needs torch, transformers, tokenizers, pillow (a venv; CI never runs this):
 
     /work/venv/bin/python scripts/blip_fixtures.py
+    /work/venv/bin/python scripts/blip_fixtures.py --base /tmp/blip-base
 """
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -197,8 +211,95 @@ def write_variant(name: str, v: dict) -> None:
     print(name, expected)
 
 
+BASE_SIZE = 384
+BASE_BERT_VOCAB = 30522  # bert-base-uncased; [DEC] and [ENC] come after
+BASE_PAD, BASE_UNK, BASE_CLS, BASE_SEP, BASE_MASK = 0, 100, 101, 102, 103
+BASE_DEC, BASE_ENC = 30522, 30523
+
+
+def base_bert_tokenizer() -> Tokenizer:
+    """A WordPiece tokenizer laid out as BLIP-base's (bert-base-uncased plus
+    [DEC] and [ENC]), its vocabulary the fixtures' words and filler words
+    (`w<i>`) up to 30522 entries."""
+    from tokenizers import AddedToken
+
+    names = ["[PAD]"] + [f"[unused{i}]" for i in range(99)] + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {t: i for i, t in enumerate(names)}
+    for t in WORDS + PIECES + list("abcdefghijklmnopqrstuvwxyz.,"):
+        vocab.setdefault(t, len(vocab))
+    i = 0
+    while len(vocab) < BASE_BERT_VOCAB:
+        vocab.setdefault(f"w{i}", len(vocab))
+        i += 1
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", BASE_CLS), ("[SEP]", BASE_SEP)],
+    )
+    tok.add_special_tokens([AddedToken(s, special=True)
+                            for s in ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[DEC]", "[ENC]"]])
+    ids = [tok.token_to_id(s) for s in ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[DEC]", "[ENC]"]]
+    assert ids == [BASE_PAD, BASE_UNK, BASE_CLS, BASE_SEP, BASE_MASK, BASE_DEC, BASE_ENC], ids
+    assert tok.get_vocab_size(True) == BASE_ENC + 1
+    return tok
+
+
+def write_base(out: Path) -> None:
+    """A BLIP-base-shaped captioner (random weights) for the benchmarks."""
+    out.mkdir(parents=True, exist_ok=True)
+    tok = base_bert_tokenizer()
+    torch.manual_seed(0)
+    vision = BlipVisionConfig(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        image_size=BASE_SIZE,
+        patch_size=16,
+        initializer_range=0.02,
+    )
+    text = BlipTextConfig(
+        vocab_size=tok.get_vocab_size(True),
+        hidden_size=768,
+        encoder_hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        max_position_embeddings=512,
+        initializer_range=0.02,
+        bos_token_id=BASE_DEC,
+        eos_token_id=BASE_SEP,
+        pad_token_id=BASE_PAD,
+        sep_token_id=BASE_SEP,
+    )
+    cfg = BlipConfig(text_config=text.to_dict(), vision_config=vision.to_dict())
+    model = BlipForConditionalGeneration(cfg).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save(str(out / "tokenizer.json"))
+    BlipImageProcessor(
+        size={"height": BASE_SIZE, "width": BASE_SIZE},
+        resample=3,
+        image_mean=CLIP_MEAN,
+        image_std=CLIP_STD,
+    ).save_pretrained(out)
+    test_image(BASE_SIZE, 0).save(out / "image.png")
+    print("BLIP base checkpoint in", out)
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", type=Path,
+                    help="write only the BLIP-base-shaped benchmark checkpoint, here")
+    args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.base:
+        torch.set_num_threads(2)
+        write_base(args.base)
+        return
     for name, v in VARIANTS.items():
         write_variant(name, v)
 

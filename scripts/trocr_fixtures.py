@@ -34,11 +34,24 @@ on the meta device), so the reloaded model cannot run; the table is rebuilt
 after loading with transformers' own `get_embedding`, exactly what a freshly
 constructed model holds.
 
+With `--base DIR`, it writes instead (the fixtures untouched) a
+TrOCR-base-shaped checkpoint to DIR for the benchmarks (random weights,
+~1.3 GB, never committed): ViT-B/16 at 384 (no qkv bias, as TrOCR-base's
+BEiT-initialised encoder) under a 1024-wide, 12-layer, 16-head TrOCR
+decoder (learned positions, `layernorm_embedding`, no embedding scale,
+GELU, tied head, `cross_attention_hidden_size` 768), vocab 50265 as
+RoBERTa's; transformers' own init (std 0.02) from seed 0; a byte-level
+BPE `tokenizer.json` padded with filler tokens to the full 50265 ids (vl
+wants the tokenizer to cover `vocab_size`); TrOCR's preprocessor (bilinear,
+mean and std 0.5, 384); a 384x384 `image.png`.
+
 Needs torch, transformers, tokenizers, pillow (a venv; CI never runs this):
 
     /work/venv/bin/python scripts/trocr_fixtures.py
+    /work/venv/bin/python scripts/trocr_fixtures.py --base /tmp/trocr-base
 """
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -288,8 +301,97 @@ def write_variant(name: str, v: dict) -> None:
     print(name, expected)
 
 
+BASE_VOCAB = 50265  # RoBERTa's, TrOCR-base's
+BASE_SIZE = 384
+
+
+def base_tokenizer(vocab_size: int) -> Tokenizer:
+    """The fixtures' RoBERTa-style byte-level BPE, its vocabulary padded with
+    filler tokens no merge reaches (`Ġw<i>`, decoding as ` w<i>`) to
+    `vocab_size` ids, `<mask>` last as in RoBERTa."""
+    spec = json.loads(train_tokenizer(300).to_str())
+    vocab = spec["model"]["vocab"]
+    i = 0
+    while len(vocab) < vocab_size - 1:
+        vocab.setdefault(f"\u0120w{i}", len(vocab))
+        i += 1
+    vocab["<mask>"] = vocab_size - 1
+    assert sorted(vocab.values()) == list(range(vocab_size))
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.add_special_tokens(["<mask>"])
+    assert [tok.token_to_id(s) for s in SPECIALS + ["<mask>"]] == [0, 1, 2, 3, vocab_size - 1]
+    assert tok.get_vocab_size(True) == vocab_size, tok.get_vocab_size(True)
+    return tok
+
+
+def write_base(out: Path) -> None:
+    """A TrOCR-base-shaped checkpoint (random weights) for the benchmarks."""
+    out.mkdir(parents=True, exist_ok=True)
+    tok = base_tokenizer(BASE_VOCAB)
+    torch.manual_seed(0)
+    enc = ViTConfig(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        image_size=BASE_SIZE,
+        patch_size=16,
+        qkv_bias=False,
+        initializer_range=0.02,
+    )
+    dec = TrOCRConfig(
+        vocab_size=BASE_VOCAB,
+        d_model=1024,
+        decoder_layers=12,
+        decoder_attention_heads=16,
+        decoder_ffn_dim=4096,
+        max_position_embeddings=512,
+        activation_function="gelu",
+        use_learned_position_embeddings=True,
+        layernorm_embedding=True,
+        scale_embedding=False,
+        tie_word_embeddings=True,
+        cross_attention_hidden_size=768,
+        init_std=0.02,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        decoder_start_token_id=EOS,
+    )
+    cfg = VisionEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+    cfg.decoder_start_token_id = EOS
+    cfg.pad_token_id = PAD
+    cfg.eos_token_id = EOS
+    model = VisionEncoderDecoderModel(cfg).eval()
+    model.generation_config = GenerationConfig(
+        decoder_start_token_id=EOS,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        max_new_tokens=16,
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save(str(out / "tokenizer.json"))
+    ViTImageProcessor(
+        size={"height": BASE_SIZE, "width": BASE_SIZE},
+        resample=2,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    ).save_pretrained(out)
+    test_image(BASE_SIZE, 0).save(out / "image.png")
+    print("TrOCR base checkpoint in", out)
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", type=Path,
+                    help="write only the TrOCR-base-shaped benchmark checkpoint, here")
+    args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.base:
+        torch.set_num_threads(2)
+        write_base(args.base)
+        return
     for name, v in VARIANTS.items():
         write_variant(name, v)
 

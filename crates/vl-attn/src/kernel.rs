@@ -22,11 +22,11 @@ use crate::mask::Mask;
 /// Which implementation computes attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Backend {
-    /// [`Backend::Fused`] for short query blocks (decode steps, up to
-    /// [`AUTO_FUSED_MAX_Q_LEN`] queries) and for score tensors larger than
-    /// [`FUSED_BLOCK_BYTES`]; [`Backend::Reference`] otherwise, where its
-    /// matrix products are faster (see BENCHMARKS.md), and whenever the
-    /// weights are asked for, an input tracks gradients, or attention
+    /// [`Backend::Fused`] on CPU, and elsewhere for short query blocks
+    /// (decode steps, up to [`AUTO_FUSED_MAX_Q_LEN`] queries) and for score
+    /// tensors larger than [`FUSED_BLOCK_BYTES`]; [`Backend::Reference`]
+    /// otherwise (off CPU its matrix products are faster), and whenever
+    /// the weights are asked for, an input tracks gradients, or attention
     /// dropout is active (training with `p > 0`: only the reference path
     /// applies it).
     #[default]
@@ -34,8 +34,11 @@ pub enum Backend {
     /// Materialises the `(batch, heads, q_len, k_len)` scores with matrix
     /// products; differentiable; the only path that returns weights.
     Reference,
-    /// Never materialises the score tensor: on CPU, one fused kernel (one
-    /// query row at a time, scores in f32, multi-threaded); on other devices,
+    /// Never materialises the score tensor: on CPU, vl's kernels — tiled
+    /// (blocks of queries × blocks of keys, online softmax, f32; see the
+    /// `tiled` module) when at least [`TILED_MIN_ROWS`] queries read each
+    /// key head, one query row at a time otherwise (a decode step), both
+    /// multi-threaded; on other devices,
     /// the reference path over blocks of queries whose scores fit in
     /// [`FUSED_BLOCK_BYTES`].
     ///
@@ -71,7 +74,8 @@ pub struct AttnOutput {
     pub weights: Option<Tensor>,
 }
 
-/// The longest query block that [`Backend::Auto`] sends to the fused path.
+/// The longest query block that [`Backend::Auto`] sends to the fused path
+/// off CPU (on CPU it sends every block there).
 pub const AUTO_FUSED_MAX_Q_LEN: usize = 16;
 
 /// The largest score block the fused path materialises off CPU, in bytes.
@@ -161,7 +165,18 @@ impl Dims {
     fn g(&self) -> usize {
         self.heads / self.kv_heads
     }
+
+    /// Query rows that read one key head: `r · g · q_len`.
+    fn group_rows(&self) -> usize {
+        self.r() * self.g() * self.q_len
+    }
 }
+
+/// The fewest query rows sharing one key head (beams × grouped heads ×
+/// positions) that the CPU kernel runs tiled; fewer (a decode step of one
+/// sample) run one row at a time, where packing the keys into tiles would
+/// cost as much as the products.
+pub const TILED_MIN_ROWS: usize = 3;
 
 /// Scaled dot-product attention: the output `(batch_q, heads, q_len,
 /// head_dim)` and, when `weights` is [`Weights::Return`], the weights.
@@ -262,7 +277,8 @@ pub fn attention_with_dropout(
             !want_weights
                 && !tracks
                 && !drops
-                && (dims.q_len <= AUTO_FUSED_MAX_Q_LEN
+                && (q.device().is_cpu()
+                    || dims.q_len <= AUTO_FUSED_MAX_Q_LEN
                     || dims.score_elems > FUSED_BLOCK_BYTES / std::mem::size_of::<f32>())
         }
     };
@@ -452,9 +468,10 @@ fn blocked_reference(
     Ok(Tensor::cat(&outs, 2)?)
 }
 
-/// The fused CPU kernel: for each query row, scores against every key in
-/// f32 (one row of `k_len` floats per thread), softmax, weighted sum of
-/// values. Inputs are contiguous f32.
+/// The fused CPU kernel: the tiled kernel when enough queries share each
+/// key head ([`TILED_MIN_ROWS`]); otherwise, for each query row, scores
+/// against every key in f32 (one row of `k_len` floats per thread),
+/// softmax, weighted sum of values. Inputs are contiguous f32.
 struct FusedCpu {
     dims: Dims,
     scale: f32,
@@ -599,6 +616,26 @@ impl CustomOp3 for FusedCpu {
                 d.head_dim
             )
         };
+        if d.head_dim > 0 && d.k_len > 0 && d.group_rows() >= TILED_MIN_ROWS {
+            let problem = crate::tiled::Problem {
+                q,
+                k,
+                v,
+                mask: self.mask.as_ref().map(|(m, mb, mq)| (&m[..], *mb, *mq)),
+                batch_q: d.batch_q,
+                heads: d.heads,
+                q_len: d.q_len,
+                head_dim: d.head_dim,
+                batch_k: d.batch_k,
+                kv_heads: d.kv_heads,
+                k_len: d.k_len,
+                scale: self.scale,
+            };
+            return Ok((
+                CpuStorage::F32(crate::tiled::run(&problem, crate::gemv::isa())),
+                Shape::from((d.batch_q, d.heads, d.q_len, d.head_dim)),
+            ));
+        }
         let mut out = vec![0f32; len];
         if d.head_dim > 0 {
             out.par_chunks_mut(d.head_dim).enumerate().for_each_init(

@@ -79,6 +79,7 @@ pub mod pool;
 pub mod proj;
 pub mod resampler;
 pub mod self_attn;
+mod tiled;
 
 pub use cache::KvCache;
 pub use co_attn::{CoAttention, CoAttentionConfig, CoAttentionOutput};

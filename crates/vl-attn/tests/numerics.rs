@@ -181,7 +181,8 @@ struct KernelCase {
 fn kernel_cases() -> impl Strategy<Value = KernelCase> {
     (
         (1usize..3, 1usize..3, 1usize..3, 1usize..3),
-        // Past AUTO_FUSED_MAX_Q_LEN, Auto takes the reference path.
+        // Past AUTO_FUSED_MAX_Q_LEN, Auto takes the reference path off CPU
+        // and the tiled kernel on CPU.
         prop_oneof![
             1usize..6,
             AUTO_FUSED_MAX_Q_LEN + 1..AUTO_FUSED_MAX_Q_LEN + 4

@@ -33,9 +33,11 @@ fn cases() -> impl Strategy<Value = Case> {
         1usize..3,
         1usize..3,
         1usize..3,
-        1usize..6,
-        1usize..20,
-        prop_oneof![Just(1usize), Just(4), Just(16), Just(24)],
+        // Short blocks (one row at a time) and long ones (tiled: past one
+        // task of 32 rows and one block of 256 keys).
+        prop_oneof![3 => 1usize..6, 1 => 30usize..40],
+        prop_oneof![3 => 1usize..20, 1 => 250usize..270],
+        prop_oneof![Just(1usize), Just(4), Just(16), Just(24), Just(64)],
         0.0f32..1.0,
         any::<bool>(),
         any::<u64>(),
