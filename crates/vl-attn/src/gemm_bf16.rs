@@ -46,15 +46,16 @@ pub fn available() -> bool {
 }
 
 /// Whether [`matmul`] takes `x` and `w`: the kernel [`available`], both
-/// bf16 on the CPU and untracked, `w (n, k)` contiguous with `k` even,
-/// `x (..., k)`.
+/// on the CPU and untracked, `w (n, k)` bf16 and contiguous with `k` even,
+/// `x (..., k)` bf16 or f32 (rounded to bf16 for the products: the
+/// weights-only bf16 of [`crate::Proj::quantize`]).
 pub fn applies(x: &Tensor, w: &Tensor) -> bool {
     available()
         && x.device().is_cpu()
         && w.device().is_cpu()
         && !x.track_op()
         && !w.track_op()
-        && x.dtype() == DType::BF16
+        && matches!(x.dtype(), DType::BF16 | DType::F32)
         && w.dtype() == DType::BF16
         && w.rank() == 2
         && w.is_contiguous()
@@ -66,15 +67,15 @@ pub fn applies(x: &Tensor, w: &Tensor) -> bool {
 /// `x W^T` in bf16 with f32 accumulation.
 ///
 /// # Shapes
-/// `x: (..., k)` bf16 (made contiguous), `w: (n, k)` bf16 contiguous, `k`
-/// even → `(..., n)` bf16.
+/// `x: (..., k)` bf16 or f32 (made contiguous), `w: (n, k)` bf16
+/// contiguous, `k` even → `(..., n)` in `x`'s dtype.
 ///
 /// # Errors
 /// When [`applies`] is false, with the reason.
 pub fn matmul(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     if !applies(x, w) {
         candle_core::bail!(
-            "vl-gemm-bf16: takes untracked bf16 CPU x (..., k) and a contiguous bf16 w (n, k), k even, on a CPU with AVX512_BF16 ({}); got x {:?} {:?}, w {:?} {:?}",
+            "vl-gemm-bf16: takes untracked bf16 or f32 CPU x (..., k) and a contiguous bf16 w (n, k), k even, on a CPU with AVX512_BF16 ({}); got x {:?} {:?}, w {:?} {:?}",
             available(),
             x.dims(),
             x.dtype(),
@@ -118,10 +119,18 @@ impl CustomOp2 for GemmBf16 {
             candle_core::bail!("vl-gemm-bf16: x {dims:?}, w ({n}, {k})");
         }
         let m = l1.shape().elem_count() / k;
-        let y = product(slice(s1, l1, "x")?, slice(s2, l2, "w")?, m, n, k);
+        let w = slice(s2, l2, "w")?;
+        let y = match s1 {
+            CpuStorage::F32(x) => {
+                let x = contiguous(x, l1, "vl-gemm-bf16", "x")?;
+                let x: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+                CpuStorage::F32(product(&x, w, m, n, k))
+            }
+            _ => CpuStorage::BF16(product(slice(s1, l1, "x")?, w, m, n, k)),
+        };
         let mut shape = dims[..dims.len() - 1].to_vec();
         shape.push(n);
-        Ok((CpuStorage::BF16(y), Shape::from(shape)))
+        Ok((y, Shape::from(shape)))
     }
 }
 
@@ -147,10 +156,29 @@ fn pack(w: &[bf16], n: usize, k: usize) -> Vec<u32> {
     packed
 }
 
+/// An output element: the f32 accumulator rounded (bf16) or as is (f32).
+trait Out: Copy + Default + Send + Sync {
+    fn from_acc(v: f32) -> Self;
+}
+
+impl Out for bf16 {
+    #[inline(always)]
+    fn from_acc(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+impl Out for f32 {
+    #[inline(always)]
+    fn from_acc(v: f32) -> Self {
+        v
+    }
+}
+
 /// `y (m, n)` = `x (m, k)` times `w (n, k)` transposed.
-fn product(x: &[bf16], w: &[bf16], m: usize, n: usize, k: usize) -> Vec<bf16> {
+fn product<O: Out>(x: &[bf16], w: &[bf16], m: usize, n: usize, k: usize) -> Vec<O> {
     let packed = pack(w, n, k);
-    let mut y = vec![bf16::ZERO; m * n];
+    let mut y = vec![O::default(); m * n];
     y.par_chunks_mut(TASK_ROWS * n)
         .enumerate()
         .for_each(|(t, yt)| {
@@ -174,14 +202,14 @@ mod avx512 {
 
     use half::bf16;
 
-    use super::{MR, NR};
+    use super::{Out, MR, NR};
 
     /// Rows `x (rows, k)` into `y (rows, n)` over every panel.
     #[target_feature(enable = "avx512f,avx512bf16")]
-    pub(super) fn task(
+    pub(super) fn task<O: Out>(
         x: &[bf16],
         packed: &[u32],
-        y: &mut [bf16],
+        y: &mut [O],
         rows: usize,
         n: usize,
         k: usize,
@@ -207,7 +235,7 @@ mod avx512 {
                 for (i, row) in tile.iter().take(mr).enumerate() {
                     let out = &mut y[(r + i) * n + j * NR..(r + i) * n + j * NR + cols];
                     for (o, v) in out.iter_mut().zip(row) {
-                        *o = bf16::from_f32(*v);
+                        *o = O::from_acc(*v);
                     }
                 }
                 r += mr;
@@ -290,11 +318,21 @@ mod tests {
                 .to_scalar::<f64>()?
                 / scale;
             assert!(err < 1e-2, "({m}, {k}) x ({n}, {k}): {err}");
+            // f32 activations (rounded to bf16 inside) give f32 outputs:
+            // the same products, without the output's rounding.
+            let y32 = matmul(&x.to_dtype(DType::F32)?, &w)?;
+            assert_eq!(y32.dtype(), DType::F32);
+            let err = (y32.to_dtype(DType::F64)? - &want)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f64>()?
+                / scale;
+            assert!(err < 1e-5, "f32 x: ({m}, {k}) x ({n}, {k}): {err}");
         }
         Ok(())
     }
 
-    /// Odd k, f32, a tracked weight: refused with a reason.
+    /// Odd k, f16 activations, a tracked weight: refused with a reason.
     #[test]
     fn refuses_what_it_does_not_take() -> candle_core::Result<()> {
         let dev = Device::Cpu;
@@ -304,7 +342,7 @@ mod tests {
                 Tensor::zeros((2, 5), DType::BF16, &dev)?,
                 Tensor::zeros((4, 5), DType::BF16, &dev)?,
             ),
-            (Tensor::zeros((2, 6), DType::F32, &dev)?, w.clone()),
+            (Tensor::zeros((2, 6), DType::F16, &dev)?, w.clone()),
             (
                 Tensor::zeros((2, 6), DType::BF16, &dev)?,
                 candle_core::Var::from_tensor(&w)?.as_tensor().clone(),

@@ -418,13 +418,6 @@ impl CustomOp2 for Gemv {
             candle_core::bail!("vl-gemv: x is {dims:?}, the weight ({out}, {inp})");
         }
         let rows: usize = lead.iter().product();
-        if s1.dtype() != s2.dtype() {
-            candle_core::bail!(
-                "vl-gemv: x is {:?}, the weight {:?}",
-                s1.dtype(),
-                s2.dtype()
-            );
-        }
         let x = x_f32(s1, l1)?;
         let y = match s2 {
             CpuStorage::F32(w) => {
@@ -450,15 +443,17 @@ impl CustomOp2 for Gemv {
 }
 
 /// Whether [`gemv`] takes `x` and `w`: both on the CPU, untracked by
-/// autograd, the same dtype among f32, f16 and bf16, `w (out, inp)`
-/// contiguous, `x (..., inp)` of 1 to [`MAX_ROWS`] rows.
+/// autograd, each f32, f16 or bf16 (not necessarily the same: a 16-bit
+/// weight under f32 activations is the weights-only half precision of
+/// [`crate::Proj::quantize`]), `w (out, inp)` contiguous, `x (..., inp)`
+/// of 1 to [`MAX_ROWS`] rows.
 pub fn applies(x: &Tensor, w: &Tensor) -> bool {
     let rows = x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1);
     x.device().is_cpu()
         && w.device().is_cpu()
         && !x.track_op()
         && !w.track_op()
-        && x.dtype() == w.dtype()
+        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
         && matches!(w.dtype(), DType::F32 | DType::F16 | DType::BF16)
         && w.rank() == 2
         && w.is_contiguous()
@@ -631,8 +626,8 @@ mod tests {
     }
 
     /// Shapes and operands outside its domain are refused with the reason:
-    /// too many rows, mismatched widths or dtypes, a tracked weight, a
-    /// non-contiguous weight.
+    /// too many rows, mismatched widths, an integer dtype, a tracked
+    /// weight, a non-contiguous weight.
     #[test]
     fn refuses_what_it_does_not_take() -> candle_core::Result<()> {
         let dev = Device::Cpu;
@@ -643,7 +638,7 @@ mod tests {
                 w.clone(),
             ),
             (Tensor::zeros((1, 15), DType::F32, &dev)?, w.clone()),
-            (Tensor::zeros((1, 16), DType::BF16, &dev)?, w.clone()),
+            (Tensor::zeros((1, 16), DType::U32, &dev)?, w.clone()),
             (
                 Tensor::zeros((1, 16), DType::F32, &dev)?,
                 candle_core::Var::from_tensor(&w)?.as_tensor().clone(),

@@ -74,6 +74,7 @@ pub mod gemv;
 mod heads;
 pub mod kernel;
 pub mod mask;
+mod micro;
 pub mod norm;
 pub mod pool;
 pub mod proj;

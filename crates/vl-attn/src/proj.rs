@@ -2,9 +2,10 @@
 //!
 //! On CPU a decode step is one matrix-vector product per projection: a
 //! dense weight runs it on vl's parallel kernel ([`crate::gemv`]) for 1 to
-//! [`crate::gemv::MAX_ROWS`] untracked rows, bf16 on vl's bf16 GEMM
-//! ([`crate::gemm_bf16`]) for more rows where the CPU has AVX512_BF16, on
-//! candle's matmul otherwise;
+//! [`crate::gemv::MAX_ROWS`] untracked rows; more bf16 rows run on vl's
+//! bf16 GEMM ([`crate::gemm_bf16`]) where the CPU has AVX512_BF16;
+//! everything else (f32 prefill and encoders, training, other devices) on
+//! candle's matmul;
 //! candle's quantized kernels (`q8_0`, `q4k`) run those much faster than a
 //! dense bf16 or f32 weight while holding 4 to 7 times fewer bytes.
 //!
@@ -47,6 +48,16 @@ enum Inner {
         out_dim: usize,
         in_dim: usize,
     },
+    /// A 16-bit weight (`bf16` or `f16`, the format) under activations of
+    /// another dtype (`dtype`, f32): half the bytes of an f32 weight, and
+    /// on CPU vl's kernels take the f32 activations as they are. The bias
+    /// stays in `dtype`.
+    Half {
+        weight: Tensor,
+        bias: Option<Tensor>,
+        format: GgmlDType,
+        dtype: DType,
+    },
 }
 
 impl From<Linear> for Proj {
@@ -73,6 +84,7 @@ impl Proj {
             Inner::Quantized {
                 out_dim, in_dim, ..
             } => (*out_dim, *in_dim),
+            Inner::Half { weight, .. } => weight.dims2().unwrap_or((0, 0)),
         }
     }
 
@@ -80,7 +92,7 @@ impl Proj {
     pub fn dtype(&self) -> DType {
         match &self.inner {
             Inner::Dense(l) => l.weight().dtype(),
-            Inner::Quantized { dtype, .. } => *dtype,
+            Inner::Quantized { dtype, .. } | Inner::Half { dtype, .. } => *dtype,
         }
     }
 
@@ -89,6 +101,7 @@ impl Proj {
         match &self.inner {
             Inner::Dense(l) => l.weight().device(),
             Inner::Quantized { device, .. } => device,
+            Inner::Half { weight, .. } => weight.device(),
         }
     }
 
@@ -96,7 +109,7 @@ impl Proj {
     pub fn quantization(&self) -> Option<GgmlDType> {
         match &self.inner {
             Inner::Dense(_) => None,
-            Inner::Quantized { format, .. } => Some(*format),
+            Inner::Quantized { format, .. } | Inner::Half { format, .. } => Some(*format),
         }
     }
 
@@ -104,7 +117,7 @@ impl Proj {
     pub fn as_linear(&self) -> Option<&Linear> {
         match &self.inner {
             Inner::Dense(l) => Some(l),
-            Inner::Quantized { .. } => None,
+            Inner::Quantized { .. } | Inner::Half { .. } => None,
         }
     }
 
@@ -123,6 +136,12 @@ impl Proj {
 
     /// A copy whose weight is quantized to `format` (e.g.
     /// [`GgmlDType::Q8_0`], [`GgmlDType::Q4K`]); the bias stays dense.
+    ///
+    /// [`GgmlDType::BF16`] and [`GgmlDType::F16`] keep the weight dense in
+    /// that 16-bit type while the activations keep their dtype (f32): on
+    /// CPU, [`crate::gemv`] and [`crate::gemm_bf16`] read the 16-bit weight
+    /// with f32 activations and accumulate in f32; elsewhere the
+    /// activations are cast to the weight's type around candle's matmul.
     ///
     /// `name` names the layer in errors (e.g. `"q_proj"`; callers prefix it
     /// with [`AttnError::within`]). A projection already in `format` is
@@ -144,24 +163,37 @@ impl Proj {
                 block,
             });
         }
+        if self.quantization() == Some(format) {
+            return Ok(self.clone());
+        }
         let (weight, bias) = match &self.inner {
             Inner::Dense(l) => (l.weight().clone(), l.bias().cloned()),
-            Inner::Quantized {
-                format: have,
-                weight,
-                bias,
-                ..
-            } => {
-                if *have == format {
-                    return Ok(self.clone());
-                }
+            Inner::Quantized { weight, bias, .. } => {
                 let w = match weight {
                     QMatMul::QTensor(q) => q.dequantize(self.device())?,
                     QMatMul::Tensor(w) | QMatMul::TensorF16(w) => w.to_dtype(DType::F32)?,
                 };
                 (w, bias.clone())
             }
+            Inner::Half { weight, bias, .. } => (weight.to_dtype(DType::F32)?, bias.clone()),
         };
+        if let Some(half) = match format {
+            GgmlDType::BF16 => Some(DType::BF16),
+            GgmlDType::F16 => Some(DType::F16),
+            _ => None,
+        } {
+            // A buffer of its own (a weight narrowed out of a fused one
+            // would otherwise keep the whole storage alive).
+            let weight = weight.to_dtype(half)?.copy()?;
+            return Ok(Self {
+                inner: Inner::Half {
+                    weight,
+                    bias: bias.map(|b| b.to_dtype(self.dtype())).transpose()?,
+                    format,
+                    dtype: self.dtype(),
+                },
+            });
+        }
         // candle's `QTensor::quantize` reads the whole storage from its start
         // and ignores the view's layout: a weight narrowed out of a larger
         // one (a split fused projection) would quantize the wrong rows — only
@@ -207,6 +239,21 @@ impl Module for Proj {
                     return l.forward(x);
                 };
                 match l.bias() {
+                    Some(b) => y.broadcast_add(b),
+                    None => Ok(y),
+                }
+            }
+            Inner::Half { weight, bias, .. } => {
+                let y = if crate::gemv::applies(x, weight) {
+                    crate::gemv::apply(x, weight)?
+                } else if crate::gemm_bf16::applies(x, weight) {
+                    crate::gemm_bf16::apply(x, weight)?
+                } else {
+                    x.to_dtype(weight.dtype())?
+                        .broadcast_matmul(&weight.t()?)?
+                        .to_dtype(x.dtype())?
+                };
+                match bias {
                     Some(b) => y.broadcast_add(b),
                     None => Ok(y),
                 }
@@ -305,6 +352,35 @@ mod tests {
             assert_eq!(got.dims(), &[2, 3, 48]);
             let err = rel_err(&got, &want)?;
             assert!(err < tol, "{format:?}: relative error {err} >= {tol}");
+        }
+        Ok(())
+    }
+
+    /// Weights-only bf16 and f16 (`quantize` to `BF16`/`F16`): f32
+    /// activations in and out, within 1% (relative L2) of the f32 layer
+    /// for decode rows (vl's gemv), many rows (vl's bf16 GEMM where the CPU
+    /// has it, candle's matmul on cast activations otherwise) and a
+    /// re-quantization to q8_0 from the 16-bit weight.
+    #[test]
+    fn half_weights_keep_f32_activations() -> Result<()> {
+        let dev = Device::Cpu;
+        let dense = Proj::from(layer(40, 64, &dev)?);
+        for format in [GgmlDType::BF16, GgmlDType::F16] {
+            let half = dense.quantize("p", format)?;
+            assert_eq!(half.quantization(), Some(format));
+            assert_eq!((half.dims(), half.dtype()), ((40, 64), DType::F32));
+            assert!(half.as_linear().is_none());
+            for rows in [1, 3, 8, 9, 70] {
+                let x = Tensor::randn(0f32, 1., (rows, 64), &dev)?;
+                let got = half.forward(&x)?;
+                assert_eq!(got.dtype(), DType::F32);
+                let err = rel_err(&got, &dense.forward(&x)?)?;
+                assert!(err < 0.01, "{format:?} rows {rows}: {err}");
+            }
+            let q = half.quantize("p", GgmlDType::Q8_0)?;
+            let x = Tensor::randn(0f32, 1., (2, 64), &dev)?;
+            let err = rel_err(&q.forward(&x)?, &dense.forward(&x)?)?;
+            assert!(err < 0.02, "{format:?} -> q8_0: {err}");
         }
         Ok(())
     }

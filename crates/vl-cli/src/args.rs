@@ -26,7 +26,7 @@ pub struct ModelArgs {
     /// f32, f16 or bf16.
     #[arg(long, default_value = "f32", value_parser = dtype)]
     pub dtype: DType,
-    /// Linear layers (decoder and ViT) in 8-bit (q8_0) or 4-bit (q4k) blocks at load; none = as stored.
+    /// Linear layers (decoder and ViT) at load: 8-bit (q8_0) or 4-bit (q4k) blocks, or dense 16-bit weights (bf16, f16) under activations in --dtype; none = as stored.
     #[arg(long, default_value = "none")]
     pub quantize: Quantization,
 }

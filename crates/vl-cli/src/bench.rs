@@ -25,7 +25,7 @@ pub struct Args {
     /// f32, f16 or bf16.
     #[arg(long, default_value = "f32", value_parser = crate::args::dtype)]
     dtype: DType,
-    /// Decoder linear layers in 8-bit (q8_0) or 4-bit (q4k) blocks; none = as loaded.
+    /// Linear layers (decoder and ViT) in 8-bit (q8_0) or 4-bit (q4k) blocks, or dense 16-bit weights (bf16, f16) under --dtype activations; none = as loaded.
     #[arg(long, default_value = "none")]
     quantize: Quantization,
     /// cpu, cuda, cuda:N, metal or metal:N.
@@ -43,7 +43,8 @@ pub struct Args {
     /// Cached text length of the long-context measurement.
     #[arg(long, default_value_t = 200)]
     long_position: usize,
-    /// Positions of the teacher-forced top-1 agreement check (with --quantize).
+    /// Positions of the teacher-forced top-1 agreement check against the f32
+    /// model (with --quantize or a --dtype other than f32).
     #[arg(long, default_value_t = 256)]
     agreement_tokens: usize,
     /// Skip the slow measurements (no image cache, long context, batch).
@@ -141,55 +142,10 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let pixels = Tensor::arange(0f32, (3 * side * side) as f32, device)?
         .affine(1.0 / (3 * side * side) as f64, -0.5)?
         .reshape((1, 3, side, side))?;
-    let mut agreement = None;
-    let mut margin = None;
-    if args.quantize.ggml_dtype().is_some() {
-        // Teacher-forced top-1 agreement with the weights as loaded, over
-        // a fixed pseudo-random token sequence.
-        let memory = model.encode_pixels(&pixels)?;
-        let cfg = model.decoder.config();
-        let n = args.agreement_tokens.min(cfg.max_position_embeddings);
-        let ids: Vec<u32> = (0..n as u64)
-            .map(|i| ((i.wrapping_mul(2_654_435_761) >> 7) % cfg.vocab_size as u64) as u32)
-            .collect();
-        let tokens = Tensor::from_vec(ids, (1, n), device)?;
-        let logits_of = |dec: &VisionLanguageDecoder| -> anyhow::Result<Vec<Vec<f32>>> {
-            Ok(dec
-                .forward(&tokens, Some(&memory), Default::default())?
-                .squeeze(0)?
-                .to_dtype(DType::F32)?
-                .to_vec2::<f32>()?)
-        };
-        // The index of the largest logit; the first on ties, as argmax.
-        let top1 = |row: &[f32]| {
-            row.iter()
-                .enumerate()
-                .fold(0, |best, (i, x)| if *x > row[best] { i } else { best })
-        };
-        let dense = logits_of(&model.decoder)?;
-        // How decided the dense model's choices are: the median gap between
-        // its two largest logits, in units of the logits' std.
-        let gaps: Vec<f64> = dense
-            .iter()
-            .map(|row| {
-                let mut sorted = row.clone();
-                sorted.sort_by(|a, b| b.total_cmp(a));
-                let mean = row.iter().sum::<f32>() / row.len() as f32;
-                let var = row.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / row.len() as f32;
-                f64::from((sorted[0] - sorted[1]) / var.sqrt())
-            })
-            .collect();
-        margin = Some(median(gaps));
-        // Every quantizable part, as `vl caption --quantize` does.
-        model.quantize(args.quantize)?;
-        let quant = logits_of(&model.decoder)?;
-        let same = dense
-            .iter()
-            .zip(&quant)
-            .filter(|(a, b)| top1(a) == top1(b))
-            .count();
-        agreement = Some(same as f64 / n as f64);
-    }
+    // Every quantizable part, as `vl caption --quantize` does.
+    model
+        .quantize(args.quantize)
+        .with_context(|| format!("--quantize {}", args.quantize))?;
     let dec = &model.decoder;
 
     let encode_ms = bench(args.repeats, || {
@@ -219,12 +175,6 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         "ms_per_token": ms_per_token,
         "e2e_ms": e2e_ms,
     });
-    if let Some(a) = agreement {
-        json["top1_agreement"] = a.into();
-    }
-    if let Some(m) = margin {
-        json["dense_top1_margin_in_std"] = m.into();
-    }
     if !args.quick {
         let reps = args.repeats.min(3);
         let no_cache = bench(reps, || {
@@ -250,6 +200,66 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         json["peak_rss_mb"] = rss.into();
         json["rss_over_weights"] = (rss / weights).into();
     }
+    // After the memory figure: the f32 reference loaded for the agreement
+    // check must not count in it.
+    if args.dtype != DType::F32 || args.quantize != Quantization::None {
+        let reference = VlModel::load(&args.model, DType::F32, device)
+            .with_context(|| format!("cannot load {} in f32", args.model.display()))?;
+        let (agreement, margin) = agreement(&reference, &model, &pixels, args.agreement_tokens)?;
+        json["top1_agreement"] = agreement.into();
+        json["dense_top1_margin_in_std"] = margin.into();
+    }
     println!("{json}");
     Ok(())
+}
+
+/// Teacher-forced top-1 agreement of `model` (as benchmarked: its dtype,
+/// its quantization, its own encoder) with the f32 `reference` over a fixed
+/// pseudo-random token sequence of up to `tokens` positions, and how decided
+/// the reference's choices are: the median gap between its two largest
+/// logits, in units of the logits' std.
+fn agreement(
+    reference: &VlModel,
+    model: &VlModel,
+    pixels: &Tensor,
+    tokens: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let cfg = reference.decoder.config();
+    let n = tokens.min(cfg.max_position_embeddings);
+    let ids: Vec<u32> = (0..n as u64)
+        .map(|i| ((i.wrapping_mul(2_654_435_761) >> 7) % cfg.vocab_size as u64) as u32)
+        .collect();
+    let tokens = Tensor::from_vec(ids, (1, n), pixels.device())?;
+    let logits_of = |m: &VlModel| -> anyhow::Result<Vec<Vec<f32>>> {
+        let memory = m.encode_pixels(pixels)?;
+        Ok(m.decoder
+            .forward(&tokens, Some(&memory), Default::default())?
+            .squeeze(0)?
+            .to_dtype(DType::F32)?
+            .to_vec2::<f32>()?)
+    };
+    // The index of the largest logit; the first on ties, as argmax.
+    let top1 = |row: &[f32]| {
+        row.iter()
+            .enumerate()
+            .fold(0, |best, (i, x)| if *x > row[best] { i } else { best })
+    };
+    let dense = logits_of(reference)?;
+    let gaps: Vec<f64> = dense
+        .iter()
+        .map(|row| {
+            let mut sorted = row.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            let mean = row.iter().sum::<f32>() / row.len() as f32;
+            let var = row.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / row.len() as f32;
+            f64::from((sorted[0] - sorted[1]) / var.sqrt())
+        })
+        .collect();
+    let got = logits_of(model)?;
+    let same = dense
+        .iter()
+        .zip(&got)
+        .filter(|(a, b)| top1(a) == top1(b))
+        .count();
+    Ok((same as f64 / n as f64, median(gaps)))
 }

@@ -323,31 +323,34 @@ fn quantize_flag() {
     );
     let line: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert!(!line["token_ids"].as_array().expect("ids").is_empty());
-    // The shipped captioner in q8_0 still gets every shipped sample right.
+    // The shipped captioner in q8_0, and with bf16 weights under f32
+    // activations, still gets every shipped sample right.
     let samples = common::repo_root().join("models/shapes-captioner/samples");
     let truth = std::fs::read_to_string(samples.join("captions.tsv")).expect("tsv");
-    let mut args = vec!["--quantize", "q8_0", "--json"];
     let files: Vec<PathBuf> = truth
         .lines()
         .filter_map(|l| l.split_once('\t'))
         .map(|(f, _)| samples.join(f))
-        .collect();
-    args.extend(files.iter().map(|f| s(f)));
-    let out = run(&args);
-    assert_eq!(out.status.code(), Some(0));
-    let got: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).expect("json");
-            v["caption"].as_str().expect("caption").to_string()
-        })
         .collect();
     let want: Vec<&str> = truth
         .lines()
         .filter_map(|l| l.split_once('\t'))
         .map(|(_, c)| c)
         .collect();
-    assert_eq!(got, want);
+    for format in ["q8_0", "bf16"] {
+        let mut args = vec!["--quantize", format, "--json"];
+        args.extend(files.iter().map(|f| s(f)));
+        let out = run(&args);
+        assert_eq!(out.status.code(), Some(0), "{format}");
+        let got: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).expect("json");
+                v["caption"].as_str().expect("caption").to_string()
+            })
+            .collect();
+        assert_eq!(got, want, "{format}");
+    }
     // q4k needs widths in multiples of 256: a clear one-line error, exit 2.
     let out = run(&[
         "--model",

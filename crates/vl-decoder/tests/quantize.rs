@@ -108,6 +108,8 @@ fn argmax_agreement(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
 #[test]
 fn logits_and_greedy_choices_close_to_dense() -> anyhow::Result<()> {
     for (q, cfg, max_err, min_agree) in [
+        (Quantization::Bf16, q8_config(), 0.01, 0.97),
+        (Quantization::F16, q8_config(), 0.002, 0.99),
         (Quantization::Q8_0, q8_config(), 0.03, 0.9),
         (Quantization::Q4K, q4k_config(), 0.25, 0.75),
     ] {

@@ -1,0 +1,203 @@
+//! The register-tile micro-kernel of vl's tiled attention (both of its
+//! products): `C (MR × NR) += A (MR × k) · B (k × NR)`
+//! with `A` read at any row and column stride (rows of a matrix, or the
+//! columns of a transposed one) and `B` as rows of [`NR`] floats.
+//!
+//! One implementation per instruction set behind [`Kernel`]: AVX-512F
+//! intrinsics (16 accumulators of 16 lanes, a broadcast and two FMAs per
+//! row and step), and plain Rust compiled for AVX2+FMA or for the target's
+//! baseline. Callers compile their loops once per instruction set with
+//! `#[target_feature]` and pick one with [`crate::gemv::isa`].
+
+/// Rows per micro-tile (keys in the score product, query rows in the
+/// value product).
+pub(crate) const MR: usize = 8;
+/// Columns per micro-tile: two AVX-512 registers, four AVX2 ones.
+pub(crate) const NR: usize = 32;
+
+/// `a * b + c`, fused where the instruction set has FMA (`FMA = true`;
+/// without it `mul_add` would be a library call).
+#[inline(always)]
+pub(crate) fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+/// [`madd`] as the kernel `K` does it.
+#[inline(always)]
+pub(crate) fn kmadd<K: Kernel>(a: f32, b: f32, c: f32) -> f32 {
+    if K::FMA {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+/// What differs between the instruction sets: whether `mul_add` is an
+/// instruction, and the micro-kernel.
+pub(crate) trait Kernel {
+    const FMA: bool;
+
+    /// `c[i][..] += Σ_p a(i, p) · b(p)` for `i < MR`, `p < kdim`, where
+    /// `a(i, p) = a[i * rs + p * cs]` and `b(p)` is the [`NR`] floats at
+    /// `b[p * ldb..]`.
+    ///
+    /// # Safety
+    /// Every index named above is in bounds of the allocations behind `a`
+    /// and `b` (checked by [`micro`]), and the CPU runs the instruction set.
+    unsafe fn micro(
+        a: *const f32,
+        rs: usize,
+        cs: usize,
+        b: *const f32,
+        ldb: usize,
+        kdim: usize,
+        c: &mut [[f32; NR]; MR],
+    );
+}
+
+/// Plain Rust, vectorised by the compiler for the target's baseline.
+pub(crate) struct Plain;
+/// Plain Rust compiled with AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct Fma;
+/// AVX-512F intrinsics: 16 accumulators of 16 lanes.
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct Avx512;
+
+/// The portable micro-kernel, `mul_add` fused when `FMA`.
+#[inline(always)]
+unsafe fn micro_plain<const FMA: bool>(
+    a: *const f32,
+    rs: usize,
+    cs: usize,
+    b: *const f32,
+    ldb: usize,
+    kdim: usize,
+    c: &mut [[f32; NR]; MR],
+) {
+    let mut acc = *c;
+    for p in 0..kdim {
+        // SAFETY: in bounds (the caller's contract).
+        let brow: [f32; NR] = unsafe { std::ptr::read_unaligned(b.add(p * ldb).cast()) };
+        // SAFETY: as above.
+        let x: [f32; MR] = std::array::from_fn(|i| unsafe { *a.add(i * rs + p * cs) });
+        for (acc_i, &x) in acc.iter_mut().zip(&x) {
+            for l in 0..NR {
+                acc_i[l] = madd::<FMA>(x, brow[l], acc_i[l]);
+            }
+        }
+    }
+    *c = acc;
+}
+
+impl Kernel for Plain {
+    const FMA: bool = false;
+
+    #[inline(always)]
+    unsafe fn micro(
+        a: *const f32,
+        rs: usize,
+        cs: usize,
+        b: *const f32,
+        ldb: usize,
+        kdim: usize,
+        c: &mut [[f32; NR]; MR],
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { micro_plain::<false>(a, rs, cs, b, ldb, kdim, c) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Kernel for Fma {
+    const FMA: bool = true;
+
+    #[inline(always)]
+    unsafe fn micro(
+        a: *const f32,
+        rs: usize,
+        cs: usize,
+        b: *const f32,
+        ldb: usize,
+        kdim: usize,
+        c: &mut [[f32; NR]; MR],
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { micro_plain::<true>(a, rs, cs, b, ldb, kdim, c) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Kernel for Avx512 {
+    const FMA: bool = true;
+
+    #[inline(always)]
+    unsafe fn micro(
+        a: *const f32,
+        rs: usize,
+        cs: usize,
+        b: *const f32,
+        ldb: usize,
+        kdim: usize,
+        c: &mut [[f32; NR]; MR],
+    ) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract: indices in bounds, AVX-512F present.
+        unsafe {
+            let cp = c.as_mut_ptr().cast::<f32>();
+            let mut acc: [[__m512; 2]; MR] = std::array::from_fn(|i| {
+                [
+                    _mm512_loadu_ps(cp.add(i * NR)),
+                    _mm512_loadu_ps(cp.add(i * NR + 16)),
+                ]
+            });
+            for p in 0..kdim {
+                let bp = b.add(p * ldb);
+                let (b0, b1) = (_mm512_loadu_ps(bp), _mm512_loadu_ps(bp.add(16)));
+                let ap = a.add(p * cs);
+                for (i, acc_i) in acc.iter_mut().enumerate() {
+                    let x = _mm512_set1_ps(*ap.add(i * rs));
+                    acc_i[0] = _mm512_fmadd_ps(x, b0, acc_i[0]);
+                    acc_i[1] = _mm512_fmadd_ps(x, b1, acc_i[1]);
+                }
+            }
+            for (i, acc_i) in acc.iter().enumerate() {
+                _mm512_storeu_ps(cp.add(i * NR), acc_i[0]);
+                _mm512_storeu_ps(cp.add(i * NR + 16), acc_i[1]);
+            }
+        }
+    }
+}
+
+/// [`Kernel::micro`] over slices, every index checked once up front.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn micro<K: Kernel>(
+    a: &[f32],
+    rs: usize,
+    cs: usize,
+    b: &[f32],
+    ldb: usize,
+    kdim: usize,
+    c: &mut [[f32; NR]; MR],
+) {
+    if kdim == 0 {
+        return;
+    }
+    assert!(
+        (MR - 1) * rs + (kdim - 1) * cs < a.len(),
+        "micro-kernel: a too short"
+    );
+    assert!(
+        (kdim - 1) * ldb + NR <= b.len(),
+        "micro-kernel: b too short"
+    );
+    // SAFETY: the largest indices are checked above; `K` is only
+    // instantiated inside functions compiled for its instruction set, which
+    // `task` calls only on CPUs that have it.
+    unsafe { K::micro(a.as_ptr(), rs, cs, b.as_ptr(), ldb, kdim, c) }
+}
