@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use hf_hub::api::sync::ApiBuilder;
-use hf_hub::Cache;
+use hf_hub::{Cache, Repo, RepoType};
 
 /// Files fetched when the repository has them.
 const WANTED: &[&str] = &[
@@ -43,14 +43,39 @@ pub fn check_model_id(id: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Downloads (or finds in the cache) the files of `model_id` and returns
-/// the local snapshot directory.
-pub fn fetch(model_id: &str) -> anyhow::Result<PathBuf> {
+/// Checks a revision: a branch, tag or commit (`main`, `refs/pr/12`, a
+/// hash) of letters, digits, `-`, `_`, `.` and `/`, with no `..`.
+pub fn check_revision(rev: &str) -> anyhow::Result<()> {
+    let ok = !rev.is_empty()
+        && !rev.contains("..")
+        && !rev.starts_with('/')
+        && rev
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c));
+    if !ok {
+        bail!("--revision {rev:?}: expected a branch, tag or commit such as main or refs/pr/12");
+    }
+    Ok(())
+}
+
+/// Downloads (or finds in the cache) the files of `model_id` at
+/// `revision` (a branch, tag or commit; `None` = `main`) and returns the
+/// local snapshot directory. Some repositories keep their safetensors on a
+/// pull-request branch (`refs/pr/N`): pass that as the revision.
+pub fn fetch(model_id: &str, revision: Option<&str>) -> anyhow::Result<PathBuf> {
     check_model_id(model_id)?;
+    if let Some(rev) = revision {
+        check_revision(rev)?;
+    }
+    let repo_at = || match revision {
+        Some(rev) => Repo::with_revision(model_id.to_string(), RepoType::Model, rev.to_string()),
+        None => Repo::model(model_id.to_string()),
+    };
+    let at = revision.map(|r| format!(" at {r}")).unwrap_or_default();
     let cache = Cache::from_env();
     let cached = || {
         cache
-            .model(model_id.to_string())
+            .repo(repo_at())
             .get("config.json")
             .and_then(|p| p.parent().map(PathBuf::from))
     };
@@ -58,7 +83,7 @@ pub fn fetch(model_id: &str) -> anyhow::Result<PathBuf> {
         .with_progress(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .build()
         .context("cannot set up the Hugging Face Hub client")?;
-    let repo = api.model(model_id.to_string());
+    let repo = api.repo(repo_at());
     let info = match repo.info() {
         Ok(info) => info,
         Err(e) => {
@@ -70,7 +95,7 @@ pub fn fetch(model_id: &str) -> anyhow::Result<PathBuf> {
                 return Ok(dir);
             }
             bail!(
-                "cannot fetch {model_id} from the Hugging Face Hub ({e}), and it is not in the cache {}; \
+                "cannot fetch {model_id}{at} from the Hugging Face Hub ({e}), and it is not in the cache {}; \
                  check the network (or HF_ENDPOINT), or download the directory and pass --model DIR",
                 cache.path().display()
             );
@@ -81,11 +106,12 @@ pub fn fetch(model_id: &str) -> anyhow::Result<PathBuf> {
     if !has("model.safetensors") && !has("model.safetensors.index.json") {
         if has("pytorch_model.bin") {
             bail!(
-                "{model_id} has only pytorch_model.bin (pickle, never loaded); \
-                 convert it to safetensors and pass --model DIR"
+                "{model_id}{at} has only pytorch_model.bin (pickle, never loaded); \
+                 its safetensors may live on a pull-request branch (--revision refs/pr/N), \
+                 or convert it once (see the README) and pass --model DIR"
             );
         }
-        bail!("{model_id} has no model.safetensors");
+        bail!("{model_id}{at} has no model.safetensors");
     }
     let mut dir = None;
     for f in WANTED.iter().copied().filter(|f| has(f)) {
@@ -123,6 +149,16 @@ mod tests {
         for bad in ["../etc", "a/b/c", "", "org/", "org/na me", "org/.."] {
             assert!(check_model_id(bad).is_err(), "{bad}");
         }
+        for good in ["main", "refs/pr/12", "v1.0", "0123abcd"] {
+            assert!(check_revision(good).is_ok(), "{good}");
+        }
+        for bad in ["", "../x", "/abs", "a b", "refs/pr/1;rm"] {
+            let err = check_revision(bad).map_err(|e| e.to_string());
+            assert!(
+                err.as_ref().is_err_and(|e| e.contains("--revision")),
+                "{bad}: {err:?}"
+            );
+        }
     }
 
     #[test]
@@ -130,7 +166,7 @@ mod tests {
         // Nothing listens on this port: the fetch fails without hanging.
         std::env::set_var("HF_ENDPOINT", "http://127.0.0.1:9");
         std::env::set_var("HF_HOME", std::env::temp_dir().join("vl-hub-test-empty"));
-        let err = format!("{:#}", fetch("org/absent-model").unwrap_err());
+        let err = format!("{:#}", fetch("org/absent-model", None).unwrap_err());
         assert!(
             err.contains("org/absent-model") && err.contains("cache"),
             "{err}"

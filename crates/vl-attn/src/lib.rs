@@ -20,8 +20,13 @@
 //!   tensors; [`CoAttentionBlock`] is the pre-LN block built from it.
 //! - [`mask`]: every mask, with one polarity — `1` = may attend.
 //! - [`kernel`]: the reference and the fused attention paths behind one
-//!   entry point, [`kernel::attention`]; a query row with nothing to attend
-//!   to yields zeros, never NaN.
+//!   entry point, [`kernel::attention`]; on CPU the fused path is vl's own
+//!   kernels — tiled (query blocks × key blocks, online softmax) for
+//!   prefill and encoders, one row at a time for decode steps; a query
+//!   row with nothing to attend to yields zeros, never NaN.
+//! - [`gemv`] and [`gemm_bf16`]: vl's CPU matrix products for decode
+//!   shapes (1–8 rows, f32/f16/bf16 weights, across the thread pool) and
+//!   for many bf16 rows (AVX512_BF16), behind [`Proj`].
 //! - [`Proj`]: the projections, dense or quantized (`q8_0`, `q4k`) through
 //!   `quantize` on every attention and on [`FeedForward`].
 //! - [`dropout`]: inverted [`Dropout`] with seeded, reproducible masks and

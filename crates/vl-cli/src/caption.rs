@@ -46,6 +46,10 @@ pub struct Args {
     /// Fetch the model ORG/NAME from the Hugging Face Hub instead (needs the `hub` feature).
     #[arg(long, conflicts_with = "model")]
     model_id: Option<String>,
+    /// With --model-id: the branch, tag or commit to fetch (e.g. refs/pr/12 for a repository
+    /// whose safetensors live on a pull-request branch) [default: main].
+    #[arg(long)]
+    revision: Option<String>,
     /// One JSON object per image per line: {"image", "caption", "token_ids"} or {"image", "error"}.
     #[arg(long)]
     json: bool,
@@ -241,10 +245,17 @@ fn sanitize(word: &str) -> String {
 /// embedded captioner.
 fn load_model(args: &Args) -> anyhow::Result<VlModel> {
     match &args.model_id {
-        None => args.model.load(),
+        None => {
+            if let Some(rev) = &args.revision {
+                bail!(
+                    "--revision {rev}: a revision of a Hub repository, which needs --model-id ORG/NAME"
+                );
+            }
+            args.model.load()
+        }
         #[cfg(feature = "hub")]
         Some(id) => {
-            let dir = vl::hub::fetch(id)?;
+            let dir = vl::hub::fetch(id, args.revision.as_deref())?;
             ModelArgs {
                 model: Some(dir),
                 ..args.model.clone()
@@ -253,8 +264,12 @@ fn load_model(args: &Args) -> anyhow::Result<VlModel> {
         }
         #[cfg(not(feature = "hub"))]
         Some(id) => bail!(
-            "--model-id {id}: this build has no Hub support; rebuild with `--features hub`, \
-             or download the checkpoint and pass --model DIR"
+            "--model-id {id}{}: this build has no Hub support; rebuild with `--features hub`, \
+             or download the checkpoint and pass --model DIR",
+            args.revision
+                .as_deref()
+                .map(|r| format!(" --revision {r}"))
+                .unwrap_or_default()
         ),
     }
 }

@@ -786,3 +786,76 @@ fn image_directory_without_images() {
         "row 45: {err}"
     );
 }
+
+/// A copy of the committed transformers fixture `family/name` in a
+/// temporary directory, its `config.json` rewritten through `edit`.
+fn broken_fixture(
+    family: &str,
+    name: &str,
+    edit: impl FnOnce(&mut serde_json::Value),
+) -> (tempfile::TempDir, PathBuf) {
+    let src = common::repo_root()
+        .join("tests/fixtures")
+        .join(family)
+        .join(name);
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dir = tmp.path().join(name);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    for entry in std::fs::read_dir(&src).expect("fixture") {
+        let p = entry.expect("entry").path();
+        std::fs::copy(&p, dir.join(p.file_name().expect("name"))).expect("copy");
+    }
+    let p = dir.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).expect("read")).expect("json");
+    edit(&mut cfg);
+    std::fs::write(&p, serde_json::to_string_pretty(&cfg).expect("json")).expect("write");
+    (tmp, dir)
+}
+
+#[test]
+fn trocr_unknown_activation() {
+    let (_tmp, dir) = broken_fixture("trocr", "vit_learned", |c| {
+        c["decoder"]["activation_function"] = "swish2".into();
+    });
+    let out = run(&["--model", s(&dir), s(&dir.join("image.png"))]);
+    assert_fatal(
+        "row 46",
+        &out,
+        &["config.json", "activation_function", "swish2"],
+    );
+}
+
+#[test]
+fn blip_without_text_config() {
+    let (_tmp, dir) = broken_fixture("blip", "vision24", |c| {
+        c.as_object_mut().expect("object").remove("text_config");
+    });
+    let out = run(&["--model", s(&dir), s(&dir.join("image.png"))]);
+    assert_fatal("row 47", &out, &["config.json", "text_config"]);
+}
+
+#[test]
+fn prompt_for_a_model_without_prompts() {
+    let f = Fixture::new();
+    let out = f.caption_with(&f.model, &["--prompt", "a picture of"]);
+    assert_fatal("row 48", &out, &["prompt", "BLIP"]);
+}
+
+#[test]
+fn flag_unknown_quantization() {
+    flag_row(
+        "--quantize q3",
+        &["--quantize", "q3"],
+        &["--quantize", "none, bf16, f16, q8_0, q4k", "\"q3\""],
+    );
+}
+
+#[test]
+fn flag_revision_without_model_id() {
+    flag_row(
+        "row 50",
+        &["--revision", "refs/pr/1"],
+        &["--revision refs/pr/1", "--model-id"],
+    );
+}

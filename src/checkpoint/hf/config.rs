@@ -44,12 +44,21 @@ impl TryFrom<Value> for HfDecoderConfig {
             .get("model_type")
             .and_then(Value::as_str)
             .map(str::to_owned);
+        // The field's path in the message (`decoder.activation_function:
+        // unknown variant ...`), not only serde's line and column.
         let parsed = match family.as_deref() {
-            Some("gpt2") => serde_json::from_value(v).map(Self::Gpt2),
-            Some("trocr") => serde_json::from_value(v).map(Self::Trocr),
+            Some("gpt2") => serde_path_to_error::deserialize(v).map(Self::Gpt2),
+            Some("trocr") => serde_path_to_error::deserialize(v).map(Self::Trocr),
             other => return Err(format!("decoder.model_type: unsupported {other:?}")),
         };
-        parsed.map_err(|e| format!("decoder ({}): {e}", family.unwrap_or_default()))
+        parsed.map_err(|e| {
+            format!(
+                "decoder.{} ({}): {}",
+                e.path(),
+                family.unwrap_or_default(),
+                e.inner()
+            )
+        })
     }
 }
 
