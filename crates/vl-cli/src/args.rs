@@ -152,6 +152,10 @@ impl GenerationArgs {
     }
 }
 
+/// Rounds candle's pool workers spin after an op before sleeping (candle's
+/// default: 25 000); see [`ThreadArgs::apply`].
+pub const SPIN_LIMIT: u32 = 2_000;
+
 /// Threads for CPU work, before any is started.
 #[derive(clap::Args, Debug, Clone, Copy)]
 pub struct ThreadArgs {
@@ -164,7 +168,19 @@ impl ThreadArgs {
     /// Sizes candle's thread pool (rayon's global pool, and the matrix
     /// product's, which reads `RAYON_NUM_THREADS`). Call first, before any
     /// tensor work.
+    ///
+    /// Also shortens how long candle's own worker pool (under its quantized
+    /// products and elementwise ops) spins after each op before it sleeps,
+    /// unless `CANDLE_BARRIER_POOL_SPIN_LIMIT` is set: at candle's default
+    /// (25 000 rounds) that worker keeps a core busy between ops, taking it
+    /// from vl's kernels on the rayon pool — the f32 ViT encode took 286–334
+    /// ms with it and 229–255 ms with [`SPIN_LIMIT`] on the 2-core machine of
+    /// BENCHMARKS.md, while q8_0 decoding (candle's kernels back to back)
+    /// kept its speed (9.8 vs 10.1 ms/token; no spinning at all: 11.5).
     pub fn apply(self) -> anyhow::Result<()> {
+        if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
+            std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", SPIN_LIMIT.to_string());
+        }
         let Some(n) = self.threads else {
             return Ok(());
         };
