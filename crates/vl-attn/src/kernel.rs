@@ -174,9 +174,12 @@ impl Dims {
 
 /// The fewest query rows sharing one key head (beams × grouped heads ×
 /// positions) that the CPU kernel runs tiled; fewer (a decode step of one
-/// sample) run one row at a time, where packing the keys into tiles would
-/// cost as much as the products.
-pub const TILED_MIN_ROWS: usize = 3;
+/// sample or two beams) run one row at a time. A tile always computes 32
+/// rows' scores, so its cost is flat up to 32 rows while the per-row
+/// kernel's grows with each: over 577 keys × 12 heads (`bench_attention
+/// --k-len 577`, two threads) the row kernel took 308 / 460 / 600 / 702 µs
+/// for 2 / 3 / 4 / 8 rows, the tiled one 483 / 497 / 513 µs for 3 / 4 / 8.
+pub const TILED_MIN_ROWS: usize = 4;
 
 /// Scaled dot-product attention: the output `(batch_q, heads, q_len,
 /// head_dim)` and, when `weights` is [`Weights::Return`], the weights.
