@@ -129,21 +129,71 @@ pub struct VlModel {
     pub format: ModelFormat,
 }
 
+/// `vision` quantized to `format` (as it is when `None`): a family
+/// loader's step of [`VlModel::load_quantized`].
+pub(crate) fn quantized_vision(
+    vision: VisionEncoder,
+    format: Option<candle_core::quantized::GgmlDType>,
+) -> Result<VisionEncoder> {
+    Ok(match format {
+        Some(f) => vision.quantize(f)?,
+        None => vision,
+    })
+}
+
+/// `decoder` quantized to `format` (as it is when `None`), block by block,
+/// each dense block dropped as soon as its quantized copy exists.
+pub(crate) fn quantized_decoder(
+    decoder: VisionLanguageDecoder,
+    format: Option<candle_core::quantized::GgmlDType>,
+) -> Result<VisionLanguageDecoder> {
+    Ok(match format {
+        Some(f) => decoder.into_quantized(f)?,
+        None => decoder,
+    })
+}
+
 impl VlModel {
     /// Loads `dir` onto `device` in `dtype`, in whichever format its
     /// `config.json` declares ([`ModelFormat::detect`]). Errors name the
     /// file and, for weights, the tensor with the expected and found shape.
     pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
+        Self::load_quantized(dir, dtype, device, vl_decoder::Quantization::None)
+    }
+
+    /// [`VlModel::load`] with the linear layers quantized to `q` (as
+    /// [`VlModel::quantize`] does), converted part by part as the load goes:
+    /// for transformers' checkpoints the vision encoder is quantized before
+    /// the decoder's weights are read and the decoder right after, so the
+    /// dense weights of one part at most are in memory beside the quantized
+    /// ones — peak memory stays under the dense file's size for `q8_0`,
+    /// where loading first and quantizing after holds the whole dense model
+    /// and a quantized copy. vl's own (small) directories are loaded, then
+    /// quantized.
+    ///
+    /// # Errors
+    /// As [`VlModel::load`] and [`VlModel::quantize`].
+    pub fn load_quantized(
+        dir: &Path,
+        dtype: DType,
+        device: &Device,
+        q: vl_decoder::Quantization,
+    ) -> Result<Self> {
         if !dir.is_dir() {
             return Err(Error::Io {
                 path: dir.to_path_buf(),
                 source: std::io::Error::new(std::io::ErrorKind::NotFound, "not a model directory"),
             });
         }
+        let format = q.ggml_dtype();
         match ModelFormat::detect(dir)? {
-            ModelFormat::Vl => native::load(dir, dtype, device),
-            ModelFormat::VisionEncoderDecoder => hf::load(dir, dtype, device),
-            ModelFormat::Blip => hf::blip::load(dir, dtype, device),
+            ModelFormat::Vl => {
+                let mut model = native::load(dir, dtype, device)?;
+                model.quantize(q)?;
+                Ok(model)
+            }
+            ModelFormat::VisionEncoderDecoder => hf::load(dir, dtype, device, format),
+            ModelFormat::Blip => hf::blip::load(dir, dtype, device, format),
         }
     }
 
@@ -165,11 +215,13 @@ impl VlModel {
     /// (`decoder.…` or `vision.…`).
     pub fn quantize(&mut self, q: vl_decoder::Quantization) -> Result<()> {
         if let Some(format) = q.ggml_dtype() {
-            let decoder = self.decoder.quantize(format)?;
+            // The vision encoder first, as `load_quantized` does: the same
+            // layer is named when one does not fit.
             let vision = match &self.vision {
                 Some(v) => Some(v.quantize(format)?),
                 None => None,
             };
+            let decoder = self.decoder.quantize(format)?;
             let resampler = match &self.resampler {
                 Some(r) => Some(r.quantize(format).map_err(|e| e.within("resampler"))?),
                 None => None,

@@ -15,21 +15,12 @@ pub(crate) const MR: usize = 8;
 /// Columns per micro-tile: two AVX-512 registers, four AVX2 ones.
 pub(crate) const NR: usize = 32;
 
-/// `a * b + c`, fused where the instruction set has FMA (`FMA = true`;
-/// without it `mul_add` would be a library call).
+/// `a * b + c`, fused when `fused` (callers pass their kernel's
+/// [`Kernel::FMA`], a constant, so the branch folds away; without FMA
+/// `mul_add` would be a library call).
 #[inline(always)]
-pub(crate) fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
-    if FMA {
-        a.mul_add(b, c)
-    } else {
-        a * b + c
-    }
-}
-
-/// [`madd`] as the kernel `K` does it.
-#[inline(always)]
-pub(crate) fn kmadd<K: Kernel>(a: f32, b: f32, c: f32) -> f32 {
-    if K::FMA {
+pub(crate) fn madd(fused: bool, a: f32, b: f32, c: f32) -> f32 {
+    if fused {
         a.mul_add(b, c)
     } else {
         a * b + c
@@ -59,75 +50,45 @@ pub(crate) trait Kernel {
     );
 }
 
+/// Plain Rust over fixed-size arrays: `Portable<false>` ([`Plain`]) for
+/// the target's baseline, `Portable<true>` ([`Fma`]) compiled with AVX2
+/// and FMA, where `mul_add` is one instruction.
+pub(crate) struct Portable<const FMA: bool>;
 /// Plain Rust, vectorised by the compiler for the target's baseline.
-pub(crate) struct Plain;
+pub(crate) type Plain = Portable<false>;
 /// Plain Rust compiled with AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
-pub(crate) struct Fma;
+pub(crate) type Fma = Portable<true>;
 /// AVX-512F intrinsics: 16 accumulators of 16 lanes.
 #[cfg(target_arch = "x86_64")]
 pub(crate) struct Avx512;
 
-/// The portable micro-kernel, `mul_add` fused when `FMA`.
-#[inline(always)]
-unsafe fn micro_plain<const FMA: bool>(
-    a: *const f32,
-    rs: usize,
-    cs: usize,
-    b: *const f32,
-    ldb: usize,
-    kdim: usize,
-    c: &mut [[f32; NR]; MR],
-) {
-    let mut acc = *c;
-    for p in 0..kdim {
-        // SAFETY: in bounds (the caller's contract).
-        let brow: [f32; NR] = unsafe { std::ptr::read_unaligned(b.add(p * ldb).cast()) };
-        // SAFETY: as above.
-        let x: [f32; MR] = std::array::from_fn(|i| unsafe { *a.add(i * rs + p * cs) });
-        for (acc_i, &x) in acc.iter_mut().zip(&x) {
-            for l in 0..NR {
-                acc_i[l] = madd::<FMA>(x, brow[l], acc_i[l]);
+impl<const F: bool> Kernel for Portable<F> {
+    const FMA: bool = F;
+
+    #[inline(always)]
+    unsafe fn micro(
+        a: *const f32,
+        rs: usize,
+        cs: usize,
+        b: *const f32,
+        ldb: usize,
+        kdim: usize,
+        c: &mut [[f32; NR]; MR],
+    ) {
+        let mut acc = *c;
+        for p in 0..kdim {
+            // SAFETY: in bounds (the caller's contract).
+            let brow: [f32; NR] = unsafe { std::ptr::read_unaligned(b.add(p * ldb).cast()) };
+            // SAFETY: as above.
+            let x: [f32; MR] = std::array::from_fn(|i| unsafe { *a.add(i * rs + p * cs) });
+            for (acc_i, &x) in acc.iter_mut().zip(&x) {
+                for l in 0..NR {
+                    acc_i[l] = madd(F, x, brow[l], acc_i[l]);
+                }
             }
         }
-    }
-    *c = acc;
-}
-
-impl Kernel for Plain {
-    const FMA: bool = false;
-
-    #[inline(always)]
-    unsafe fn micro(
-        a: *const f32,
-        rs: usize,
-        cs: usize,
-        b: *const f32,
-        ldb: usize,
-        kdim: usize,
-        c: &mut [[f32; NR]; MR],
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe { micro_plain::<false>(a, rs, cs, b, ldb, kdim, c) }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Kernel for Fma {
-    const FMA: bool = true;
-
-    #[inline(always)]
-    unsafe fn micro(
-        a: *const f32,
-        rs: usize,
-        cs: usize,
-        b: *const f32,
-        ldb: usize,
-        kdim: usize,
-        c: &mut [[f32; NR]; MR],
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe { micro_plain::<true>(a, rs, cs, b, ldb, kdim, c) }
+        *c = acc;
     }
 }
 

@@ -42,7 +42,7 @@
 use rayon::prelude::*;
 
 use crate::gemv::Isa;
-use crate::micro::{kmadd, micro, Kernel, Plain, MR, NR};
+use crate::micro::{madd, micro, Kernel, Plain, MR, NR};
 #[cfg(target_arch = "x86_64")]
 use crate::micro::{Avx512, Fma};
 
@@ -215,17 +215,17 @@ fn exp_neg<K: Kernel>(x: f32) -> f32 {
     const LOWEST: f32 = -87.0;
     let open = x >= LOWEST;
     let xc = if open { x } else { LOWEST };
-    let t = kmadd::<K>(xc, LOG2E, ROUND);
+    let t = madd(K::FMA, xc, LOG2E, ROUND);
     let n = t - ROUND;
-    let r = kmadd::<K>(n, -LN2_HI, xc);
-    let r = kmadd::<K>(n, -LN2_LO, r);
+    let r = madd(K::FMA, n, -LN2_HI, xc);
+    let r = madd(K::FMA, n, -LN2_LO, r);
     let mut y = 1.987_569_1e-4;
-    y = kmadd::<K>(y, r, 1.398_2e-3);
-    y = kmadd::<K>(y, r, 8.333_452e-3);
-    y = kmadd::<K>(y, r, 4.166_579_6e-2);
-    y = kmadd::<K>(y, r, 1.666_666_5e-1);
-    y = kmadd::<K>(y, r, 0.5);
-    let y = kmadd::<K>(y, r * r, r + 1.0);
+    y = madd(K::FMA, y, r, 1.398_2e-3);
+    y = madd(K::FMA, y, r, 8.333_452e-3);
+    y = madd(K::FMA, y, r, 4.166_579_6e-2);
+    y = madd(K::FMA, y, r, 1.666_666_5e-1);
+    y = madd(K::FMA, y, r, 0.5);
+    let y = madd(K::FMA, y, r * r, r + 1.0);
     // 2^n, n in [-126, 0]: the exponent field built from the rounded bits.
     let k = t.to_bits() as i32 - ROUND.to_bits() as i32;
     let two_n = f32::from_bits(((k + 127) as u32) << 23);
@@ -325,7 +325,7 @@ fn task_generic<K: Kernel>(
             }
         }
         for ((l, &a), &x) in s.l.iter_mut().zip(&s.alpha).zip(&sum) {
-            *l = kmadd::<K>(*l, a, x);
+            *l = madd(K::FMA, *l, a, x);
         }
         s.m = m_new;
         for (n, o) in s.o.chunks_exact_mut(dp).enumerate() {

@@ -71,23 +71,32 @@ pub(crate) fn device_name(device: &Device) -> &'static str {
 
 impl ModelArgs {
     /// Loads `--model`, or the embedded shapes captioner, on `--device` in
-    /// `--dtype`, quantized as `--quantize` says.
+    /// `--dtype`, quantized as `--quantize` says (part by part during the
+    /// load: [`VlModel::load_quantized`]).
     pub fn load(&self) -> anyhow::Result<VlModel> {
-        let mut model = match &self.model {
-            Some(dir) => VlModel::load(dir, self.dtype, &self.device)
-                .with_context(|| format!("cannot load the model {}", dir.display()))?,
-            None => native::load_bytes(
-                Path::new(embedded::NAME),
-                embedded::SHAPES_CAPTIONER,
-                self.dtype,
-                &self.device,
-            )
-            .context("cannot load the embedded shapes captioner")?,
-        };
-        model
-            .quantize(self.quantize)
-            .with_context(|| format!("--quantize {}", self.quantize))?;
-        Ok(model)
+        match &self.model {
+            Some(dir) => VlModel::load_quantized(dir, self.dtype, &self.device, self.quantize)
+                .with_context(|| match self.quantize {
+                    Quantization::None => format!("cannot load the model {}", dir.display()),
+                    q => format!(
+                        "cannot load the model {} with --quantize {q}",
+                        dir.display()
+                    ),
+                }),
+            None => {
+                let mut model = native::load_bytes(
+                    Path::new(embedded::NAME),
+                    embedded::SHAPES_CAPTIONER,
+                    self.dtype,
+                    &self.device,
+                )
+                .context("cannot load the embedded shapes captioner")?;
+                model
+                    .quantize(self.quantize)
+                    .with_context(|| format!("--quantize {}", self.quantize))?;
+                Ok(model)
+            }
+        }
     }
 
     /// What `--model` names, for messages.

@@ -132,9 +132,16 @@ fn weights_mb(dir: &std::path::Path) -> f64 {
 /// Runs `vl bench`: prints one JSON line of medians.
 pub fn run(args: &Args) -> anyhow::Result<()> {
     let (device, dtype) = (&args.device, args.dtype);
-    let (load_ms, mut model) = time(|| {
-        VlModel::load(&args.model, dtype, device)
-            .with_context(|| format!("cannot load {}", args.model.display()))
+    // Quantized as `vl caption --quantize` does: part by part during the
+    // load (its time counts in `load_ms`).
+    let (load_ms, model) = time(|| {
+        VlModel::load_quantized(&args.model, dtype, device, args.quantize).with_context(|| {
+            format!(
+                "cannot load {} (--quantize {})",
+                args.model.display(),
+                args.quantize
+            )
+        })
     })?;
     let spec = *model.pixel_spec()?;
     let side = spec.image_size;
@@ -142,10 +149,6 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let pixels = Tensor::arange(0f32, (3 * side * side) as f32, device)?
         .affine(1.0 / (3 * side * side) as f64, -0.5)?
         .reshape((1, 3, side, side))?;
-    // Every quantizable part, as `vl caption --quantize` does.
-    model
-        .quantize(args.quantize)
-        .with_context(|| format!("--quantize {}", args.quantize))?;
     let dec = &model.decoder;
 
     let encode_ms = bench(args.repeats, || {

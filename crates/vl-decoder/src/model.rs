@@ -464,6 +464,27 @@ impl VisionLanguageDecoder {
         })
     }
 
+    /// [`Self::quantize`], consuming the decoder: each block's dense
+    /// weights are dropped as soon as its quantized copy exists, so the
+    /// peak memory is the dense decoder and one quantized block, not two
+    /// whole decoders (loaders quantize this way as they load).
+    ///
+    /// # Errors
+    /// As [`Self::quantize`]; the decoder is consumed either way.
+    pub fn into_quantized(mut self, format: GgmlDType) -> Result<Self> {
+        let dense = std::mem::take(&mut self.blocks);
+        let mut blocks = Vec::with_capacity(dense.len());
+        for (i, b) in dense.into_iter().enumerate() {
+            blocks.push(
+                b.quantize(format)
+                    .map_err(|e| e.within(&format!("blocks.{i}")))?,
+            );
+        }
+        self.blocks = blocks;
+        self.lm_head = self.lm_head.quantize("lm_head", format)?;
+        Ok(self)
+    }
+
     /// The quantized format of the linear layers, `None` when dense.
     pub fn quantization(&self) -> Option<GgmlDType> {
         self.lm_head.quantization()

@@ -241,3 +241,24 @@ fn unsupported_widths_name_the_layer() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// `into_quantized` (consuming, block by block) is `quantize`, bit for bit.
+#[test]
+fn into_quantized_equals_quantize() -> anyhow::Result<()> {
+    let cfg = q8_config();
+    let dense = build(&cfg, DType::F32)?;
+    let (toks, mem) = inputs(&cfg, 2, 8)?;
+    for q in [Quantization::Q8_0, Quantization::Bf16] {
+        let format = q.ggml_dtype().ok_or_else(|| anyhow::anyhow!("dense"))?;
+        let a = dense.quantize(format)?;
+        let b = dense.clone().into_quantized(format)?;
+        assert_eq!(b.quantization(), Some(format));
+        let diff = (a.forward(&toks, Some(&mem), ForwardMasks::default())?
+            - b.forward(&toks, Some(&mem), ForwardMasks::default())?)?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0, "{q}");
+    }
+    Ok(())
+}

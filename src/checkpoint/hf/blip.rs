@@ -25,6 +25,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Embedding, Linear, VarBuilder};
 use serde::Deserialize;
@@ -454,9 +455,16 @@ pub fn load_text(vb: VarBuilder, cfg: &DecoderConfig) -> Result<VisionLanguageDe
     )?)
 }
 
-/// Loads a BLIP captioning directory onto `device` in `dtype`. Errors
-/// name the file, and the field or tensor.
-pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<VlModel> {
+/// Loads a BLIP captioning directory onto `device` in `dtype`, its linear
+/// layers quantized to `quantize` part by part (see
+/// [`VlModel::load_quantized`]). Errors name the file, and the field or
+/// tensor.
+pub fn load(
+    dir: &Path,
+    dtype: DType,
+    device: &Device,
+    quantize: Option<GgmlDType>,
+) -> Result<VlModel> {
     let config_path = dir.join(CONFIG_FILE);
     let cfg: HfBlipConfig = read_json(&config_path)?;
     cfg.validate().map_err(in_file(&config_path))?;
@@ -486,7 +494,9 @@ pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<VlModel> {
     let (label, files) = weight_files(dir)?;
     let vb = open_weights(&files, dtype, device)?;
     let vit = load_vision(vb.pp("vision_model"), &vit_cfg).map_err(weights_error(&label))?;
+    let vision = crate::checkpoint::quantized_vision(VisionEncoder::Vit(vit), quantize)?;
     let decoder = load_text(vb.pp("text_decoder"), &dec_cfg).map_err(weights_error(&label))?;
+    let decoder = crate::checkpoint::quantized_decoder(decoder, quantize)?;
     Ok(VlModel {
         path: dir.to_path_buf(),
         config: VlConfig {
@@ -497,7 +507,7 @@ pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<VlModel> {
         },
         resampler: None,
         decoder,
-        vision: Some(VisionEncoder::Vit(vit)),
+        vision: Some(vision),
         tokenizer,
         pixels: Some(pixels),
         generation,

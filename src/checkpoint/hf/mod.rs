@@ -46,6 +46,7 @@ pub mod vit;
 use std::collections::BTreeMap;
 use std::path::{Component, Path, PathBuf};
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device};
 use serde::Deserialize;
 use vl_vision::{VisionConfig, VisionEncoder};
@@ -172,8 +173,15 @@ pub fn weight_files(dir: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
 }
 
 /// Loads a vision-encoder-decoder checkpoint directory onto `device` in
-/// `dtype`. Errors name the file, and the field or tensor.
-pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<VlModel> {
+/// `dtype`, its linear layers quantized to `quantize` part by part (see
+/// [`VlModel::load_quantized`]). Errors name the file, and the field or
+/// tensor.
+pub fn load(
+    dir: &Path,
+    dtype: DType,
+    device: &Device,
+    quantize: Option<GgmlDType>,
+) -> Result<VlModel> {
     let config_path = dir.join(CONFIG_FILE);
     check_families(&config_path)?;
     let cfg: HfConfig = read_json(&config_path)?;
@@ -237,11 +245,13 @@ pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<VlModel> {
     let (label, files) = weight_files(dir)?;
     let vb = open_weights(&files, dtype, device)?;
     let vit = vit::load(vb.clone(), &cfg, &vit_cfg).map_err(weights_error(&label))?;
+    let vision = super::quantized_vision(VisionEncoder::Vit(vit), quantize)?;
     let decoder = match &cfg.decoder {
         HfDecoderConfig::Gpt2(_) => gpt2::load(vb, &dec_cfg),
         HfDecoderConfig::Trocr(_) => trocr::load(vb, &dec_cfg),
     }
     .map_err(weights_error(&label))?;
+    let decoder = super::quantized_decoder(decoder, quantize)?;
     Ok(VlModel {
         path: dir.to_path_buf(),
         config: VlConfig {
@@ -252,7 +262,7 @@ pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<VlModel> {
         },
         resampler: None,
         decoder,
-        vision: Some(VisionEncoder::Vit(vit)),
+        vision: Some(vision),
         tokenizer,
         pixels: Some(pixels),
         generation: gen_cfg,
