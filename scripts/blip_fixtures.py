@@ -80,11 +80,9 @@ WORDS = (
 PIECES = ["##s", "##ing", "##ed", "##er", "##y"]
 
 
-def bert_tokenizer() -> Tokenizer:
-    """A tiny BERT WordPiece tokenizer, laid out as BLIP's (lower case)."""
-    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS + PIECES)}
-    for c in "abcdefghijklmnopqrstuvwxyz.,":
-        vocab.setdefault(c, len(vocab))
+def wordpiece(vocab: dict, cls: int, sep: int) -> Tokenizer:
+    """BERT's lower-case WordPiece pipeline over `vocab`, with BERT's
+    [CLS] ... [SEP] template."""
     tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -92,8 +90,17 @@ def bert_tokenizer() -> Tokenizer:
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
         pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", CLS), ("[SEP]", SEP)],
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
     )
+    return tok
+
+
+def bert_tokenizer() -> Tokenizer:
+    """A tiny BERT WordPiece tokenizer, laid out as BLIP's (lower case)."""
+    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS + PIECES)}
+    for c in "abcdefghijklmnopqrstuvwxyz.,":
+        vocab.setdefault(c, len(vocab))
+    tok = wordpiece(vocab, CLS, SEP)
     for i, s in enumerate(SPECIALS):
         assert tok.token_to_id(s) == i
     from tokenizers import AddedToken
@@ -231,15 +238,7 @@ def base_bert_tokenizer() -> Tokenizer:
     while len(vocab) < BASE_BERT_VOCAB:
         vocab.setdefault(f"w{i}", len(vocab))
         i += 1
-    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece()
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]",
-        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", BASE_CLS), ("[SEP]", BASE_SEP)],
-    )
+    tok = wordpiece(vocab, BASE_CLS, BASE_SEP)
     tok.add_special_tokens([AddedToken(s, special=True)
                             for s in ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[DEC]", "[ENC]"]])
     ids = [tok.token_to_id(s) for s in ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[DEC]", "[ENC]"]]
