@@ -4,18 +4,12 @@
 //! layer does not fit the format.
 #![allow(missing_docs)]
 
-use std::path::PathBuf;
+mod parity;
 
 use candle_core::{DType, Device, Tensor};
+use parity::fixture;
 use vl::vl_decoder::Quantization;
 use vl::VlModel;
-
-fn fixture(family: &str, kind: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(family)
-        .join(kind)
-}
 
 /// The model's logits for a fixed token sequence over its own encoding of
 /// a fixed image.

@@ -83,16 +83,16 @@ pub const FUSED_BLOCK_BYTES: usize = 64 << 20;
 
 /// The dimensions of one attention call, checked once.
 #[derive(Debug, Clone, Copy)]
-struct Dims {
-    batch_q: usize,
-    heads: usize,
-    q_len: usize,
-    head_dim: usize,
-    batch_k: usize,
-    kv_heads: usize,
-    k_len: usize,
+pub(crate) struct Dims {
+    pub(crate) batch_q: usize,
+    pub(crate) heads: usize,
+    pub(crate) q_len: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) batch_k: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) k_len: usize,
     /// `batch_q * heads * q_len * k_len`, checked not to overflow.
-    score_elems: usize,
+    pub(crate) score_elems: usize,
 }
 
 impl Dims {
@@ -157,17 +157,17 @@ impl Dims {
     }
 
     /// Query samples per key sample.
-    fn r(&self) -> usize {
+    pub(crate) fn r(&self) -> usize {
         self.batch_q / self.batch_k
     }
 
     /// Query heads per key head.
-    fn g(&self) -> usize {
+    pub(crate) fn g(&self) -> usize {
         self.heads / self.kv_heads
     }
 
     /// Query rows that read one key head: `r · g · q_len`.
-    fn group_rows(&self) -> usize {
+    pub(crate) fn group_rows(&self) -> usize {
         self.r() * self.g() * self.q_len
     }
 }
@@ -407,9 +407,9 @@ fn fused(
     let mask = match mask {
         None => None,
         Some(m) => {
-            let (mb, mq, _) = m.dims();
+            let (batch, q_len, _) = m.dims();
             let data = m.tensor().flatten_all()?.to_vec1::<u8>()?;
-            Some((data, mb, mq))
+            Some(HostMask { data, batch, q_len })
         }
     };
     let op = FusedCpu {
@@ -478,8 +478,25 @@ fn blocked_reference(
 struct FusedCpu {
     dims: Dims,
     scale: f32,
-    /// The mask's bytes with its batch and query extents (each 1 or full).
-    mask: Option<(Vec<u8>, usize, usize)>,
+    mask: Option<HostMask>,
+}
+
+/// A mask's bytes on the host, `(batch, q_len, k_len)` with its batch and
+/// query extents each 1 (broadcast) or full: what the CPU kernels read.
+pub(crate) struct HostMask {
+    pub(crate) data: Vec<u8>,
+    pub(crate) batch: usize,
+    pub(crate) q_len: usize,
+}
+
+impl HostMask {
+    /// The bytes of query sample `b`, position `i`: one per key, `1` = may
+    /// attend.
+    pub(crate) fn row(&self, b: usize, i: usize, k_len: usize) -> &[u8] {
+        let b = if self.batch == 1 { 0 } else { b };
+        let i = if self.q_len == 1 { 0 } else { i };
+        &self.data[(b * self.q_len + i) * k_len..][..k_len]
+    }
 }
 
 /// A dot product written so that the compiler vectorises it.
@@ -523,11 +540,7 @@ impl FusedCpu {
         let b = row / (q_len * heads);
         let kv_base = ((b / r) * kv_heads + h / g) * k_len * head_dim;
         let q_row = &q[row * head_dim..][..head_dim];
-        let allowed: Option<&[u8]> = self.mask.as_ref().map(|(m, mb, mq)| {
-            let mb_i = if *mb == 1 { 0 } else { b };
-            let mq_i = if *mq == 1 { 0 } else { i };
-            &m[(mb_i * mq + mq_i) * k_len..][..k_len]
-        });
+        let allowed = self.mask.as_ref().map(|m| m.row(b, i, k_len));
         let mut max = f32::NEG_INFINITY;
         let mut any = false;
         for (j, s) in scores.iter_mut().enumerate() {
@@ -624,14 +637,8 @@ impl CustomOp3 for FusedCpu {
                 q,
                 k,
                 v,
-                mask: self.mask.as_ref().map(|(m, mb, mq)| (&m[..], *mb, *mq)),
-                batch_q: d.batch_q,
-                heads: d.heads,
-                q_len: d.q_len,
-                head_dim: d.head_dim,
-                batch_k: d.batch_k,
-                kv_heads: d.kv_heads,
-                k_len: d.k_len,
+                mask: self.mask.as_ref(),
+                dims: d,
                 scale: self.scale,
             };
             return Ok((

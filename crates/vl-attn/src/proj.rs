@@ -222,51 +222,51 @@ impl Proj {
     }
 }
 
+/// `x W^T` on vl's CPU kernels when one takes these operands — decode
+/// shapes on [`crate::gemv`], many bf16 rows on [`crate::gemm_bf16`] —
+/// `None` when neither does (training, other devices, f32 prefill).
+fn vl_product(x: &Tensor, w: &Tensor) -> Option<candle_core::Result<Tensor>> {
+    if crate::gemv::applies(x, w) {
+        Some(crate::gemv::apply(x, w))
+    } else if crate::gemm_bf16::applies(x, w) {
+        Some(crate::gemm_bf16::apply(x, w))
+    } else {
+        None
+    }
+}
+
+/// `y + b`, broadcast over the rows.
+fn add_bias(y: Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    match b {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
 impl Module for Proj {
     /// # Shapes
     /// `x: (..., in)` → `(..., out)`, in `x`'s dtype.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match &self.inner {
-            Inner::Dense(l) => {
-                let w = l.weight();
-                let y = if crate::gemv::applies(x, w) {
-                    // Decode shapes on the CPU: vl's parallel kernel.
-                    crate::gemv::apply(x, w)?
-                } else if crate::gemm_bf16::applies(x, w) {
-                    // Many bf16 rows on a CPU with AVX512_BF16: vl's GEMM.
-                    crate::gemm_bf16::apply(x, w)?
-                } else {
-                    return l.forward(x);
-                };
-                match l.bias() {
-                    Some(b) => y.broadcast_add(b),
-                    None => Ok(y),
-                }
-            }
+            Inner::Dense(l) => match vl_product(x, l.weight()) {
+                Some(y) => add_bias(y?, l.bias()),
+                None => l.forward(x),
+            },
             Inner::Half { weight, bias, .. } => {
-                let y = if crate::gemv::applies(x, weight) {
-                    crate::gemv::apply(x, weight)?
-                } else if crate::gemm_bf16::applies(x, weight) {
-                    crate::gemm_bf16::apply(x, weight)?
-                } else {
-                    x.to_dtype(weight.dtype())?
+                let y = match vl_product(x, weight) {
+                    Some(y) => y?,
+                    // Activations cast to the weight's type and back.
+                    None => x
+                        .to_dtype(weight.dtype())?
                         .broadcast_matmul(&weight.t()?)?
-                        .to_dtype(x.dtype())?
+                        .to_dtype(x.dtype())?,
                 };
-                match bias {
-                    Some(b) => y.broadcast_add(b),
-                    None => Ok(y),
-                }
+                add_bias(y, bias.as_ref())
             }
             Inner::Quantized { weight, bias, .. } => {
-                let dtype = x.dtype();
                 // The quantized kernels take contiguous f32 activations.
                 let y = weight.forward(&x.to_dtype(DType::F32)?.contiguous()?)?;
-                let y = match bias {
-                    Some(b) => y.broadcast_add(b)?,
-                    None => y,
-                };
-                y.to_dtype(dtype)
+                add_bias(y, bias.as_ref())?.to_dtype(x.dtype())
             }
         }
     }

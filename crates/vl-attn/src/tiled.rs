@@ -42,6 +42,7 @@
 use rayon::prelude::*;
 
 use crate::gemv::Isa;
+use crate::kernel::{Dims, HostMask};
 use crate::micro::{madd, micro, Kernel, Plain, MR, NR};
 #[cfg(target_arch = "x86_64")]
 use crate::micro::{Avx512, Fma};
@@ -53,84 +54,60 @@ pub(crate) const BLOCK_K: usize = 256;
 
 /// One attention call as the tiled kernel sees it: contiguous f32 inputs
 /// `q (batch_q, heads, q_len, head_dim)`, `k`, `v (batch_k, kv_heads,
-/// k_len, head_dim)` and the mask's bytes with its batch and query extents
-/// (each 1 or full).
+/// k_len, head_dim)`, their checked dimensions and the mask's bytes.
 pub(crate) struct Problem<'a> {
     pub q: &'a [f32],
     pub k: &'a [f32],
     pub v: &'a [f32],
-    pub mask: Option<(&'a [u8], usize, usize)>,
-    pub batch_q: usize,
-    pub heads: usize,
-    pub q_len: usize,
-    pub head_dim: usize,
-    pub batch_k: usize,
-    pub kv_heads: usize,
-    pub k_len: usize,
+    pub mask: Option<&'a HostMask>,
+    pub dims: Dims,
     pub scale: f32,
 }
 
 impl Problem<'_> {
-    /// Query samples per key sample.
-    fn r(&self) -> usize {
-        self.batch_q / self.batch_k
-    }
-
-    /// Query heads per key head.
-    fn g(&self) -> usize {
-        self.heads / self.kv_heads
-    }
-
-    /// Virtual rows per group: every query that reads one key head.
-    pub fn group_rows(&self) -> usize {
-        self.r() * self.g() * self.q_len
-    }
-
     /// The query/output row (in units of `head_dim`) of virtual row `v` of
     /// group `(bk, kvh)`, with its sample and position (for the mask).
     fn row_of(&self, bk: usize, kvh: usize, v: usize) -> (usize, usize, usize) {
-        let (g, q_len) = (self.g(), self.q_len);
+        let d = &self.dims;
+        let (g, q_len) = (d.g(), d.q_len);
         let i = v % q_len;
         let gg = (v / q_len) % g;
         let rr = v / (q_len * g);
-        let b = bk * self.r() + rr;
+        let b = bk * d.r() + rr;
         let h = kvh * g + gg;
-        ((b * self.heads + h) * q_len + i, b, i)
+        ((b * d.heads + h) * q_len + i, b, i)
     }
 
     /// The mask bytes of sample `b`, position `i` (all keys), if any.
     fn mask_row(&self, b: usize, i: usize) -> Option<&[u8]> {
-        self.mask.map(|(m, mb, mq)| {
-            let mb_i = if mb == 1 { 0 } else { b };
-            let mq_i = if mq == 1 { 0 } else { i };
-            &m[(mb_i * mq + mq_i) * self.k_len..][..self.k_len]
-        })
+        self.mask.map(|m| m.row(b, i, self.dims.k_len))
     }
 }
 
 /// Runs the kernel: the output `(batch_q, heads, q_len, head_dim)`.
 pub(crate) fn run(p: &Problem<'_>, isa: Isa) -> Vec<f32> {
-    let rows = p.group_rows();
-    let groups = p.batch_k * p.kv_heads;
+    let d = &p.dims;
+    let rows = d.group_rows();
+    let groups = d.batch_k * d.kv_heads;
     let tasks: Vec<(usize, usize)> = (0..groups)
         .flat_map(|grp| (0..rows).step_by(BLOCK_Q).map(move |v0| (grp, v0)))
         .collect();
     let results: Vec<Vec<f32>> = tasks
         .par_iter()
         .map_init(
-            || Scratch::new(p.head_dim),
+            || Scratch::new(d.head_dim),
             |scratch, &(grp, v0)| {
                 let len = BLOCK_Q.min(rows - v0);
                 task(p, isa, grp, v0, len, scratch)
             },
         )
         .collect();
-    let mut out = vec![0f32; p.batch_q * p.heads * p.q_len * p.head_dim];
+    let mut out = vec![0f32; d.batch_q * d.heads * d.q_len * d.head_dim];
     for (&(grp, v0), res) in tasks.iter().zip(&results) {
-        let (bk, kvh) = (grp / p.kv_heads, grp % p.kv_heads);
-        for (n, o) in res.chunks_exact(p.head_dim).enumerate() {
+        let (bk, kvh) = (grp / d.kv_heads, grp % d.kv_heads);
+        for (n, o) in res.chunks_exact(d.head_dim).enumerate() {
             let (row, _, _) = p.row_of(bk, kvh, v0 + n);
-            out[row * p.head_dim..][..p.head_dim].copy_from_slice(o);
+            out[row * d.head_dim..][..d.head_dim].copy_from_slice(o);
         }
     }
     out
@@ -245,12 +222,17 @@ fn task_generic<K: Kernel>(
     s: &mut Scratch,
 ) -> Vec<f32> {
     const Q: usize = BLOCK_Q;
-    let hd = p.head_dim;
+    let Dims {
+        head_dim: hd,
+        kv_heads,
+        k_len,
+        ..
+    } = p.dims;
     let dp = hd.next_multiple_of(NR);
-    let (bk, kvh) = (grp / p.kv_heads, grp % p.kv_heads);
-    let kv_base = (bk * p.kv_heads + kvh) * p.k_len * hd;
-    let keys = &p.k[kv_base..][..p.k_len * hd];
-    let values = &p.v[kv_base..][..p.k_len * hd];
+    let (bk, kvh) = (grp / kv_heads, grp % kv_heads);
+    let kv_base = (bk * kv_heads + kvh) * k_len * hd;
+    let keys = &p.k[kv_base..][..k_len * hd];
+    let values = &p.v[kv_base..][..k_len * hd];
     // Which query/output row, sample and position each lane is.
     let rows: Vec<(usize, usize, usize)> = (0..len).map(|n| p.row_of(bk, kvh, v0 + n)).collect();
     let masks: Vec<Option<&[u8]>> = rows.iter().map(|&(_, b, i)| p.mask_row(b, i)).collect();
@@ -265,13 +247,11 @@ fn task_generic<K: Kernel>(
     s.m = [f32::NEG_INFINITY; Q];
     s.l = [0.0; Q];
 
-    for j0 in (0..p.k_len).step_by(BLOCK_K) {
-        let kb = BLOCK_K.min(p.k_len - j0);
-        let block_masks: Vec<Option<&[u8]>> =
-            masks.iter().map(|m| m.map(|m| &m[j0..j0 + kb])).collect();
-        if block_masks
+    for j0 in (0..k_len).step_by(BLOCK_K) {
+        let kb = BLOCK_K.min(k_len - j0);
+        if masks
             .iter()
-            .all(|m| m.is_some_and(|m| m.iter().all(|&x| x == 0)))
+            .all(|m| m.is_some_and(|m| m[j0..j0 + kb].iter().all(|&x| x == 0)))
         {
             continue;
         }
@@ -291,8 +271,8 @@ fn task_generic<K: Kernel>(
                 s.st[(t0 + i) * Q..][..Q].copy_from_slice(ci);
             }
         }
-        for (n, m) in block_masks.iter().enumerate() {
-            if let Some(m) = m {
+        for (n, m) in masks.iter().enumerate() {
+            if let Some(m) = m.map(|m| &m[j0..j0 + kb]) {
                 if !m.iter().all(|&x| x != 0) {
                     for (j, &open) in m.iter().enumerate() {
                         if open == 0 {
@@ -400,16 +380,17 @@ mod tests {
 
     /// Plain f64 attention over the problem's layout: the oracle.
     fn reference(p: &Problem<'_>) -> Vec<f64> {
-        let hd = p.head_dim;
-        let mut out = vec![0f64; p.batch_q * p.heads * p.q_len * hd];
-        for grp in 0..p.batch_k * p.kv_heads {
-            let (bk, kvh) = (grp / p.kv_heads, grp % p.kv_heads);
-            let base = (bk * p.kv_heads + kvh) * p.k_len * hd;
-            for v in 0..p.group_rows() {
+        let d = &p.dims;
+        let hd = d.head_dim;
+        let mut out = vec![0f64; d.batch_q * d.heads * d.q_len * hd];
+        for grp in 0..d.batch_k * d.kv_heads {
+            let (bk, kvh) = (grp / d.kv_heads, grp % d.kv_heads);
+            let base = (bk * d.kv_heads + kvh) * d.k_len * hd;
+            for v in 0..d.group_rows() {
                 let (row, b, i) = p.row_of(bk, kvh, v);
                 let q = &p.q[row * hd..][..hd];
                 let open = |j: usize| p.mask_row(b, i).is_none_or(|m| m[j] != 0);
-                let scores: Vec<Option<f64>> = (0..p.k_len)
+                let scores: Vec<Option<f64>> = (0..d.k_len)
                     .map(|j| {
                         open(j).then(|| {
                             let k = &p.k[base + j * hd..][..hd];
@@ -485,24 +466,31 @@ mod tests {
             // Per query: row 0 of every sample closed, the first key block
             // closed to rows past 4 (a causal-like pattern), others random.
             let bits = values(batch_q * q_len * k_len, 300 + n as u64);
-            let mask: Vec<u8> = (0..batch_q * q_len * k_len)
-                .map(|e| {
-                    let (i, j) = ((e / k_len) % q_len, e % k_len);
-                    u8::from(i != 0 && !(i > 4 && j < BLOCK_K) && bits[e] > -1.0)
-                })
-                .collect();
+            let mask = HostMask {
+                data: (0..batch_q * q_len * k_len)
+                    .map(|e| {
+                        let (i, j) = ((e / k_len) % q_len, e % k_len);
+                        u8::from(i != 0 && !(i > 4 && j < BLOCK_K) && bits[e] > -1.0)
+                    })
+                    .collect(),
+                batch: batch_q,
+                q_len,
+            };
             let p = Problem {
                 q: &q,
                 k: &k,
                 v: &v,
-                mask: masked.then_some((&mask[..], batch_q, q_len)),
-                batch_q,
-                heads,
-                q_len,
-                head_dim: hd,
-                batch_k,
-                kv_heads,
-                k_len,
+                mask: masked.then_some(&mask),
+                dims: Dims {
+                    batch_q,
+                    heads,
+                    q_len,
+                    head_dim: hd,
+                    batch_k,
+                    kv_heads,
+                    k_len,
+                    score_elems: batch_q * heads * q_len * k_len,
+                },
                 scale: 1.0 / (hd as f32).sqrt(),
             };
             let want = reference(&p);

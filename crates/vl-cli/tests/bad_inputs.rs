@@ -65,11 +65,26 @@ impl Fixture {
 
     /// Rewrites the tiny model's `config.json` through `edit`.
     fn edit_config(&self, edit: impl FnOnce(&mut serde_json::Value)) {
-        let p = self.model.join("config.json");
-        let mut cfg: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&p).expect("read")).expect("json");
-        edit(&mut cfg);
-        std::fs::write(&p, serde_json::to_string_pretty(&cfg).expect("json")).expect("write");
+        edit_json(&self.model.join("config.json"), edit);
+    }
+
+    /// A copy, under the fixture's directory, of the committed
+    /// transformers checkpoint `tests/fixtures/{family}/{kind}` without the
+    /// files named in `skip`.
+    fn copy_checkpoint(&self, family: &str, kind: &str, skip: &[&str]) -> PathBuf {
+        let src = common::repo_root()
+            .join("tests/fixtures")
+            .join(family)
+            .join(kind);
+        let dir = self.path(kind);
+        std::fs::create_dir(&dir).expect("mkdir");
+        for e in std::fs::read_dir(&src).expect("fixture").flatten() {
+            let name = e.file_name();
+            if !skip.iter().any(|s| name == *s) {
+                std::fs::copy(e.path(), dir.join(&name)).expect("copy");
+            }
+        }
+        dir
     }
 
     /// Rewrites the tiny model's tensors through `edit`.
@@ -79,6 +94,14 @@ impl Fixture {
         edit(&mut tensors);
         candle_core::safetensors::save(&tensors, &p).expect("save");
     }
+}
+
+/// Rewrites the JSON file `path` through `edit`.
+fn edit_json(path: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("read")).expect("json");
+    edit(&mut v);
+    std::fs::write(path, serde_json::to_string_pretty(&v).expect("json")).expect("write");
 }
 
 /// Runs the CLI with backtraces switched on, so that one would show.
@@ -463,15 +486,7 @@ fn weights_tensor_bytes_do_not_match_shape() {
 #[test]
 fn weights_pickle_only_checkpoint() {
     let f = Fixture::new();
-    let src = common::repo_root().join("tests/fixtures/hf/equal");
-    let dir = f.path("hf");
-    std::fs::create_dir(&dir).expect("mkdir");
-    for e in std::fs::read_dir(&src).expect("fixture").flatten() {
-        let name = e.file_name();
-        if name != "model.safetensors" {
-            std::fs::copy(e.path(), dir.join(&name)).expect("copy");
-        }
-    }
+    let dir = f.copy_checkpoint("hf", "equal", &["model.safetensors"]);
     std::fs::write(dir.join("pytorch_model.bin"), b"PK\x03\x04 pickled").expect("write");
     let out = f.caption_with(&dir, &[]);
     assert_fatal(
@@ -787,38 +802,14 @@ fn image_directory_without_images() {
     );
 }
 
-/// A copy of the committed transformers fixture `family/name` in a
-/// temporary directory, its `config.json` rewritten through `edit`.
-fn broken_fixture(
-    family: &str,
-    name: &str,
-    edit: impl FnOnce(&mut serde_json::Value),
-) -> (tempfile::TempDir, PathBuf) {
-    let src = common::repo_root()
-        .join("tests/fixtures")
-        .join(family)
-        .join(name);
-    let tmp = tempfile::tempdir().expect("tmp");
-    let dir = tmp.path().join(name);
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    for entry in std::fs::read_dir(&src).expect("fixture") {
-        let p = entry.expect("entry").path();
-        std::fs::copy(&p, dir.join(p.file_name().expect("name"))).expect("copy");
-    }
-    let p = dir.join("config.json");
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&p).expect("read")).expect("json");
-    edit(&mut cfg);
-    std::fs::write(&p, serde_json::to_string_pretty(&cfg).expect("json")).expect("write");
-    (tmp, dir)
-}
-
 #[test]
 fn trocr_unknown_activation() {
-    let (_tmp, dir) = broken_fixture("trocr", "vit_learned", |c| {
+    let f = Fixture::new();
+    let dir = f.copy_checkpoint("trocr", "vit_learned", &[]);
+    edit_json(&dir.join("config.json"), |c| {
         c["decoder"]["activation_function"] = "swish2".into();
     });
-    let out = run(&["--model", s(&dir), s(&dir.join("image.png"))]);
+    let out = f.caption_with(&dir, &[]);
     assert_fatal(
         "row 46",
         &out,
@@ -828,10 +819,12 @@ fn trocr_unknown_activation() {
 
 #[test]
 fn blip_without_text_config() {
-    let (_tmp, dir) = broken_fixture("blip", "vision24", |c| {
+    let f = Fixture::new();
+    let dir = f.copy_checkpoint("blip", "vision24", &[]);
+    edit_json(&dir.join("config.json"), |c| {
         c.as_object_mut().expect("object").remove("text_config");
     });
-    let out = run(&["--model", s(&dir), s(&dir.join("image.png"))]);
+    let out = f.caption_with(&dir, &[]);
     assert_fatal("row 47", &out, &["config.json", "text_config"]);
 }
 
