@@ -23,6 +23,9 @@ use candle_nn::Linear;
 
 use crate::error::{AttnError, Result};
 
+/// The row multiple quantized weights are padded to (candle's x86 tiles).
+const QUANTIZED_ROWS: usize = 16;
+
 /// A projection `y = x W^T + b` with `W (out, in)`, dense or quantized.
 ///
 /// A quantized projection keeps the dtype of the dense weight it came from
@@ -173,7 +176,8 @@ impl Proj {
                     QMatMul::QTensor(q) => q.dequantize(self.device())?,
                     QMatMul::Tensor(w) | QMatMul::TensorF16(w) => w.to_dtype(DType::F32)?,
                 };
-                (w, bias.clone())
+                // Without the zero rows of the padding.
+                (w.narrow(0, 0, out_dim)?, bias.clone())
             }
             Inner::Half { weight, bias, .. } => (weight.to_dtype(DType::F32)?, bias.clone()),
         };
@@ -198,15 +202,25 @@ impl Proj {
         // and ignores the view's layout: a weight narrowed out of a larger
         // one (a split fused projection) would quantize the wrong rows — only
         // a debug assertion catches it. Quantize from a buffer of its own
-        // (one copy per layer, at load time).
-        let weight = Tensor::from_vec(
-            weight
-                .to_dtype(DType::F32)?
-                .flatten_all()?
-                .to_vec1::<f32>()?,
-            weight.shape(),
-            weight.device(),
-        )?;
+        // (one copy per layer, at load time). candle's fastest x86 kernels
+        // (VNNI tiles) take weights of a multiple of 16 rows: a layer of
+        // another height (an LM head over 50257 tokens) gets zero rows in
+        // that buffer, cut off after the product.
+        let padded = out_dim.next_multiple_of(QUANTIZED_ROWS);
+        let dense = weight.to_dtype(DType::F32)?.contiguous()?;
+        let mut values = Vec::with_capacity(padded * in_dim);
+        {
+            let (storage, layout) = dense.storage_and_layout();
+            match (&*storage, layout.contiguous_offsets()) {
+                (candle_core::Storage::Cpu(cpu), Some((start, end))) => {
+                    values.extend_from_slice(&cpu.as_slice::<f32>()?[start..end])
+                }
+                _ => values.extend(dense.flatten_all()?.to_vec1::<f32>()?),
+            }
+        }
+        drop(dense);
+        values.resize(padded * in_dim, 0.0);
+        let weight = Tensor::from_vec(values, (padded, in_dim), weight.device())?;
         let q = QTensor::quantize(&weight, format)?;
         Ok(Self {
             inner: Inner::Quantized {
@@ -263,9 +277,17 @@ impl Module for Proj {
                 };
                 add_bias(y, bias.as_ref())
             }
-            Inner::Quantized { weight, bias, .. } => {
+            Inner::Quantized {
+                weight,
+                bias,
+                out_dim,
+                ..
+            } => {
                 // The quantized kernels take contiguous f32 activations.
-                let y = weight.forward(&x.to_dtype(DType::F32)?.contiguous()?)?;
+                let mut y = weight.forward(&x.to_dtype(DType::F32)?.contiguous()?)?;
+                if y.dim(candle_core::D::Minus1)? > *out_dim {
+                    y = y.narrow(candle_core::D::Minus1, 0, *out_dim)?;
+                }
                 add_bias(y, bias.as_ref())?.to_dtype(x.dtype())
             }
         }
@@ -303,6 +325,52 @@ mod tests {
             let q = dense.quantize("k_proj", GgmlDType::Q8_0)?;
             let err = rel_err(&q.forward(&x)?, &dense.forward(&x)?)?;
             assert!(err < 0.015, "part {part}: relative error {err}");
+        }
+        Ok(())
+    }
+
+    /// A layer whose height is not a multiple of 16 (padded with zero rows
+    /// for candle's tiled kernels) keeps its shape: outputs of its own
+    /// width for 1 and many rows, each within the format's error of the
+    /// dense layer, and re-quantizing sees its own rows. The error is on
+    /// the scale of an output (rms of `x`: the weights have variance
+    /// about `1 / in`), since a single output may be near 0; the inputs
+    /// are seeded.
+    #[test]
+    fn quantized_layers_of_any_height_keep_their_width() -> Result<()> {
+        let dev = Device::Cpu;
+        // Reproducible values, uniform in [-1, 1).
+        let seeded = |shape: (usize, usize), seed: u64| {
+            let mut s = seed.wrapping_mul(6364136223846793005) | 1;
+            let v: Vec<f32> = (0..shape.0 * shape.1)
+                .map(|_| {
+                    s = s
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+                })
+                .collect();
+            Tensor::from_vec(v, shape, &dev)
+        };
+        for out in [1, 37, 50, 64] {
+            let w = (seeded((out, 256), out as u64)? / 16.0)?;
+            let dense = Proj::from(Linear::new(w, None));
+            for (format, tol) in [(GgmlDType::Q8_0, 0.02), (GgmlDType::Q4K, 0.2)] {
+                let q = dense.quantize("lm_head", format)?;
+                assert_eq!(q.dims(), (out, 256));
+                for rows in [1, 3, 20] {
+                    let x = seeded((rows, 256), 1000 + rows as u64)?;
+                    let (got, want) = (q.forward(&x)?, dense.forward(&x)?);
+                    assert_eq!(got.dims(), &[rows, out]);
+                    let worst = (got - want)?.abs()?.max_all()?;
+                    let err = (worst / x.sqr()?.mean_all()?.sqrt()?)?.to_scalar::<f32>()?;
+                    assert!(err < tol, "{format:?} out {out} rows {rows}: {err}");
+                }
+                let again = q.quantize("lm_head", GgmlDType::Q8_0)?;
+                assert_eq!(again.dims(), (out, 256));
+                let x = seeded((2, 256), 7)?;
+                assert_eq!(again.forward(&x)?.dims(), &[2, out]);
+            }
         }
         Ok(())
     }

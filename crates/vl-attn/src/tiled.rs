@@ -183,7 +183,7 @@ fn task_avx2(p: &Problem<'_>, grp: usize, v0: usize, len: usize, s: &mut Scratch
 /// -87, off by at most `exp(-87)` ≈ 1.7e-38), written so that a loop over
 /// it vectorises.
 #[inline(always)]
-fn exp_neg<K: Kernel>(x: f32) -> f32 {
+pub(crate) fn exp_neg<K: Kernel>(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
