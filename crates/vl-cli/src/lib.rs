@@ -107,13 +107,17 @@ where
         eprintln!("error: {}", caption::one_line(&e));
         return ExitCode::from(2);
     }
-    let result = match &cli.command {
-        Command::Caption(args) => return caption::run(args),
-        Command::EvalShapes(args) => eval::run(args),
-        Command::TrainShapes(args) => train::run(args),
-        Command::RenderShapes(args) => render::run(args),
-        Command::Bench(args) => bench::run(args),
-        Command::Experiment(args) => experiment::run(args),
+    let result = rayon::scope(|_| match &cli.command {
+        Command::Caption(args) => Err(caption::run(args)),
+        Command::EvalShapes(args) => Ok(eval::run(args)),
+        Command::TrainShapes(args) => Ok(train::run(args)),
+        Command::RenderShapes(args) => Ok(render::run(args)),
+        Command::Bench(args) => Ok(bench::run(args)),
+        Command::Experiment(args) => Ok(experiment::run(args)),
+    });
+    let result = match result {
+        Ok(r) => r,
+        Err(code) => return code,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
