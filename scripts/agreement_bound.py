@@ -1,0 +1,344 @@
+#!/usr/bin/env python3
+"""How far `vl bench`'s "teacher-forced top-1 agreement with f32" can go on
+a random-weight checkpoint, measured with transformers as an independent
+reference.
+
+`vl bench --dtype bf16` / `--quantize bf16|q8_0` compares the argmax over
+the vocabulary of the reduced-precision model with the f32 model's at every
+position of a teacher-forced pseudo-random token sequence. With random
+weights the two largest logits are close (the median gap is a small
+fraction of the logits' std), so any rounding of the weights or the
+activations flips some argmaxes, whoever implements the model. This script
+applies the same roundings to transformers' f32 model and counts the flips
+with vl's definition of agreement, to tell how much of vl's figure is the
+format itself and how much (if any) is vl.
+
+The definition, as `agreement` in crates/vl-cli/src/bench.rs:
+
+- n = min(--tokens, the decoder's max_position_embeddings) positions;
+  ids[i] = ((i * 2654435761) >> 7) % vocab_size (unsigned 64-bit), one
+  sequence, batch 1, fed exactly (no start token, no special tokens) as
+  `decoder_input_ids` (VisionEncoderDecoderModel) or as the BLIP text
+  decoder's `input_ids` under the image embeddings
+  (`BlipForConditionalGeneration(pixel_values, input_ids)`).
+- agreement: the fraction of positions whose argmax (first index on ties)
+  equals the f32 model's; margin: the median over positions of (largest
+  logit - second largest) / the row's population std, for the f32 model.
+
+Variants, each against the f32 model (same checkpoint, pixels, ids):
+
+- `torch-bf16`: the whole model `.to(torch.bfloat16)`, pixels in bf16,
+  logits cast to f32 (TrOCR's sinusoid table, a plain attribute that
+  `.to` skips, is cast as well).
+- `bf16-weights`: f32 model whose linear weights (every nn.Linear and
+  GPT-2's Conv1D, in the vision encoder, the decoder and the LM head; not
+  embeddings, the conv patch embedding, norms or biases) are rounded to
+  bf16 (round to nearest even) and back.
+- `q8_0-weights`: the same weights through a ggml q8_0 round trip along
+  the input dimension: per block of 32, d = max|w| / 127, q = roundf(w *
+  (1/d)) (half away from zero, as ggml's and candle's reference code),
+  w' = f16(d) * q. A layer whose input width is not a multiple of 32
+  stays dense (listed on stderr). A tied LM head gets its own copy; the
+  embedding stays f32.
+- `q8_0-weights+acts`: as `q8_0-weights`, and each such layer's input
+  activation also goes through the q8_0 round trip along its last
+  dimension (ggml quantizes the activation row to q8_0, with an f16 scale,
+  before the integer dot product): a forward pre-hook.
+- `f64-dense`, `f64-q8_0-weights` (unless --skip-f64): the model in
+  float64, dense and with the q8_0 weights: the first shows the f32
+  rounding noise alone, the second that the q8_0 figure does not come from
+  f32 arithmetic.
+
+Each row also gives the median over positions of rms(logits - f32
+logits) / std(f32 logits): the noise that the margins have to beat.
+
+Pixels: DIR/image.png through the checkpoint's own image processor
+(`AutoImageProcessor`, `BlipProcessor` for BLIP), as
+scripts/check_generate.py; `--pixels synthetic` uses vl bench's image
+instead (arange(3*s*s) * (1/(3*s*s)) - 0.5, reshaped to 1x3xsxs), the one
+behind vl's printed figures.
+
+One forward pass per variant; tables (markdown) on stdout, all figures as
+JSON in scripts/out/agreement_bound.json (`--out`). Deterministic (no
+sampling; seed 0 anyway), `--threads` torch threads (default 1).
+
+    /work/venv/bin/python scripts/agreement_bound.py /tmp/vit-gpt2-base /tmp/trocr-base /tmp/blip-base
+
+Needs torch, transformers, pillow (e.g. /work/venv); checkpoints from
+scripts/hf_fixtures.py, trocr_fixtures.py, blip_fixtures.py `--base DIR`.
+"""
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image
+from transformers import (
+    AutoImageProcessor,
+    BlipForConditionalGeneration,
+    BlipProcessor,
+    VisionEncoderDecoderModel,
+)
+from transformers.pytorch_utils import Conv1D
+from transformers.utils import logging as hf_logging
+
+from check_generate import fix_sinusoids
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = 32
+
+
+def token_ids(n: int, vocab: int) -> torch.Tensor:
+    """vl bench's teacher-forced sequence (u64 arithmetic; Python ints are
+    exact and the products stay below 2^64 for any n here)."""
+    return torch.tensor([[((i * 2654435761) >> 7) % vocab for i in range(n)]], dtype=torch.long)
+
+
+def roundf(v: torch.Tensor) -> torch.Tensor:
+    """C's roundf: to nearest, halves away from zero (torch.round goes to
+    even), exactly."""
+    r = torch.round(v)
+    t = torch.trunc(v)
+    half = (v - t).abs() == 0.5
+    return torch.where(half, t + torch.sign(v), r)
+
+
+def q8_0(x: torch.Tensor) -> torch.Tensor:
+    """ggml's q8_0 round trip along the last dimension (a multiple of 32),
+    computed in f32 as ggml does; returned in x's dtype."""
+    b = x.float().reshape(-1, BLOCK)
+    d = b.abs().amax(dim=1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = roundf(b * inv)
+    return (q * d.half().float()).reshape(x.shape).to(x.dtype)
+
+
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+def linear_layers(model: torch.nn.Module) -> list:
+    """(name, module, input width) of every linear layer: nn.Linear
+    (weight [out, in]) and GPT-2's Conv1D (weight [in, out])."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            out.append((name, m, m.weight.shape[1]))
+        elif isinstance(m, Conv1D):
+            out.append((name, m, m.weight.shape[0]))
+    return out
+
+
+@contextlib.contextmanager
+def transformed_weights(layers: list, f, blocked: bool):
+    """Replaces each layer's weight by a new Parameter f(weight), f applied
+    along the input dimension; restores the originals (ties included) on
+    exit. `blocked`: skip layers whose input width is not a multiple of 32."""
+    saved = []
+    try:
+        for name, m, width in layers:
+            if blocked and width % BLOCK:
+                continue
+            w = m.weight.data
+            new = f(w.t()).t() if isinstance(m, Conv1D) else f(w)
+            saved.append((m, m.weight))
+            m.weight = torch.nn.Parameter(new.contiguous(), requires_grad=False)
+        yield
+    finally:
+        for m, p in saved:
+            m.weight = p
+
+
+@contextlib.contextmanager
+def quantized_inputs(layers: list):
+    """A q8_0 round trip of every (blocked) layer's input activation."""
+    hooks = []
+    try:
+        for name, m, width in layers:
+            if width % BLOCK == 0:
+                hooks.append(m.register_forward_pre_hook(lambda _m, a: (q8_0(a[0]),) + a[1:]))
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def load(d: Path, pixels_from: str):
+    """The f32 model, its pixel values, whether BLIP, and the decoder's
+    vocab size and max positions."""
+    cfg = json.loads((d / "config.json").read_text())
+    blip = cfg.get("model_type") == "blip"
+    if blip:
+        model = BlipForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+        processor = BlipProcessor.from_pretrained(d)
+        dec = model.config.text_config
+        side = model.config.vision_config.image_size
+    else:
+        model = VisionEncoderDecoderModel.from_pretrained(d, dtype=torch.float32).eval()
+        fix_sinusoids(model)
+        processor = AutoImageProcessor.from_pretrained(d)
+        dec = model.config.decoder
+        side = model.config.encoder.image_size
+    if pixels_from == "image":
+        img = Image.open(d / "image.png").convert("RGB")
+        pixels = processor(images=img, return_tensors="pt")["pixel_values"].float()
+    else:
+        n = 3 * side * side
+        step = torch.tensor(1.0 / n, dtype=torch.float32)
+        pixels = (torch.arange(n, dtype=torch.float32) * step - 0.5).reshape(1, 3, side, side)
+    return model, pixels, blip, dec.vocab_size, dec.max_position_embeddings
+
+
+def cast_sinusoids(model, dtype) -> None:
+    """TrOCR's sinusoid table is a plain attribute: `.to(dtype)` skips it."""
+    if getattr(model.config, "model_type", None) == "blip":
+        return
+    if model.decoder.config.model_type != "trocr":
+        return
+    pos = model.decoder.model.decoder.embed_positions
+    if getattr(pos, "weights", None) is not None:
+        pos.weights = pos.weights.to(dtype)
+
+
+def logits_of(model, pixels, ids, blip: bool) -> torch.Tensor:
+    """[n, vocab] teacher-forced logits, in the model's dtype."""
+    with torch.inference_mode():
+        if blip:
+            out = model(pixel_values=pixels, input_ids=ids)
+        else:
+            out = model(pixel_values=pixels, decoder_input_ids=ids, use_cache=False)
+    return out.logits[0]
+
+
+def margins(logits: torch.Tensor) -> torch.Tensor:
+    """(largest - second largest) / population std, per row."""
+    top2 = logits.topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]) / logits.std(dim=-1, unbiased=False)
+
+
+def median(t: torch.Tensor) -> float:
+    """The upper median, as vl bench's (xs[len / 2] of the sorted values)."""
+    s = t.flatten().sort().values
+    return float(s[len(s) // 2])
+
+
+def measure(d: Path, args) -> dict:
+    t0 = time.perf_counter()
+    model, pixels, blip, vocab, max_pos = load(d, args.pixels)
+    n = min(args.tokens, max_pos)
+    ids = token_ids(n, vocab)
+    layers = linear_layers(model)
+    dense_layers = [(name, w) for name, _, w in layers if w % BLOCK]
+    for name, w in dense_layers:
+        print(f"{d}: {name} (input width {w}) stays dense under q8_0", file=sys.stderr)
+
+    ref = logits_of(model, pixels, ids, blip).float()
+    ref64 = ref.double()
+    ref_top = ref.argmax(dim=-1)
+    ref_std = ref64.std(dim=-1, unbiased=False)
+    margin = margins(ref64)
+    rows = {}
+
+    def record(name, logits, secs):
+        top = logits.argmax(dim=-1)  # in the variant's own dtype (bf16 cast to f32)
+        err = ((logits.double() - ref64).pow(2).mean(dim=-1).sqrt() / ref_std)
+        same = (top == ref_top)
+        rows[name] = dict(
+            agreement=float(same.double().mean()),
+            disagreements=int((~same).sum()),
+            median_logit_err_in_std=median(err),
+            # how decided the flipped positions were in the reference
+            median_ref_margin_at_flips=median(margin[~same]) if (~same).any() else None,
+            seconds=secs,
+        )
+        print(f"  {d.name} {name}: agreement {rows[name]['agreement']:.4f} "
+              f"({time.perf_counter() - t0:.0f} s in)", file=sys.stderr, flush=True)
+
+    def run(name, dtype=torch.float32, f64=False):
+        t = time.perf_counter()
+        px = pixels.to(dtype)
+        out = logits_of(model, px, ids, blip)
+        record(name, out.double() if f64 else out.float(), time.perf_counter() - t)
+
+    with transformed_weights(layers, bf16, blocked=False):
+        run("bf16-weights")
+    with transformed_weights(layers, q8_0, blocked=True):
+        run("q8_0-weights")
+        with quantized_inputs(layers):
+            run("q8_0-weights+acts")
+    if not args.skip_f64:
+        model.double()
+        cast_sinusoids(model, torch.float64)
+        run("f64-dense", torch.float64, f64=True)
+        # the original f32 weights are exact in f64: .float() recovers them
+        with transformed_weights(layers, lambda w: q8_0(w.float()).double(), blocked=True):
+            run("f64-q8_0-weights", torch.float64, f64=True)
+        model.float()
+        cast_sinusoids(model, torch.float32)
+    model.to(torch.bfloat16)
+    cast_sinusoids(model, torch.bfloat16)
+    run("torch-bf16", torch.bfloat16)
+    # the table's order
+    order = ["torch-bf16", "bf16-weights", "q8_0-weights", "q8_0-weights+acts",
+             "f64-dense", "f64-q8_0-weights"]
+    rows = {k: rows[k] for k in order if k in rows}
+    del model
+    return dict(
+        model=str(d), family="blip" if blip else "vision-encoder-decoder",
+        pixels=args.pixels, tokens=n, vocab_size=vocab,
+        f32_median_margin_in_std=median(margin),
+        f32_margin_quantiles={str(q): float(margin.quantile(q)) for q in (0.1, 0.25, 0.5, 0.75, 0.9)},
+        linear_layers=len(layers),
+        dense_under_q8_0=[name for name, _ in dense_layers],
+        variants=rows,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def table(r: dict) -> str:
+    head = (f"### {r['model']} ({r['family']}, {r['pixels']} pixels, {r['tokens']} tokens; "
+            f"f32 median top-1 margin {r['f32_median_margin_in_std']:.4f} logit std)\n\n"
+            "| variant | agreement | flips | median logit err / std | median f32 margin at flips |\n"
+            "|---|---|---|---|---|\n")
+    lines = []
+    for name, v in r["variants"].items():
+        at = v["median_ref_margin_at_flips"]
+        lines.append(f"| {name} | {v['agreement']:.4f} | {v['disagreements']} | "
+                     f"{v['median_logit_err_in_std']:.5f} | {'-' if at is None else f'{at:.4f}'} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dirs", nargs="+", type=Path)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--pixels", choices=["image", "synthetic"], default="image",
+                    help="DIR/image.png through the checkpoint's processor (default), or vl bench's image")
+    ap.add_argument("--skip-f64", action="store_true", help="skip the float64 rows")
+    ap.add_argument("--out", type=Path, default=ROOT / "scripts" / "out" / "agreement_bound.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    hf_logging.disable_progress_bar()
+    t0 = time.perf_counter()
+    results = []
+    for d in args.dirs:
+        r = measure(d, args)
+        results.append(r)
+        print(table(r), flush=True)
+    total = time.perf_counter() - t0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(
+        results=results, threads=args.threads, seconds=total,
+        torch=torch.__version__, transformers=__import__("transformers").__version__,
+    ), indent=2) + "\n")
+    print(f"{total:.0f} s; figures: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
