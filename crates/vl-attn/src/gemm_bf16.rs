@@ -5,14 +5,17 @@
 //! matmul is several times slower than its f32 one), so `--dtype bf16`
 //! was vl's slowest mode. On CPUs with AVX512_BF16 this kernel runs
 //! `vdpbf16ps` (two bf16 products summed into an f32 lane per
-//! instruction): the weight is packed per call into panels of 32 columns ×
-//! k/2 pairs, and a micro-kernel of up to 8 rows × 32 columns keeps 16
-//! accumulators in registers; rows are split across the rayon pool. Elsewhere
-//! ([`available`] false) callers use candle's product.
+//! instruction): the weight is packed into panels of 32 columns × k/2
+//! pairs, and a micro-kernel of up to 8 rows × 32 columns keeps 16
+//! accumulators in registers; blocks of rows × groups of panels are split
+//! across the rayon pool. Elsewhere ([`available`] false) callers use
+//! candle's product.
 //!
 //! Like [`crate::gemv`], a candle `CustomOp2` on the CPU, outside autograd:
 //! [`crate::Proj`] routes plain bf16 CPU products of more than
-//! [`crate::gemv::MAX_ROWS`] rows here.
+//! [`crate::gemv::MAX_ROWS`] rows here, packing the weight per call; a
+//! weight quantized to bf16 ([`crate::Proj::quantize`]) is packed once, at
+//! load time, as a [`PackedBf16`], which also runs the decode steps.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
@@ -156,6 +159,158 @@ fn pack(w: &[bf16], n: usize, k: usize) -> Vec<u32> {
     packed
 }
 
+/// A bf16 weight `W (n, k)` packed once, at load time, into the panels the
+/// kernels read: what [`crate::Proj`] keeps for `--quantize bf16` on CPUs
+/// with AVX512_BF16, so that no product packs its weight per call and the
+/// weight is held once.
+///
+/// [`Self::matmul`] takes f32 or bf16 activations: up to
+/// [`crate::gemv::MAX_ROWS`] rows (decode steps) run a matrix-vector
+/// kernel that widens the weight to f32 and keeps `x` in f32 (as
+/// [`crate::gemv`] does); more rows run the `vdpbf16ps` GEMM, `x` rounded
+/// to bf16.
+#[derive(Debug)]
+pub struct PackedBf16 {
+    panels: Vec<u32>,
+    n: usize,
+    k: usize,
+}
+
+impl PackedBf16 {
+    /// Packs `w (n, k)`, bf16 on the CPU, `k` even; `None` when this CPU
+    /// has no AVX512_BF16 ([`available`]) and the weight should stay a
+    /// plain tensor.
+    ///
+    /// # Errors
+    /// A weight of another dtype, rank, device, or an odd `k`, named.
+    pub fn new(w: &Tensor) -> candle_core::Result<Option<Self>> {
+        if !available() {
+            return Ok(None);
+        }
+        let (n, k) = w.dims2()?;
+        if w.dtype() != DType::BF16 || !w.device().is_cpu() || k % 2 != 0 {
+            candle_core::bail!(
+                "vl-gemm-bf16: packs a bf16 CPU weight (n, k), k even; got {:?} {:?} on {:?}",
+                w.dims(),
+                w.dtype(),
+                w.device()
+            );
+        }
+        let values = w.flatten_all()?.to_vec1::<bf16>()?;
+        Ok(Some(Self {
+            panels: pack(&values, n, k),
+            n,
+            k,
+        }))
+    }
+
+    /// The weight's shape `(n, k)`.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// The weight as a bf16 tensor `(n, k)` again (bit for bit).
+    ///
+    /// # Errors
+    /// Only candle's, building the tensor.
+    pub fn unpack(&self) -> candle_core::Result<Tensor> {
+        let (n, k) = (self.n, self.k);
+        let pairs = k / 2;
+        let mut w = vec![bf16::ZERO; n * k];
+        for (o, row) in w.chunks_exact_mut(k).enumerate() {
+            let panel = &self.panels[(o / NR) * pairs * NR..][..pairs * NR];
+            for (p, pair) in row.chunks_exact_mut(2).enumerate() {
+                let bits = panel[p * NR + o % NR];
+                pair[0] = bf16::from_bits(bits as u16);
+                pair[1] = bf16::from_bits((bits >> 16) as u16);
+            }
+        }
+        Tensor::from_vec(w, (n, k), &candle_core::Device::Cpu)
+    }
+
+    /// `x W^T`.
+    ///
+    /// # Shapes
+    /// `x: (..., k)` f32 or bf16 on the CPU (made contiguous) → `(..., n)`
+    /// in `x`'s dtype.
+    ///
+    /// # Errors
+    /// Another dtype, device or width of `x`, named.
+    pub fn matmul(self: &std::sync::Arc<Self>, x: &Tensor) -> candle_core::Result<Tensor> {
+        x.contiguous()?.apply_op1_no_bwd(&PackedOp(self.clone()))
+    }
+}
+
+/// The op of [`PackedBf16::matmul`].
+struct PackedOp(std::sync::Arc<PackedBf16>);
+
+impl candle_core::CustomOp1 for PackedOp {
+    fn name(&self) -> &'static str {
+        "vl-gemm-bf16-packed"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let w = &*self.0;
+        let dims = l.shape().dims();
+        if dims.last() != Some(&w.k) {
+            candle_core::bail!("vl-gemm-bf16: x {dims:?} for a weight ({}, {})", w.n, w.k);
+        }
+        let m = l.shape().elem_count() / w.k.max(1);
+        let decode = m <= crate::gemv::MAX_ROWS;
+        let y = match s {
+            CpuStorage::F32(x) => {
+                let x = contiguous(x, l, "vl-gemm-bf16", "x")?;
+                if decode {
+                    CpuStorage::F32(gemv_packed(x, w, m))
+                } else {
+                    let x: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+                    CpuStorage::F32(product_packed(&x, &w.panels, m, w.n, w.k))
+                }
+            }
+            CpuStorage::BF16(x) => {
+                let x = contiguous(x, l, "vl-gemm-bf16", "x")?;
+                if decode {
+                    let x: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+                    let y = gemv_packed(&x, w, m);
+                    CpuStorage::BF16(y.into_iter().map(bf16::from_f32).collect())
+                } else {
+                    CpuStorage::BF16(product_packed(x, &w.panels, m, w.n, w.k))
+                }
+            }
+            _ => candle_core::bail!("vl-gemm-bf16: x must be f32 or bf16, got {:?}", s.dtype()),
+        };
+        let mut shape = dims[..dims.len() - 1].to_vec();
+        shape.push(w.n);
+        Ok((y, Shape::from(shape)))
+    }
+}
+
+/// `y (m, n) = x (m, k) W^T` for a few rows of f32 `x`, the packed weight
+/// widened to f32: the panels split across the rayon pool.
+fn gemv_packed(x: &[f32], w: &PackedBf16, m: usize) -> Vec<f32> {
+    let (n, k) = (w.n, w.k);
+    let panel_len = (k / 2) * NR;
+    let panels = n.div_ceil(NR);
+    let threads = rayon::current_num_threads().max(1);
+    let group = panels.div_ceil(threads * 4).max(1);
+    let mut y = vec![0f32; m * n];
+    let out = SyncPtr(y.as_mut_ptr());
+    (0..panels.div_ceil(group)).into_par_iter().for_each(|g| {
+        let (first, last) = (g * group, ((g + 1) * group).min(panels));
+        let range = &w.panels[first * panel_len..last * panel_len];
+        // SAFETY: packed weights exist only where `available()` (AVX512F);
+        // group `g` writes columns `first * NR .. min(last * NR, n)` of
+        // every row, which no other group writes; `y` outlives the loop.
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            avx512::gemv_task(x, range, out, m, (first, last), n, k)
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (range, &out, first, last);
+    });
+    y
+}
+
 /// An output element: the f32 accumulator rounded (bf16) or as is (f32).
 trait Out: Copy + Default + Send + Sync {
     fn from_acc(v: f32) -> Self;
@@ -176,24 +331,77 @@ impl Out for f32 {
 }
 
 /// `y (m, n)` = `x (m, k)` times `w (n, k)` transposed.
+///
+/// The work is split in two dimensions, blocks of [`TASK_ROWS`] rows ×
+/// groups of panels of about [`TASK_PANEL_BYTES`], so that the tasks are
+/// many and of nearly equal size whatever `m` (197 rows in 64-row tasks
+/// alone would leave one of two threads idle a quarter of the time), and
+/// each task's rows and panels stay in the core's L2 while it runs.
 fn product<O: Out>(x: &[bf16], w: &[bf16], m: usize, n: usize, k: usize) -> Vec<O> {
-    let packed = pack(w, n, k);
+    product_packed(x, &pack(w, n, k), m, n, k)
+}
+
+/// [`product`] with the weight already packed ([`pack`]).
+fn product_packed<O: Out>(x: &[bf16], packed: &[u32], m: usize, n: usize, k: usize) -> Vec<O> {
     let mut y = vec![O::default(); m * n];
-    y.par_chunks_mut(TASK_ROWS * n)
-        .enumerate()
-        .for_each(|(t, yt)| {
-            let rows = yt.len() / n;
-            let xt = &x[t * TASK_ROWS * k..(t * TASK_ROWS + rows) * k];
-            // SAFETY: `product` runs only when `available()` (checked by
-            // `cpu_fwd`), i.e. the CPU has AVX512F and AVX512_BF16.
-            #[cfg(target_arch = "x86_64")]
-            unsafe {
-                avx512::task(xt, &packed, yt, rows, n, k)
-            };
-            #[cfg(not(target_arch = "x86_64"))]
-            let _ = (xt, rows);
-        });
+    let panel_len = (k / 2) * NR;
+    let panels = n.div_ceil(NR);
+    let group = (TASK_PANEL_BYTES / (panel_len * 4).max(1)).clamp(1, panels);
+    let groups = panels.div_ceil(group);
+    let blocks = m.div_ceil(TASK_ROWS);
+    let out = SyncPtr(y.as_mut_ptr());
+    (0..blocks * groups).into_par_iter().for_each(|t| {
+        let (b, g) = (t / groups, t % groups);
+        let rows = TASK_ROWS.min(m - b * TASK_ROWS);
+        let xt = &x[b * TASK_ROWS * k..(b * TASK_ROWS + rows) * k];
+        let first = g * group;
+        let last = (first + group).min(panels);
+        let panel_range = &packed[first * panel_len..last * panel_len];
+        // SAFETY: `product` runs only when `available()` (checked by
+        // `cpu_fwd`), i.e. the CPU has AVX512F and AVX512_BF16. Task `t`
+        // writes only rows `b * TASK_ROWS ..` (`rows` of them), columns
+        // `first * NR .. min(last * NR, n)` of `y`: no two tasks overlap,
+        // and `y` outlives the parallel loop.
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            avx512::task(
+                xt,
+                panel_range,
+                out.at(b * TASK_ROWS * n),
+                rows,
+                (first, last),
+                n,
+                k,
+            )
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (xt, rows, panel_range, &out);
+    });
     y
+}
+
+/// Bytes of packed panels per task, about (a share of an L2).
+const TASK_PANEL_BYTES: usize = 256 * 1024;
+
+/// `y`'s buffer, shared by tasks that write disjoint parts of it.
+#[derive(Clone, Copy)]
+struct SyncPtr<O>(*mut O);
+
+// SAFETY: the tasks of `product` write disjoint elements and the buffer
+// outlives them (see there).
+unsafe impl<O: Send> Send for SyncPtr<O> {}
+// SAFETY: as above.
+unsafe impl<O: Send> Sync for SyncPtr<O> {}
+
+impl<O> SyncPtr<O> {
+    /// The element `offset` elements past the start.
+    ///
+    /// # Safety
+    /// `offset` is inside the buffer.
+    unsafe fn at(self, offset: usize) -> *mut O {
+        // SAFETY: the caller's contract.
+        unsafe { self.0.add(offset) }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -204,18 +412,26 @@ mod avx512 {
 
     use super::{Out, MR, NR};
 
-    /// Rows `x (rows, k)` into `y (rows, n)` over every panel.
+    /// Rows `x (rows, k)` times panels `first .. last` (given as
+    /// `packed`, from panel `first` on) into `y`, which points at the
+    /// task's first row of the `(rows, n)` output (row stride `n`).
+    ///
+    /// # Safety
+    /// `y` is valid for writes of `rows` rows of `n`, columns
+    /// `first * NR .. min(last * NR, n)`, which no one else accesses
+    /// meanwhile; the CPU has AVX512F and AVX512_BF16.
     #[target_feature(enable = "avx512f,avx512bf16")]
-    pub(super) fn task<O: Out>(
+    pub(super) unsafe fn task<O: Out>(
         x: &[bf16],
         packed: &[u32],
-        y: &mut [O],
+        y: *mut O,
         rows: usize,
+        (first, last): (usize, usize),
         n: usize,
         k: usize,
     ) {
         let pairs = k / 2;
-        for (j, panel) in packed.chunks_exact(pairs * NR).enumerate() {
+        for (j, panel) in (first..last).zip(packed.chunks_exact(pairs * NR)) {
             let cols = NR.min(n - j * NR);
             let mut r = 0;
             while r < rows {
@@ -233,12 +449,70 @@ mod avx512 {
                     _ => micro::<1>(xs, panel, k, &mut tile),
                 }
                 for (i, row) in tile.iter().take(mr).enumerate() {
-                    let out = &mut y[(r + i) * n + j * NR..(r + i) * n + j * NR + cols];
-                    for (o, v) in out.iter_mut().zip(row) {
-                        *o = O::from_acc(*v);
+                    for (c, v) in row.iter().take(cols).enumerate() {
+                        // SAFETY: row `r + i < rows`, column `j * NR + c`
+                        // within this task's columns (the contract).
+                        unsafe { y.add((r + i) * n + j * NR + c).write(O::from_acc(*v)) };
                     }
                 }
                 r += mr;
+            }
+        }
+    }
+
+    /// Rows `x (m, k)` (f32) times panels `first .. last` (`packed`, from
+    /// panel `first` on) into `y (m, n)`: per pair of `k`, the panel's 32
+    /// columns widened to f32 (low and high halves) and two FMAs per
+    /// register and row.
+    ///
+    /// # Safety
+    /// `y` is valid for `m` rows of `n`, columns `first * NR .. min(last *
+    /// NR, n)` written by no one else meanwhile; the CPU has AVX512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn gemv_task(
+        x: &[f32],
+        packed: &[u32],
+        y: super::SyncPtr<f32>,
+        m: usize,
+        (first, last): (usize, usize),
+        n: usize,
+        k: usize,
+    ) {
+        let pairs = k / 2;
+        let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+        for (j, panel) in (first..last).zip(packed.chunks_exact(pairs * NR)) {
+            let cols = NR.min(n - j * NR);
+            for (r, xr) in x.chunks_exact(k).take(m).enumerate() {
+                let mut acc = [_mm512_setzero_ps(); 4];
+                for (p, xp) in xr.chunks_exact(2).enumerate() {
+                    // SAFETY: the panel holds `pairs * NR` u32, `p < pairs`.
+                    let (b0, b1) = unsafe {
+                        let ptr = panel.as_ptr().add(p * NR) as *const __m512i;
+                        (_mm512_loadu_si512(ptr), _mm512_loadu_si512(ptr.add(1)))
+                    };
+                    let (xa, xb) = (_mm512_set1_ps(xp[0]), _mm512_set1_ps(xp[1]));
+                    // bf16 is the top half of an f32: the low element
+                    // shifted up, the high one masked.
+                    let lo0 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(b0));
+                    let hi0 = _mm512_castsi512_ps(_mm512_and_si512(b0, high));
+                    let lo1 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(b1));
+                    let hi1 = _mm512_castsi512_ps(_mm512_and_si512(b1, high));
+                    acc[0] = _mm512_fmadd_ps(lo0, xa, acc[0]);
+                    acc[1] = _mm512_fmadd_ps(hi0, xb, acc[1]);
+                    acc[2] = _mm512_fmadd_ps(lo1, xa, acc[2]);
+                    acc[3] = _mm512_fmadd_ps(hi1, xb, acc[3]);
+                }
+                let mut row = [0f32; NR];
+                // SAFETY: `row` is NR = 32 f32, two 512-bit stores.
+                unsafe {
+                    _mm512_storeu_ps(row.as_mut_ptr(), _mm512_add_ps(acc[0], acc[1]));
+                    _mm512_storeu_ps(row.as_mut_ptr().add(16), _mm512_add_ps(acc[2], acc[3]));
+                }
+                for (c, v) in row.iter().take(cols).enumerate() {
+                    // SAFETY: row `r < m`, column `j * NR + c` of this
+                    // group's columns (the contract).
+                    unsafe { y.at(r * n + j * NR + c).write(*v) };
+                }
             }
         }
     }
@@ -303,7 +577,13 @@ mod tests {
             return Ok(());
         }
         let dev = Device::Cpu;
-        for &(m, n, k) in &[(1, 1, 2), (9, 33, 18), (70, 100, 64), (130, 65, 770)] {
+        for &(m, n, k) in &[
+            (1, 1, 2),
+            (9, 33, 18),
+            (70, 100, 64),
+            (130, 65, 770),
+            (197, 300, 2048),
+        ] {
             let x = Tensor::randn(0f32, 1., (m, k), &dev)?.to_dtype(DType::BF16)?;
             let w = Tensor::randn(0f32, 1., (n, k), &dev)?.to_dtype(DType::BF16)?;
             let y = matmul(&x, &w)?;
@@ -328,6 +608,53 @@ mod tests {
                 .to_scalar::<f64>()?
                 / scale;
             assert!(err < 1e-5, "f32 x: ({m}, {k}) x ({n}, {k}): {err}");
+        }
+        Ok(())
+    }
+
+    /// A packed weight unpacks bit for bit, and its product equals the f64
+    /// product of the bf16 weight: with f32 `x` kept as is for 1 to 8 rows
+    /// (relative error 1e-5), rounded to bf16 for more (1e-5 against the
+    /// rounded `x`), for `n` not a multiple of 32 and several panel groups;
+    /// bf16 `x` gives bf16 outputs (1e-2). Skipped (passing) without
+    /// AVX512_BF16.
+    #[test]
+    fn packed_weights_match_the_reference() -> candle_core::Result<()> {
+        if !available() {
+            eprintln!("no AVX512_BF16 on this CPU: nothing to test");
+            return Ok(());
+        }
+        let dev = Device::Cpu;
+        for &(n, k) in &[(1, 2), (33, 18), (300, 2048), (65, 770)] {
+            let w = Tensor::randn(0f32, 1., (n, k), &dev)?.to_dtype(DType::BF16)?;
+            let packed = std::sync::Arc::new(PackedBf16::new(&w)?.expect("available"));
+            assert_eq!(packed.dims(), (n, k));
+            let back = packed.unpack()?.to_dtype(DType::F32)?;
+            let diff = (back - w.to_dtype(DType::F32)?)?.abs()?.max_all()?;
+            assert_eq!(diff.to_scalar::<f32>()?, 0.0, "({n}, {k}) unpacks");
+            let w64 = w.to_dtype(DType::F64)?;
+            for m in [1, 3, 8, 9, 197] {
+                let x = Tensor::randn(0f32, 1., (m, 1, k), &dev)?;
+                let used = if m <= crate::gemv::MAX_ROWS {
+                    x.clone()
+                } else {
+                    x.to_dtype(DType::BF16)?.to_dtype(DType::F32)?
+                };
+                let want = used.to_dtype(DType::F64)?.broadcast_matmul(&w64.t()?)?;
+                let scale = want.abs()?.max_all()?.to_scalar::<f64>()?.max(1e-3);
+                let rel = |y: &Tensor| -> candle_core::Result<f64> {
+                    let d = (y.to_dtype(DType::F64)? - &want)?.abs()?.max_all()?;
+                    Ok(d.to_scalar::<f64>()? / scale)
+                };
+                let y = packed.matmul(&x)?;
+                assert_eq!((y.dims(), y.dtype()), (&[m, 1, n][..], DType::F32));
+                let err = rel(&y)?;
+                assert!(err < 1e-5, "f32 x ({m}, {k}) x ({n}, {k}): {err}");
+                let y16 = packed.matmul(&x.to_dtype(DType::BF16)?)?;
+                assert_eq!(y16.dtype(), DType::BF16);
+                let err = rel(&y16)?;
+                assert!(err < 1e-2, "bf16 x ({m}, {k}) x ({n}, {k}): {err}");
+            }
         }
         Ok(())
     }

@@ -3,7 +3,8 @@
 //! On CPU a decode step is one matrix-vector product per projection: a
 //! dense weight runs it on vl's parallel kernel ([`crate::gemv`]) for 1 to
 //! [`crate::gemv::MAX_ROWS`] untracked rows; more bf16 rows run on vl's
-//! bf16 GEMM ([`crate::gemm_bf16`]) where the CPU has AVX512_BF16;
+//! bf16 GEMM ([`crate::gemm_bf16`]) where the CPU has AVX512_BF16 (a
+//! weight quantized to bf16 there is packed once for it, at load time);
 //! everything else (f32 prefill and encoders, training, other devices) on
 //! candle's matmul;
 //! candle's quantized kernels (`q8_0`, `q4k`) run those much faster than a
@@ -22,6 +23,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Linear;
 
 use crate::error::{AttnError, Result};
+use crate::gemm_bf16::PackedBf16;
 
 /// The row multiple quantized weights are padded to (candle's x86 tiles).
 const QUANTIZED_ROWS: usize = 16;
@@ -61,6 +63,13 @@ enum Inner {
         format: GgmlDType,
         dtype: DType,
     },
+    /// A bf16 weight packed once for vl's kernels (CPUs with
+    /// AVX512_BF16): as `Half`, without a per-call packing.
+    Packed {
+        weight: Arc<PackedBf16>,
+        bias: Option<Tensor>,
+        dtype: DType,
+    },
 }
 
 impl From<Linear> for Proj {
@@ -88,6 +97,7 @@ impl Proj {
                 out_dim, in_dim, ..
             } => (*out_dim, *in_dim),
             Inner::Half { weight, .. } => weight.dims2().unwrap_or((0, 0)),
+            Inner::Packed { weight, .. } => weight.dims(),
         }
     }
 
@@ -95,7 +105,9 @@ impl Proj {
     pub fn dtype(&self) -> DType {
         match &self.inner {
             Inner::Dense(l) => l.weight().dtype(),
-            Inner::Quantized { dtype, .. } | Inner::Half { dtype, .. } => *dtype,
+            Inner::Quantized { dtype, .. }
+            | Inner::Half { dtype, .. }
+            | Inner::Packed { dtype, .. } => *dtype,
         }
     }
 
@@ -105,6 +117,7 @@ impl Proj {
             Inner::Dense(l) => l.weight().device(),
             Inner::Quantized { device, .. } => device,
             Inner::Half { weight, .. } => weight.device(),
+            Inner::Packed { .. } => &Device::Cpu,
         }
     }
 
@@ -113,6 +126,7 @@ impl Proj {
         match &self.inner {
             Inner::Dense(_) => None,
             Inner::Quantized { format, .. } | Inner::Half { format, .. } => Some(*format),
+            Inner::Packed { .. } => Some(GgmlDType::BF16),
         }
     }
 
@@ -120,7 +134,7 @@ impl Proj {
     pub fn as_linear(&self) -> Option<&Linear> {
         match &self.inner {
             Inner::Dense(l) => Some(l),
-            Inner::Quantized { .. } | Inner::Half { .. } => None,
+            Inner::Quantized { .. } | Inner::Half { .. } | Inner::Packed { .. } => None,
         }
     }
 
@@ -180,6 +194,9 @@ impl Proj {
                 (w.narrow(0, 0, out_dim)?, bias.clone())
             }
             Inner::Half { weight, bias, .. } => (weight.to_dtype(DType::F32)?, bias.clone()),
+            Inner::Packed { weight, bias, .. } => {
+                (weight.unpack()?.to_dtype(DType::F32)?, bias.clone())
+            }
         };
         if let Some(half) = match format {
             GgmlDType::BF16 => Some(DType::BF16),
@@ -189,10 +206,22 @@ impl Proj {
             // A buffer of its own (a weight narrowed out of a fused one
             // would otherwise keep the whole storage alive).
             let weight = weight.to_dtype(half)?.copy()?;
+            let bias = bias.map(|b| b.to_dtype(self.dtype())).transpose()?;
+            if half == DType::BF16 && weight.device().is_cpu() && in_dim % 2 == 0 {
+                if let Some(packed) = PackedBf16::new(&weight)? {
+                    return Ok(Self {
+                        inner: Inner::Packed {
+                            weight: Arc::new(packed),
+                            bias,
+                            dtype: self.dtype(),
+                        },
+                    });
+                }
+            }
             return Ok(Self {
                 inner: Inner::Half {
                     weight,
-                    bias: bias.map(|b| b.to_dtype(self.dtype())).transpose()?,
+                    bias,
                     format,
                     dtype: self.dtype(),
                 },
@@ -277,6 +306,7 @@ impl Module for Proj {
                 };
                 add_bias(y, bias.as_ref())
             }
+            Inner::Packed { weight, bias, .. } => add_bias(weight.matmul(x)?, bias.as_ref()),
             Inner::Quantized {
                 weight,
                 bias,
