@@ -36,8 +36,10 @@ impl Activation {
     /// Applies the activation.
     pub fn forward(self, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
         match self {
-            Self::Gelu => x.gelu_erf(),
-            Self::GeluTanh => x.gelu(),
+            // vl's vectorised kernel for f32 on the CPU, candle's ops
+            // otherwise.
+            Self::Gelu => crate::gelu::forward(x, true),
+            Self::GeluTanh => crate::gelu::forward(x, false),
             Self::Relu => x.relu(),
             Self::Silu => x.silu(),
         }

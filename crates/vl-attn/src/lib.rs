@@ -74,6 +74,7 @@ pub mod dropout;
 pub mod error;
 pub mod ffn;
 pub mod gate;
+mod gelu;
 pub mod gemm_bf16;
 pub mod gemv;
 mod heads;
