@@ -141,8 +141,26 @@ pub(crate) fn quantized_vision(
     })
 }
 
+/// Block `i` of a decoder being loaded, quantized to `format` (as it is
+/// when `None`) as soon as it is built: a loader then holds one dense block
+/// at a time, not the whole dense decoder. Errors name the block as
+/// [`VisionLanguageDecoder::into_quantized`] does.
+pub(crate) fn quantized_block(
+    i: usize,
+    block: vl_decoder::block::DecoderBlock,
+    format: Option<candle_core::quantized::GgmlDType>,
+) -> Result<vl_decoder::block::DecoderBlock> {
+    Ok(match format {
+        Some(f) => block
+            .quantize(f)
+            .map_err(|e| e.within(&format!("blocks.{i}")))?,
+        None => block,
+    })
+}
+
 /// `decoder` quantized to `format` (as it is when `None`), block by block,
-/// each dense block dropped as soon as its quantized copy exists.
+/// each dense block dropped as soon as its quantized copy exists (blocks
+/// the loader quantized already are kept as they are).
 pub(crate) fn quantized_decoder(
     decoder: VisionLanguageDecoder,
     format: Option<candle_core::quantized::GgmlDType>,
@@ -164,9 +182,10 @@ impl VlModel {
     /// [`VlModel::load`] with the linear layers quantized to `q` (as
     /// [`VlModel::quantize`] does), converted part by part as the load goes:
     /// for transformers' checkpoints the vision encoder is quantized before
-    /// the decoder's weights are read and the decoder right after, so the
-    /// dense weights of one part at most are in memory beside the quantized
-    /// ones — peak memory stays under the dense file's size for `q8_0`,
+    /// the decoder's weights are read and each decoder block as soon as it
+    /// is read, so the dense weights of the encoder or of one block at most
+    /// are in memory beside the quantized ones (and the embeddings, which
+    /// stay dense) — peak memory stays under the dense file's size for `q8_0`,
     /// where loading first and quantizing after holds the whole dense model
     /// and a quantized copy. vl's own (small) directories are loaded, then
     /// quantized.

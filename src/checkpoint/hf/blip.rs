@@ -367,7 +367,11 @@ pub fn load_vision(vb: VarBuilder, cfg: &VitConfig) -> Result<Vit> {
 }
 
 /// The BERT text decoder under `text_decoder.`.
-pub fn load_text(vb: VarBuilder, cfg: &DecoderConfig) -> Result<VisionLanguageDecoder> {
+pub fn load_text(
+    vb: VarBuilder,
+    cfg: &DecoderConfig,
+    quantize: Option<GgmlDType>,
+) -> Result<VisionLanguageDecoder> {
     let bert = vb.pp("bert");
     let (h, eps) = (cfg.hidden_size, cfg.layer_norm_eps);
     let emb = bert.pp("embeddings");
@@ -404,7 +408,7 @@ pub fn load_text(vb: VarBuilder, cfg: &DecoderConfig) -> Result<VisionLanguageDe
                 gate: None,
                 ffn: None,
             };
-            Ok(DecoderBlock::from_parts(
+            let block = DecoderBlock::from_parts(
                 layer_norm(l.pp("attention").pp("output").pp("LayerNorm"), h, eps)?,
                 self_attn,
                 Some(cross),
@@ -419,7 +423,8 @@ pub fn load_text(vb: VarBuilder, cfg: &DecoderConfig) -> Result<VisionLanguageDe
                     linear(l.pp("output").pp("dense"), cfg.intermediate_size, h, true)?,
                     cfg.hidden_act,
                 ),
-            ))
+            );
+            crate::checkpoint::quantized_block(i, block, quantize)
         })
         .collect::<Result<Vec<_>>>()?;
     let pred = vb.pp("cls").pp("predictions");
@@ -495,7 +500,8 @@ pub fn load(
     let vb = open_weights(&files, dtype, device)?;
     let vit = load_vision(vb.pp("vision_model"), &vit_cfg).map_err(weights_error(&label))?;
     let vision = crate::checkpoint::quantized_vision(VisionEncoder::Vit(vit), quantize)?;
-    let decoder = load_text(vb.pp("text_decoder"), &dec_cfg).map_err(weights_error(&label))?;
+    let decoder =
+        load_text(vb.pp("text_decoder"), &dec_cfg, quantize).map_err(weights_error(&label))?;
     let decoder = crate::checkpoint::quantized_decoder(decoder, quantize)?;
     Ok(VlModel {
         path: dir.to_path_buf(),

@@ -11,6 +11,7 @@
 
 use std::collections::BTreeMap;
 
+use candle_core::quantized::GgmlDType;
 use candle_nn::{Embedding, Linear, VarBuilder};
 use serde::Deserialize;
 use serde_json::Value;
@@ -208,7 +209,11 @@ fn conv1d(vb: VarBuilder, inp: usize, out: usize) -> Result<Linear> {
 
 /// GPT-2 under `decoder.` onto vl's decoder; `lm_head` is `wte` unless the
 /// decoder is untied (then `decoder.lm_head.weight` is read).
-pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<VisionLanguageDecoder> {
+pub fn load(
+    vb: VarBuilder,
+    cfg: &DecoderConfig,
+    quantize: Option<GgmlDType>,
+) -> Result<VisionLanguageDecoder> {
     let dec = vb.pp("decoder");
     let t = dec.pp("transformer");
     let h = cfg.hidden_size;
@@ -245,7 +250,7 @@ pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<VisionLanguageDecoder
                 gate: None,
             };
             let mlp = b.pp("mlp");
-            Ok(DecoderBlock::from_parts(
+            let block = DecoderBlock::from_parts(
                 layer_norm(b.pp("ln_1"), h, eps)?,
                 self_attn,
                 Some(cross),
@@ -255,7 +260,8 @@ pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<VisionLanguageDecoder
                     conv1d(mlp.pp("c_proj"), cfg.intermediate_size, h)?,
                     cfg.hidden_act,
                 ),
-            ))
+            );
+            crate::checkpoint::quantized_block(i, block, quantize)
         })
         .collect::<Result<Vec<_>>>()?;
     let final_norm = layer_norm(t.pp("ln_f"), h, eps)?;

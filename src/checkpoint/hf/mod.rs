@@ -247,8 +247,8 @@ pub fn load(
     let vit = vit::load(vb.clone(), &cfg, &vit_cfg).map_err(weights_error(&label))?;
     let vision = super::quantized_vision(VisionEncoder::Vit(vit), quantize)?;
     let decoder = match &cfg.decoder {
-        HfDecoderConfig::Gpt2(_) => gpt2::load(vb, &dec_cfg),
-        HfDecoderConfig::Trocr(_) => trocr::load(vb, &dec_cfg),
+        HfDecoderConfig::Gpt2(_) => gpt2::load(vb, &dec_cfg, quantize),
+        HfDecoderConfig::Trocr(_) => trocr::load(vb, &dec_cfg, quantize),
     }
     .map_err(weights_error(&label))?;
     let decoder = super::quantized_decoder(decoder, quantize)?;

@@ -18,6 +18,7 @@
 
 use std::collections::BTreeMap;
 
+use candle_core::quantized::GgmlDType;
 use candle_nn::{Embedding, Linear, VarBuilder};
 use serde::Deserialize;
 use serde_json::Value;
@@ -214,7 +215,11 @@ impl HfTrocrConfig {
 
 /// TrOCR under `decoder.` onto vl's decoder: `decoder.model.decoder.*`
 /// and `decoder.output_projection.weight` (untied only).
-pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<VisionLanguageDecoder> {
+pub fn load(
+    vb: VarBuilder,
+    cfg: &DecoderConfig,
+    quantize: Option<GgmlDType>,
+) -> Result<VisionLanguageDecoder> {
     let top = vb.pp("decoder");
     let dec = top.pp("model").pp("decoder");
     let h = cfg.hidden_size;
@@ -257,7 +262,7 @@ pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<VisionLanguageDecoder
                 gate: None,
                 ffn: None,
             };
-            Ok(DecoderBlock::from_parts(
+            let block = DecoderBlock::from_parts(
                 layer_norm(l.pp("self_attn_layer_norm"), h, eps)?,
                 self_attn,
                 Some(cross),
@@ -267,7 +272,8 @@ pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<VisionLanguageDecoder
                     linear(l.pp("fc2"), cfg.intermediate_size, h, true)?,
                     cfg.hidden_act,
                 ),
-            ))
+            );
+            crate::checkpoint::quantized_block(i, block, quantize)
         })
         .collect::<Result<Vec<_>>>()?;
     let lm_head = if cfg.tie_word_embeddings {
