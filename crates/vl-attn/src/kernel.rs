@@ -423,7 +423,19 @@ fn fused(
         mask,
         isa: crate::gemv::isa(),
     };
-    let out = f32_contiguous(q)?.apply_op3_no_bwd(&f32_contiguous(k)?, &f32_contiguous(v)?, &op)?;
+    // Keys and values are read in place when they are f32 with contiguous
+    // heads and one head stride (a KV cache's prefix); copied otherwise.
+    let (k, v) = if k.dtype() == DType::F32
+        && v.dtype() == DType::F32
+        && is_head_strided(k)
+        && is_head_strided(v)
+        && k.stride() == v.stride()
+    {
+        (k.clone(), v.clone())
+    } else {
+        (f32_contiguous(k)?, f32_contiguous(v)?)
+    };
+    let out = f32_contiguous(q)?.apply_op3_no_bwd(&k, &v, &op)?;
     Ok(out.to_dtype(dtype)?)
 }
 
@@ -532,8 +544,7 @@ fn row_generic<K: Kernel>(
     op: &FusedCpu,
     row: usize,
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    (k, v, kv_stride): KeysValues<'_>,
     scores: &mut [f32],
     out: &mut [f32],
 ) {
@@ -550,7 +561,7 @@ fn row_generic<K: Kernel>(
     let i = row % q_len;
     let h = (row / q_len) % heads;
     let b = row / (q_len * heads);
-    let kv_base = ((b / r) * kv_heads + h / g) * k_len * head_dim;
+    let kv_base = ((b / r) * kv_heads + h / g) * kv_stride;
     let q_row = &q[row * head_dim..][..head_dim];
     let keys = k[kv_base..][..k_len * head_dim].chunks_exact(head_dim);
     let mut max = f32::NEG_INFINITY;
@@ -604,12 +615,11 @@ fn row_avx512(
     op: &FusedCpu,
     row: usize,
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    kv: KeysValues<'_>,
     s: &mut [f32],
     o: &mut [f32],
 ) {
-    row_generic::<Fma>(op, row, q, k, v, s, o)
+    row_generic::<Fma>(op, row, q, kv, s, o)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -618,36 +628,83 @@ fn row_avx2(
     op: &FusedCpu,
     row: usize,
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    kv: KeysValues<'_>,
     s: &mut [f32],
     o: &mut [f32],
 ) {
-    row_generic::<Fma>(op, row, q, k, v, s, o)
+    row_generic::<Fma>(op, row, q, kv, s, o)
 }
 
 impl FusedCpu {
     /// Query row `row` into `out`, with `scores` (one per key) as scratch,
     /// on the op's instruction set (which the CPU supports: `fused` takes
     /// `gemv::isa()`, tests check with `gemv::supported`).
-    fn row(
-        &self,
-        row: usize,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        scores: &mut [f32],
-        out: &mut [f32],
-    ) {
+    fn row(&self, row: usize, q: &[f32], kv: KeysValues<'_>, scores: &mut [f32], out: &mut [f32]) {
         match self.isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Avx512` only when the CPU has AVX-512F (above).
-            Isa::Avx512 => unsafe { row_avx512(self, row, q, k, v, scores, out) },
+            Isa::Avx512 => unsafe { row_avx512(self, row, q, kv, scores, out) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Avx2` means the CPU has AVX2 and FMA.
-            Isa::Avx2 => unsafe { row_avx2(self, row, q, k, v, scores, out) },
-            _ => row_generic::<Plain>(self, row, q, k, v, scores, out),
+            Isa::Avx2 => unsafe { row_avx2(self, row, q, kv, scores, out) },
+            _ => row_generic::<Plain>(self, row, q, kv, scores, out),
         }
+    }
+}
+
+/// Keys, values (each `(batch_k, kv_heads, k_len, head_dim)` with the given
+/// head stride) and that stride, in elements.
+type KeysValues<'a> = (&'a [f32], &'a [f32], usize);
+
+/// Whether `t` (keys or values, `(batch_k, kv_heads, k_len, head_dim)`) is
+/// laid out as the kernels read it: each head's `k_len` rows contiguous,
+/// heads `stride >= k_len * head_dim` apart — contiguous, or a prefix of a
+/// longer buffer such as [`crate::KvCache`]'s, which then needs no copy.
+pub(crate) fn is_head_strided(t: &Tensor) -> bool {
+    head_stride(t.layout(), t.dims()).is_some()
+}
+
+fn head_stride(l: &Layout, dims: &[usize]) -> Option<usize> {
+    let (&[b, h, len, hd], &[s0, s1, s2, s3]) = (dims, l.stride()) else {
+        return None;
+    };
+    // A dimension of extent 1 may carry any stride.
+    let rows_ok = (len <= 1 || s2 == hd) && (hd <= 1 || s3 == 1);
+    // Head `b * h + i` starts `(b * h + i) * stride` in.
+    let stride = if h > 1 {
+        s1
+    } else if b > 1 {
+        s0
+    } else {
+        len * hd
+    };
+    let heads_ok = stride >= len * hd && (b <= 1 || h <= 1 || s0 == h * s1);
+    (rows_ok && heads_ok).then_some(stride)
+}
+
+/// The f32 elements of `k` or `v` and their head stride (see
+/// [`is_head_strided`]), or an error naming the argument.
+fn head_strided<'a>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    d: Dims,
+    name: &str,
+) -> candle_core::Result<(&'a [f32], usize)> {
+    let CpuStorage::F32(data) = s else {
+        candle_core::bail!("fused attention: {name} must be f32");
+    };
+    let dims = l.shape().dims();
+    let Some(stride) = head_stride(l, dims) else {
+        candle_core::bail!("fused attention: {name} {dims:?} must have contiguous heads");
+    };
+    let heads = d.batch_k * d.kv_heads;
+    let len = match heads {
+        0 => 0,
+        n => (n - 1) * stride + d.k_len * d.head_dim,
+    };
+    match data.get(l.start_offset()..l.start_offset() + len) {
+        Some(slice) => Ok((slice, stride)),
+        None => candle_core::bail!("fused attention: {name} {dims:?} past its buffer"),
     }
 }
 
@@ -686,12 +743,15 @@ impl CustomOp3 for FusedCpu {
                 _ => candle_core::bail!("fused attention: {name} must be f32"),
             }
         }
-        let (q, k, v) = (
-            slice(s1, l1, "q")?,
-            slice(s2, l2, "k")?,
-            slice(s3, l3, "v")?,
-        );
         let d = self.dims;
+        let q = slice(s1, l1, "q")?;
+        let (k, k_stride) = head_strided(s2, l2, d, "k")?;
+        let (v, v_stride) = head_strided(s3, l3, d, "v")?;
+        if k_stride != v_stride {
+            candle_core::bail!(
+                "fused attention: k and v head strides differ ({k_stride}, {v_stride})"
+            );
+        }
         let len = [d.heads, d.q_len, d.head_dim]
             .iter()
             .try_fold(d.batch_q, |acc, &n| acc.checked_mul(n));
@@ -709,6 +769,7 @@ impl CustomOp3 for FusedCpu {
                 q,
                 k,
                 v,
+                kv_stride: k_stride,
                 mask: self.mask.as_ref(),
                 dims: d,
                 scale: self.scale,
@@ -722,7 +783,7 @@ impl CustomOp3 for FusedCpu {
         if d.head_dim > 0 {
             out.par_chunks_mut(d.head_dim).enumerate().for_each_init(
                 || vec![0f32; d.k_len],
-                |scores, (row, o)| self.row(row, q, k, v, scores, o),
+                |scores, (row, o)| self.row(row, q, (k, v, k_stride), scores, o),
             );
         }
         Ok((
@@ -805,6 +866,42 @@ mod tests {
                     let closed = got.get(1)?.narrow(1, 0, 1)?.abs()?.max_all()?;
                     assert_eq!(closed.to_scalar::<f32>()?, 0.0, "{isa:?}");
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Keys and values that are a prefix of a longer buffer (a KV cache's
+    /// view, heads `capacity * head_dim` apart) are read in place and give
+    /// bit for bit what their contiguous copies give, on the per-row and
+    /// the tiled kernel, with and without a mask; keys and values whose
+    /// heads are not contiguous (a transposed layout) are copied first and
+    /// agree as well.
+    #[test]
+    fn strided_keys_and_values_equal_their_copies() -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, h, cap, len, hd) = (2, 3, 50, 37, 16);
+        let kbuf = Tensor::randn(0f32, 1., (b, h, cap, hd), &dev)?;
+        let vbuf = Tensor::randn(0f32, 1., (b, h, cap, hd), &dev)?;
+        let (k, v) = (kbuf.narrow(2, 0, len)?, vbuf.narrow(2, 0, len)?);
+        assert!(!k.is_contiguous() && is_head_strided(&k));
+        // (b, len, h, hd) transposed to (b, h, len, hd): rows hd * h apart.
+        let kt = k.transpose(1, 2)?.contiguous()?.transpose(1, 2)?;
+        assert!(!is_head_strided(&kt));
+        for q_len in [1, 9] {
+            let q = Tensor::randn(0f32, 1., (b, h, q_len, hd), &dev)?;
+            let m: Vec<u8> = (0..b * q_len * len).map(|n| u8::from(n % 5 != 2)).collect();
+            let mask = Mask::new(Tensor::from_vec(m, (b, q_len, len), &dev)?)?;
+            for mask in [None, Some(&mask)] {
+                let run = |k: &Tensor, v: &Tensor| -> Result<Tensor> {
+                    Ok(attention(&q, k, v, mask, 0.25, Backend::Fused, Weights::Skip)?.output)
+                };
+                let want = run(&k.contiguous()?, &v.contiguous()?)?;
+                let diff = |t: Tensor| -> Result<f32> {
+                    Ok((t - &want)?.abs()?.max_all()?.to_scalar::<f32>()?)
+                };
+                assert_eq!(diff(run(&k, &v)?)?, 0.0, "q_len {q_len}: cache prefix");
+                assert_eq!(diff(run(&kt, &v)?)?, 0.0, "q_len {q_len}: transposed keys");
             }
         }
         Ok(())

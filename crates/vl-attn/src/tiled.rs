@@ -59,6 +59,9 @@ pub(crate) struct Problem<'a> {
     pub q: &'a [f32],
     pub k: &'a [f32],
     pub v: &'a [f32],
+    /// Elements between the keys (and values) of consecutive heads:
+    /// `k_len * head_dim` when contiguous, more for a cache's prefix.
+    pub kv_stride: usize,
     pub mask: Option<&'a HostMask>,
     pub dims: Dims,
     pub scale: f32,
@@ -230,7 +233,7 @@ fn task_generic<K: Kernel>(
     } = p.dims;
     let dp = hd.next_multiple_of(NR);
     let (bk, kvh) = (grp / kv_heads, grp % kv_heads);
-    let kv_base = (bk * kv_heads + kvh) * k_len * hd;
+    let kv_base = (bk * kv_heads + kvh) * p.kv_stride;
     let keys = &p.k[kv_base..][..k_len * hd];
     let values = &p.v[kv_base..][..k_len * hd];
     // Which query/output row, sample and position each lane is.
@@ -480,6 +483,7 @@ mod tests {
                 q: &q,
                 k: &k,
                 v: &v,
+                kv_stride: k_len * hd,
                 mask: masked.then_some(&mask),
                 dims: Dims {
                     batch_q,
