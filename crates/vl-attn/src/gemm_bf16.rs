@@ -126,7 +126,7 @@ impl CustomOp2 for GemmBf16 {
         let y = match s1 {
             CpuStorage::F32(x) => {
                 let x = contiguous(x, l1, "vl-gemm-bf16", "x")?;
-                let x: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+                let x: Vec<bf16> = x.par_iter().map(|&v| bf16::from_f32(v)).collect();
                 CpuStorage::F32(product(&x, w, m, n, k))
             }
             _ => CpuStorage::BF16(product(slice(s1, l1, "x")?, w, m, n, k)),
@@ -172,18 +172,22 @@ fn pack(w: &[bf16], n: usize, k: usize) -> Vec<u32> {
 #[derive(Debug)]
 pub struct PackedBf16 {
     panels: Vec<u32>,
+    /// Added to each output in f32 before it is stored (or rounded).
+    bias: Option<Vec<f32>>,
     n: usize,
     k: usize,
 }
 
 impl PackedBf16 {
-    /// Packs `w (n, k)`, bf16 on the CPU, `k` even; `None` when this CPU
-    /// has no AVX512_BF16 ([`available`]) and the weight should stay a
-    /// plain tensor.
+    /// Packs `w (n, k)`, bf16 on the CPU, `k` even, with an optional bias
+    /// `(n)` (any float dtype, kept in f32 and added in the kernels'
+    /// epilogue); `None` when this CPU has no AVX512_BF16 ([`available`])
+    /// and the weight should stay a plain tensor.
     ///
     /// # Errors
-    /// A weight of another dtype, rank, device, or an odd `k`, named.
-    pub fn new(w: &Tensor) -> candle_core::Result<Option<Self>> {
+    /// A weight of another dtype, rank, device, or an odd `k`, or a bias
+    /// of another length, named.
+    pub fn new(w: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Option<Self>> {
         if !available() {
             return Ok(None);
         }
@@ -196,9 +200,17 @@ impl PackedBf16 {
                 w.device()
             );
         }
+        let bias = match bias {
+            Some(b) if b.dims() != [n] => {
+                candle_core::bail!("vl-gemm-bf16: bias {:?} for a weight ({n}, {k})", b.dims())
+            }
+            Some(b) => Some(b.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+            None => None,
+        };
         let values = w.flatten_all()?.to_vec1::<bf16>()?;
         Ok(Some(Self {
             panels: pack(&values, n, k),
+            bias,
             n,
             k,
         }))
@@ -207,6 +219,17 @@ impl PackedBf16 {
     /// The weight's shape `(n, k)`.
     pub fn dims(&self) -> (usize, usize) {
         (self.n, self.k)
+    }
+
+    /// The bias, f32, if any.
+    ///
+    /// # Errors
+    /// Only candle's, building the tensor.
+    pub fn bias(&self) -> candle_core::Result<Option<Tensor>> {
+        self.bias
+            .as_ref()
+            .map(|b| Tensor::new(b.as_slice(), &candle_core::Device::Cpu))
+            .transpose()
     }
 
     /// The weight as a bf16 tensor `(n, k)` again (bit for bit).
@@ -228,7 +251,7 @@ impl PackedBf16 {
         Tensor::from_vec(w, (n, k), &candle_core::Device::Cpu)
     }
 
-    /// `x W^T`.
+    /// `x W^T + b`.
     ///
     /// # Shapes
     /// `x: (..., k)` f32 or bf16 on the CPU (made contiguous) → `(..., n)`
@@ -263,8 +286,8 @@ impl candle_core::CustomOp1 for PackedOp {
                 if decode {
                     CpuStorage::F32(gemv_packed(x, w, m))
                 } else {
-                    let x: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-                    CpuStorage::F32(product_packed(&x, &w.panels, m, w.n, w.k))
+                    let x: Vec<bf16> = x.par_iter().map(|&v| bf16::from_f32(v)).collect();
+                    CpuStorage::F32(product_packed(&x, w, m))
                 }
             }
             CpuStorage::BF16(x) => {
@@ -274,7 +297,7 @@ impl candle_core::CustomOp1 for PackedOp {
                     let y = gemv_packed(&x, w, m);
                     CpuStorage::BF16(y.into_iter().map(bf16::from_f32).collect())
                 } else {
-                    CpuStorage::BF16(product_packed(x, &w.panels, m, w.n, w.k))
+                    CpuStorage::BF16(product_packed(x, w, m))
                 }
             }
             _ => candle_core::bail!("vl-gemm-bf16: x must be f32 or bf16, got {:?}", s.dtype()),
@@ -303,7 +326,7 @@ fn gemv_packed(x: &[f32], w: &PackedBf16, m: usize) -> Vec<f32> {
         // every row, which no other group writes; `y` outlives the loop.
         #[cfg(target_arch = "x86_64")]
         unsafe {
-            avx512::gemv_task(x, range, out, m, (first, last), n, k)
+            avx512::gemv_task(x, range, out, m, (first, last), (n, k), w.bias.as_deref())
         };
         #[cfg(not(target_arch = "x86_64"))]
         let _ = (range, &out, first, last);
@@ -338,11 +361,22 @@ impl Out for f32 {
 /// alone would leave one of two threads idle a quarter of the time), and
 /// each task's rows and panels stay in the core's L2 while it runs.
 fn product<O: Out>(x: &[bf16], w: &[bf16], m: usize, n: usize, k: usize) -> Vec<O> {
-    product_packed(x, &pack(w, n, k), m, n, k)
+    panels_product(x, &pack(w, n, k), None, m, (n, k))
 }
 
-/// [`product`] with the weight already packed ([`pack`]).
-fn product_packed<O: Out>(x: &[bf16], packed: &[u32], m: usize, n: usize, k: usize) -> Vec<O> {
+/// [`product`] with a packed weight, plus its bias.
+fn product_packed<O: Out>(x: &[bf16], w: &PackedBf16, m: usize) -> Vec<O> {
+    panels_product(x, &w.panels, w.bias.as_deref(), m, (w.n, w.k))
+}
+
+/// [`product`] over panels ([`pack`]), plus `bias` (`n`) if any.
+fn panels_product<O: Out>(
+    x: &[bf16],
+    packed: &[u32],
+    bias: Option<&[f32]>,
+    m: usize,
+    (n, k): (usize, usize),
+) -> Vec<O> {
     let mut y = vec![O::default(); m * n];
     let panel_len = (k / 2) * NR;
     let panels = n.div_ceil(NR);
@@ -370,8 +404,8 @@ fn product_packed<O: Out>(x: &[bf16], packed: &[u32], m: usize, n: usize, k: usi
                 out.at(b * TASK_ROWS * n),
                 rows,
                 (first, last),
-                n,
-                k,
+                (n, k),
+                bias,
             )
         };
         #[cfg(not(target_arch = "x86_64"))]
@@ -427,8 +461,8 @@ mod avx512 {
         y: *mut O,
         rows: usize,
         (first, last): (usize, usize),
-        n: usize,
-        k: usize,
+        (n, k): (usize, usize),
+        bias: Option<&[f32]>,
     ) {
         let pairs = k / 2;
         for (j, panel) in (first..last).zip(packed.chunks_exact(pairs * NR)) {
@@ -450,9 +484,10 @@ mod avx512 {
                 }
                 for (i, row) in tile.iter().take(mr).enumerate() {
                     for (c, v) in row.iter().take(cols).enumerate() {
+                        let v = v + bias.map_or(0.0, |b| b[j * NR + c]);
                         // SAFETY: row `r + i < rows`, column `j * NR + c`
                         // within this task's columns (the contract).
-                        unsafe { y.add((r + i) * n + j * NR + c).write(O::from_acc(*v)) };
+                        unsafe { y.add((r + i) * n + j * NR + c).write(O::from_acc(v)) };
                     }
                 }
                 r += mr;
@@ -475,8 +510,8 @@ mod avx512 {
         y: super::SyncPtr<f32>,
         m: usize,
         (first, last): (usize, usize),
-        n: usize,
-        k: usize,
+        (n, k): (usize, usize),
+        bias: Option<&[f32]>,
     ) {
         let pairs = k / 2;
         let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
@@ -509,9 +544,10 @@ mod avx512 {
                     _mm512_storeu_ps(row.as_mut_ptr().add(16), _mm512_add_ps(acc[2], acc[3]));
                 }
                 for (c, v) in row.iter().take(cols).enumerate() {
+                    let v = v + bias.map_or(0.0, |b| b[j * NR + c]);
                     // SAFETY: row `r < m`, column `j * NR + c` of this
                     // group's columns (the contract).
-                    unsafe { y.at(r * n + j * NR + c).write(*v) };
+                    unsafe { y.at(r * n + j * NR + c).write(v) };
                 }
             }
         }
@@ -612,8 +648,9 @@ mod tests {
         Ok(())
     }
 
-    /// A packed weight unpacks bit for bit, and its product equals the f64
-    /// product of the bf16 weight: with f32 `x` kept as is for 1 to 8 rows
+    /// A packed weight unpacks bit for bit, keeps its bias, and its product
+    /// equals the f64 product of the bf16 weight plus the bias: with f32
+    /// `x` kept as is for 1 to 8 rows
     /// (relative error 1e-5), rounded to bf16 for more (1e-5 against the
     /// rounded `x`), for `n` not a multiple of 32 and several panel groups;
     /// bf16 `x` gives bf16 outputs (1e-2). Skipped (passing) without
@@ -627,7 +664,12 @@ mod tests {
         let dev = Device::Cpu;
         for &(n, k) in &[(1, 2), (33, 18), (300, 2048), (65, 770)] {
             let w = Tensor::randn(0f32, 1., (n, k), &dev)?.to_dtype(DType::BF16)?;
-            let packed = std::sync::Arc::new(PackedBf16::new(&w)?.expect("available"));
+            let bias = Tensor::randn(0f32, 1., n, &dev)?;
+            let packed = std::sync::Arc::new(PackedBf16::new(&w, Some(&bias))?.expect("available"));
+            assert_eq!(
+                packed.bias()?.expect("bias").to_vec1::<f32>()?,
+                bias.to_vec1::<f32>()?
+            );
             assert_eq!(packed.dims(), (n, k));
             let back = packed.unpack()?.to_dtype(DType::F32)?;
             let diff = (back - w.to_dtype(DType::F32)?)?.abs()?.max_all()?;
@@ -640,7 +682,10 @@ mod tests {
                 } else {
                     x.to_dtype(DType::BF16)?.to_dtype(DType::F32)?
                 };
-                let want = used.to_dtype(DType::F64)?.broadcast_matmul(&w64.t()?)?;
+                let want = used
+                    .to_dtype(DType::F64)?
+                    .broadcast_matmul(&w64.t()?)?
+                    .broadcast_add(&bias.to_dtype(DType::F64)?)?;
                 let scale = want.abs()?.max_all()?.to_scalar::<f64>()?.max(1e-3);
                 let rel = |y: &Tensor| -> candle_core::Result<f64> {
                     let d = (y.to_dtype(DType::F64)? - &want)?.abs()?.max_all()?;

@@ -66,8 +66,8 @@ enum Inner {
     /// A bf16 weight packed once for vl's kernels (CPUs with
     /// AVX512_BF16): as `Half`, without a per-call packing.
     Packed {
+        /// The bias inside, added in the kernels' epilogue.
         weight: Arc<PackedBf16>,
-        bias: Option<Tensor>,
         dtype: DType,
     },
 }
@@ -194,8 +194,8 @@ impl Proj {
                 (w.narrow(0, 0, out_dim)?, bias.clone())
             }
             Inner::Half { weight, bias, .. } => (weight.to_dtype(DType::F32)?, bias.clone()),
-            Inner::Packed { weight, bias, .. } => {
-                (weight.unpack()?.to_dtype(DType::F32)?, bias.clone())
+            Inner::Packed { weight, .. } => {
+                (weight.unpack()?.to_dtype(DType::F32)?, weight.bias()?)
             }
         };
         if let Some(half) = match format {
@@ -208,11 +208,10 @@ impl Proj {
             let weight = weight.to_dtype(half)?.copy()?;
             let bias = bias.map(|b| b.to_dtype(self.dtype())).transpose()?;
             if half == DType::BF16 && weight.device().is_cpu() && in_dim % 2 == 0 {
-                if let Some(packed) = PackedBf16::new(&weight)? {
+                if let Some(packed) = PackedBf16::new(&weight, bias.as_ref())? {
                     return Ok(Self {
                         inner: Inner::Packed {
                             weight: Arc::new(packed),
-                            bias,
                             dtype: self.dtype(),
                         },
                     });
@@ -306,7 +305,7 @@ impl Module for Proj {
                 };
                 add_bias(y, bias.as_ref())
             }
-            Inner::Packed { weight, bias, .. } => add_bias(weight.matmul(x)?, bias.as_ref()),
+            Inner::Packed { weight, .. } => weight.matmul(x),
             Inner::Quantized {
                 weight,
                 bias,
