@@ -71,3 +71,32 @@ fn a_layer_that_does_not_fit_is_named_either_way() -> anyhow::Result<()> {
     assert_eq!(during, after);
     Ok(())
 }
+
+/// On CPUs with AVX512_BF16 a bf16 load packs its linear layers for vl's
+/// bf16 kernels (as `Quantization::Bf16` does), elsewhere it stays dense;
+/// either way its logits are within bf16's error of the f32 model's
+/// (relative L2 under 3%), for every family.
+#[test]
+fn a_bf16_load_packs_its_weights_where_the_kernels_run() -> anyhow::Result<()> {
+    for (family, kind) in [
+        ("hf", "equal"),
+        ("trocr", "vit_learned"),
+        ("blip", "vision32"),
+    ] {
+        let dir = fixture(family, kind);
+        let packed = VlModel::load(&dir, DType::BF16, &Device::Cpu)?;
+        let want = vl::vl_attn::gemm_bf16::available().then_some(Quantization::Bf16);
+        assert_eq!(
+            packed.decoder.quantization(),
+            want.and_then(|q| q.ggml_dtype()),
+            "{family}"
+        );
+        let f32_model = VlModel::load(&dir, DType::F32, &Device::Cpu)?;
+        let (got, reference) = (logits(&packed)?.to_dtype(DType::F32)?, logits(&f32_model)?);
+        let rel = ((&got - &reference)?.sqr()?.sum_all()?.sqrt()?
+            / reference.sqr()?.sum_all()?.sqrt()?)?
+        .to_scalar::<f32>()?;
+        assert!(rel < 0.03, "{family}: relative L2 {rel} from f32");
+    }
+    Ok(())
+}

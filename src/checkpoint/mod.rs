@@ -188,7 +188,8 @@ impl VlModel {
     /// stay dense) — peak memory stays under the dense file's size for `q8_0`,
     /// where loading first and quantizing after holds the whole dense model
     /// and a quantized copy. vl's own (small) directories are loaded, then
-    /// quantized.
+    /// quantized. On CPUs with AVX512_BF16 a `bf16` load packs its linear
+    /// layers for vl's bf16 kernels as `Quantization::Bf16` does.
     ///
     /// # Errors
     /// As [`VlModel::load`] and [`VlModel::quantize`].
@@ -204,6 +205,18 @@ impl VlModel {
                 source: std::io::Error::new(std::io::ErrorKind::NotFound, "not a model directory"),
             });
         }
+        // On CPUs with vl's bf16 kernels, a bf16 model's linear layers are
+        // packed for them once (what `--quantize bf16` does): the same
+        // products (biases added before the rounding), no packing per call.
+        let q = if q == vl_decoder::Quantization::None
+            && dtype == DType::BF16
+            && device.is_cpu()
+            && vl_attn::gemm_bf16::available()
+        {
+            vl_decoder::Quantization::Bf16
+        } else {
+            q
+        };
         let format = q.ggml_dtype();
         match ModelFormat::detect(dir)? {
             ModelFormat::Vl => {

@@ -15,11 +15,13 @@
 //!   `x/2 · (1 + tanh u)`, with `σ` built from `exp(-2|u|)` so no `exp`
 //!   overflows.
 //!
-//! [`forward`] takes this path for untracked contiguous f32 CPU tensors and
-//! candle's ops otherwise (autograd, other dtypes, other devices).
+//! [`forward`] takes this path for untracked f32 and bf16 CPU tensors (bf16
+//! widened to f32 and rounded back, as candle's bf16 ops do) and candle's
+//! ops otherwise (autograd, f16, other devices).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+use half::bf16;
 use rayon::prelude::*;
 
 use crate::gemv::Isa;
@@ -37,7 +39,7 @@ const CHUNK: usize = 16 * 1024;
 /// # Errors
 /// Only candle's.
 pub(crate) fn forward(x: &Tensor, exact: bool) -> candle_core::Result<Tensor> {
-    if x.device().is_cpu() && x.dtype() == DType::F32 && !x.track_op() {
+    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::BF16) && !x.track_op() {
         return x.contiguous()?.apply_op1_no_bwd(&Gelu {
             exact,
             isa: crate::gemv::isa(),
@@ -149,15 +151,33 @@ impl CustomOp1 for Gelu {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let CpuStorage::F32(data) = s else {
-            candle_core::bail!("vl-gelu: x must be f32, got {:?}", s.dtype());
+        let y = match s {
+            CpuStorage::F32(data) => {
+                let x = contiguous(data, l, "vl-gelu", "x")?;
+                let mut y = vec![0f32; x.len()];
+                y.par_chunks_mut(CHUNK)
+                    .zip(x.par_chunks(CHUNK))
+                    .for_each(|(y, x)| self.run(x, y));
+                CpuStorage::F32(y)
+            }
+            CpuStorage::BF16(data) => {
+                let x = contiguous(data, l, "vl-gelu", "x")?;
+                let mut y = vec![bf16::ZERO; x.len()];
+                y.par_chunks_mut(CHUNK)
+                    .zip(x.par_chunks(CHUNK))
+                    .for_each(|(y, x)| {
+                        let wide: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+                        let mut out = vec![0f32; wide.len()];
+                        self.run(&wide, &mut out);
+                        for (o, v) in y.iter_mut().zip(out) {
+                            *o = bf16::from_f32(v);
+                        }
+                    });
+                CpuStorage::BF16(y)
+            }
+            _ => candle_core::bail!("vl-gelu: x must be f32 or bf16, got {:?}", s.dtype()),
         };
-        let x = contiguous(data, l, "vl-gelu", "x")?;
-        let mut y = vec![0f32; x.len()];
-        y.par_chunks_mut(CHUNK)
-            .zip(x.par_chunks(CHUNK))
-            .for_each(|(y, x)| self.run(x, y));
-        Ok((CpuStorage::F32(y), l.shape().clone()))
+        Ok((y, l.shape().clone()))
     }
 }
 
@@ -234,9 +254,10 @@ mod tests {
     }
 
     /// Through candle: the same values as candle's `gelu_erf` / `gelu`
-    /// (relative 1e-5 on the scale of the values) on a tensor longer than
-    /// one parallel chunk, of its shape; a tracked input takes candle's
-    /// path and keeps its gradient.
+    /// (relative 1e-5 on the scale of the values; in bf16, the f32 result
+    /// rounded once)
+    /// on a tensor longer than one parallel chunk, of its shape; a tracked
+    /// input takes candle's path and keeps its gradient.
     #[test]
     fn equals_candles_ops() -> candle_core::Result<()> {
         let dev = Device::Cpu;
@@ -247,6 +268,15 @@ mod tests {
             assert_eq!(got.dims(), x.dims());
             let err = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
             assert!(err < 1e-5 * 16.0, "exact {exact}: {err}");
+            // bf16: the f32 values of the bf16 inputs, rounded once (candle's
+            // bf16 `gelu` computes in bf16 steps and is further off).
+            let xb = x.to_dtype(DType::BF16)?;
+            let got = forward(&xb, exact)?;
+            assert_eq!(got.dtype(), DType::BF16);
+            let want = forward(&xb.to_dtype(DType::F32)?, exact)?.to_dtype(DType::BF16)?;
+            let diff = (got.to_dtype(DType::F32)? - want.to_dtype(DType::F32)?)?;
+            let diff = diff.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0, "bf16 exact {exact}");
         }
         let v = candle_core::Var::from_tensor(&x.narrow(2, 0, 8)?)?;
         let y = forward(v.as_tensor(), true)?.sum_all()?;
