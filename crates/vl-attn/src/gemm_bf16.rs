@@ -653,7 +653,8 @@ mod tests {
     /// `x` kept as is for 1 to 8 rows
     /// (relative error 1e-5), rounded to bf16 for more (1e-5 against the
     /// rounded `x`), for `n` not a multiple of 32 and several panel groups;
-    /// bf16 `x` gives bf16 outputs (1e-2). Skipped (passing) without
+    /// bf16 `x` gives bf16 outputs (1e-2 against the product of those bf16
+    /// values). Skipped (passing) without
     /// AVX512_BF16.
     #[test]
     fn packed_weights_match_the_reference() -> candle_core::Result<()> {
@@ -682,22 +683,26 @@ mod tests {
                 } else {
                     x.to_dtype(DType::BF16)?.to_dtype(DType::F32)?
                 };
-                let want = used
-                    .to_dtype(DType::F64)?
-                    .broadcast_matmul(&w64.t()?)?
-                    .broadcast_add(&bias.to_dtype(DType::F64)?)?;
-                let scale = want.abs()?.max_all()?.to_scalar::<f64>()?.max(1e-3);
-                let rel = |y: &Tensor| -> candle_core::Result<f64> {
+                // The error of `y` against the f64 product of `xs` (the
+                // activations the kernel was given), on the scale of its
+                // largest output.
+                let rel = |y: &Tensor, xs: &Tensor| -> candle_core::Result<f64> {
+                    let want = xs
+                        .to_dtype(DType::F64)?
+                        .broadcast_matmul(&w64.t()?)?
+                        .broadcast_add(&bias.to_dtype(DType::F64)?)?;
+                    let scale = want.abs()?.max_all()?.to_scalar::<f64>()?.max(1e-3);
                     let d = (y.to_dtype(DType::F64)? - &want)?.abs()?.max_all()?;
                     Ok(d.to_scalar::<f64>()? / scale)
                 };
                 let y = packed.matmul(&x)?;
                 assert_eq!((y.dims(), y.dtype()), (&[m, 1, n][..], DType::F32));
-                let err = rel(&y)?;
+                let err = rel(&y, &used)?;
                 assert!(err < 1e-5, "f32 x ({m}, {k}) x ({n}, {k}): {err}");
-                let y16 = packed.matmul(&x.to_dtype(DType::BF16)?)?;
+                let x16 = x.to_dtype(DType::BF16)?;
+                let y16 = packed.matmul(&x16)?;
                 assert_eq!(y16.dtype(), DType::BF16);
-                let err = rel(&y16)?;
+                let err = rel(&y16, &x16)?;
                 assert!(err < 1e-2, "bf16 x ({m}, {k}) x ({n}, {k}): {err}");
             }
         }
