@@ -28,11 +28,13 @@ use crate::gemv::Isa;
 use crate::kernel::contiguous;
 #[cfg(target_arch = "x86_64")]
 use crate::micro::Fma;
-use crate::micro::{madd, Kernel, Plain};
+use crate::micro::{madd, Kernel};
 use crate::tiled::exp_neg;
 
 /// Elements per parallel task.
 const CHUNK: usize = 16 * 1024;
+/// bf16 elements widened to f32 at a time.
+const WIDEN: usize = 512;
 
 /// GELU, exact (`erf`) or with the tanh approximation, of `x`.
 ///
@@ -118,31 +120,9 @@ fn run_generic<K: Kernel>(exact: bool, x: &[f32], y: &mut [f32]) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn run_avx512(exact: bool, x: &[f32], y: &mut [f32]) {
-    run_generic::<Fma>(exact, x, y)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn run_avx2(exact: bool, x: &[f32], y: &mut [f32]) {
-    run_generic::<Fma>(exact, x, y)
-}
-
-impl Gelu {
-    fn run(&self, x: &[f32], y: &mut [f32]) {
-        match self.isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Avx512` only on CPUs with AVX-512F (`gemv::isa`, or
-            // `gemv::supported` in tests).
-            Isa::Avx512 => unsafe { run_avx512(self.exact, x, y) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Avx2` only on CPUs with AVX2 and FMA (likewise).
-            Isa::Avx2 => unsafe { run_avx2(self.exact, x, y) },
-            _ => run_generic::<Plain>(self.exact, x, y),
-        }
-    }
+crate::micro::per_isa! {
+    /// GELU of `x` into `y`.
+    fn run(exact: bool, x: &[f32], y: &mut [f32]) = run_generic::<Fma>
 }
 
 impl CustomOp1 for Gelu {
@@ -157,7 +137,7 @@ impl CustomOp1 for Gelu {
                 let mut y = vec![0f32; x.len()];
                 y.par_chunks_mut(CHUNK)
                     .zip(x.par_chunks(CHUNK))
-                    .for_each(|(y, x)| self.run(x, y));
+                    .for_each(|(y, x)| run(self.isa, self.exact, x, y));
                 CpuStorage::F32(y)
             }
             CpuStorage::BF16(data) => {
@@ -166,11 +146,17 @@ impl CustomOp1 for Gelu {
                 y.par_chunks_mut(CHUNK)
                     .zip(x.par_chunks(CHUNK))
                     .for_each(|(y, x)| {
-                        let wide: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
-                        let mut out = vec![0f32; wide.len()];
-                        self.run(&wide, &mut out);
-                        for (o, v) in y.iter_mut().zip(out) {
-                            *o = bf16::from_f32(v);
+                        // Widened through two stack buffers, no allocation.
+                        let (mut wide, mut out) = ([0f32; WIDEN], [0f32; WIDEN]);
+                        for (y, x) in y.chunks_mut(WIDEN).zip(x.chunks(WIDEN)) {
+                            let (wide, out) = (&mut wide[..x.len()], &mut out[..x.len()]);
+                            for (w, v) in wide.iter_mut().zip(x) {
+                                *w = v.to_f32();
+                            }
+                            run(self.isa, self.exact, wide, out);
+                            for (o, v) in y.iter_mut().zip(out.iter()) {
+                                *o = bf16::from_f32(*v);
+                            }
                         }
                     });
                 CpuStorage::BF16(y)
@@ -214,7 +200,7 @@ mod tests {
             for exact in [true, false] {
                 let op = Gelu { exact, isa };
                 let mut ys = vec![0f32; xs.len()];
-                op.run(&xs, &mut ys);
+                run(op.isa, op.exact, &xs, &mut ys);
                 for (&x, &y) in xs.iter().zip(&ys) {
                     let want = if exact {
                         erf_gelu(x as f64)
@@ -242,7 +228,7 @@ mod tests {
                     assert!(ok, "{isa:?} exact {exact}: gelu({x}) = {y}, want {want}");
                 }
                 let mut edge = [0f32; 2];
-                op.run(&[f32::NAN, f32::INFINITY], &mut edge);
+                run(op.isa, op.exact, &[f32::NAN, f32::INFINITY], &mut edge);
                 assert!(
                     edge[0].is_nan(),
                     "{isa:?} exact {exact}: NaN in, {}",

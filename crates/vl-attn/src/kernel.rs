@@ -21,7 +21,7 @@ use crate::gemv::Isa;
 use crate::mask::Mask;
 #[cfg(target_arch = "x86_64")]
 use crate::micro::Fma;
-use crate::micro::{madd, Kernel, Plain};
+use crate::micro::{madd, Kernel};
 use crate::tiled::exp_neg;
 
 /// Which implementation computes attention.
@@ -609,47 +609,17 @@ fn row_generic<K: Kernel>(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn row_avx512(
-    op: &FusedCpu,
-    row: usize,
-    q: &[f32],
-    kv: KeysValues<'_>,
-    s: &mut [f32],
-    o: &mut [f32],
-) {
-    row_generic::<Fma>(op, row, q, kv, s, o)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn row_avx2(
-    op: &FusedCpu,
-    row: usize,
-    q: &[f32],
-    kv: KeysValues<'_>,
-    s: &mut [f32],
-    o: &mut [f32],
-) {
-    row_generic::<Fma>(op, row, q, kv, s, o)
-}
-
-impl FusedCpu {
-    /// Query row `row` into `out`, with `scores` (one per key) as scratch,
-    /// on the op's instruction set (which the CPU supports: `fused` takes
-    /// `gemv::isa()`, tests check with `gemv::supported`).
-    fn row(&self, row: usize, q: &[f32], kv: KeysValues<'_>, scores: &mut [f32], out: &mut [f32]) {
-        match self.isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Avx512` only when the CPU has AVX-512F (above).
-            Isa::Avx512 => unsafe { row_avx512(self, row, q, kv, scores, out) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Avx2` means the CPU has AVX2 and FMA.
-            Isa::Avx2 => unsafe { row_avx2(self, row, q, kv, scores, out) },
-            _ => row_generic::<Plain>(self, row, q, kv, scores, out),
-        }
-    }
+crate::micro::per_isa! {
+    /// [`row_generic`] on the op's instruction set (which the CPU supports:
+    /// `fused` takes `gemv::isa()`, tests check with `gemv::supported`).
+    fn row(
+        op: &FusedCpu,
+        row: usize,
+        q: &[f32],
+        kv: KeysValues<'_>,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) = row_generic::<Fma>
 }
 
 /// Keys, values (each `(batch_k, kv_heads, k_len, head_dim)` with the given
@@ -783,7 +753,7 @@ impl CustomOp3 for FusedCpu {
         if d.head_dim > 0 {
             out.par_chunks_mut(d.head_dim).enumerate().for_each_init(
                 || vec![0f32; d.k_len],
-                |scores, (row, o)| self.row(row, q, (k, v, k_stride), scores, o),
+                |scores, (r, o)| row(self.isa, self, r, q, (k, v, k_stride), scores, o),
             );
         }
         Ok((

@@ -162,3 +162,40 @@ pub(crate) fn micro<K: Kernel>(
     // `task` calls only on CPUs that have it.
     unsafe { K::micro(a.as_ptr(), rs, cs, b.as_ptr(), ldb, kdim, c) }
 }
+
+/// `fn $name(isa, args…)`: `$generic::<K>(args…)` compiled once per
+/// instruction set — for AVX-512F with `K = $k512`, for AVX2+FMA with
+/// [`Fma`], for the target's baseline with [`Plain`] — and run with the one
+/// `isa` names, which the CPU must support (callers pass
+/// [`crate::gemv::isa`], or an ISA checked with [`crate::gemv::supported`]).
+/// `$generic` is `#[inline(always)]`, so each copy is vectorised for its
+/// instruction set.
+macro_rules! per_isa {
+    ($(#[$doc:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),* $(,)?) $(-> $r:ty)?
+        = $generic:ident::<$k512:ty>) => {
+        $(#[$doc])*
+        $vis fn $name(isa: crate::gemv::Isa, $($a: $t),*) $(-> $r)? {
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f")]
+            fn avx512($($a: $t),*) $(-> $r)? {
+                $generic::<$k512>($($a),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            fn avx2($($a: $t),*) $(-> $r)? {
+                $generic::<crate::micro::Fma>($($a),*)
+            }
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `Avx512` only for CPUs with AVX-512F (the
+                // caller's contract, above).
+                crate::gemv::Isa::Avx512 => unsafe { avx512($($a),*) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `Avx2` only for CPUs with AVX2 and FMA (likewise).
+                crate::gemv::Isa::Avx2 => unsafe { avx2($($a),*) },
+                _ => $generic::<crate::micro::Plain>($($a),*),
+            }
+        }
+    };
+}
+pub(crate) use per_isa;

@@ -43,9 +43,9 @@ use rayon::prelude::*;
 
 use crate::gemv::Isa;
 use crate::kernel::{Dims, HostMask};
-use crate::micro::{madd, micro, Kernel, Plain, MR, NR};
 #[cfg(target_arch = "x86_64")]
-use crate::micro::{Avx512, Fma};
+use crate::micro::Avx512;
+use crate::micro::{madd, micro, Kernel, MR, NR};
 
 /// Virtual rows per task: the lanes of the score tiles.
 pub(crate) const BLOCK_Q: usize = NR;
@@ -101,7 +101,7 @@ pub(crate) fn run(p: &Problem<'_>, isa: Isa) -> Vec<f32> {
             || Scratch::new(d.head_dim),
             |scratch, &(grp, v0)| {
                 let len = BLOCK_Q.min(rows - v0);
-                task(p, isa, grp, v0, len, scratch)
+                task(isa, p, grp, v0, len, scratch)
             },
         )
         .collect();
@@ -155,30 +155,10 @@ impl Scratch {
     }
 }
 
-/// Rows `v0 .. v0 + len` of group `grp`: their outputs, `(len, head_dim)`.
-fn task(p: &Problem<'_>, isa: Isa, grp: usize, v0: usize, len: usize, s: &mut Scratch) -> Vec<f32> {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa` is only `Avx512` when the CPU has AVX-512F
-        // (`gemv::isa`/`gemv::supported` checked it).
-        Isa::Avx512 => unsafe { task_avx512(p, grp, v0, len, s) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Avx2` means the CPU has AVX2 and FMA (checked likewise).
-        Isa::Avx2 => unsafe { task_avx2(p, grp, v0, len, s) },
-        _ => task_generic::<Plain>(p, grp, v0, len, s),
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn task_avx512(p: &Problem<'_>, grp: usize, v0: usize, len: usize, s: &mut Scratch) -> Vec<f32> {
-    task_generic::<Avx512>(p, grp, v0, len, s)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn task_avx2(p: &Problem<'_>, grp: usize, v0: usize, len: usize, s: &mut Scratch) -> Vec<f32> {
-    task_generic::<Fma>(p, grp, v0, len, s)
+crate::micro::per_isa! {
+    /// Rows `v0 .. v0 + len` of group `grp`: their outputs, `(len, head_dim)`.
+    fn task(p: &Problem<'_>, grp: usize, v0: usize, len: usize, s: &mut Scratch) -> Vec<f32>
+        = task_generic::<Avx512>
 }
 
 /// `exp(x)` for `x <= 0` (and `-inf`, which gives exactly 0, as does NaN):
@@ -359,6 +339,9 @@ fn task_generic<K: Kernel>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(target_arch = "x86_64")]
+    use crate::micro::Fma;
+    use crate::micro::Plain;
 
     #[test]
     fn exp_matches_std() {
