@@ -77,16 +77,10 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from transformers import (
-    AutoImageProcessor,
-    BlipForConditionalGeneration,
-    BlipProcessor,
-    VisionEncoderDecoderModel,
-)
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging as hf_logging
 
-from check_generate import fix_sinusoids
+from check_generate import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 32
@@ -170,17 +164,11 @@ def quantized_inputs(layers: list):
 def load(d: Path, pixels_from: str):
     """The f32 model, its pixel values, whether BLIP, and the decoder's
     vocab size and max positions."""
-    cfg = json.loads((d / "config.json").read_text())
-    blip = cfg.get("model_type") == "blip"
+    model, processor, blip = load_model(d)
     if blip:
-        model = BlipForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
-        processor = BlipProcessor.from_pretrained(d)
         dec = model.config.text_config
         side = model.config.vision_config.image_size
     else:
-        model = VisionEncoderDecoderModel.from_pretrained(d, dtype=torch.float32).eval()
-        fix_sinusoids(model)
-        processor = AutoImageProcessor.from_pretrained(d)
         dec = model.config.decoder
         side = model.config.encoder.image_size
     if pixels_from == "image":

@@ -99,6 +99,18 @@ def fix_sinusoids(model: VisionEncoderDecoderModel) -> None:
         )
 
 
+def load_model(d: Path):
+    """The f32 model of a checkpoint directory, its processor and whether it
+    is BLIP (`model_type` "blip") rather than a VisionEncoderDecoderModel."""
+    cfg = json.loads((d / "config.json").read_text())
+    if cfg.get("model_type") == "blip":
+        model = BlipForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+        return model, BlipProcessor.from_pretrained(d), True
+    model = VisionEncoderDecoderModel.from_pretrained(d, dtype=torch.float32).eval()
+    fix_sinusoids(model)
+    return model, AutoImageProcessor.from_pretrained(d), False
+
+
 def checkpoint_early_stopping(d: Path) -> bool | str:
     """The `early_stopping` vl takes for a VisionEncoderDecoder checkpoint:
     generation_config.json's, else config.json's, else False."""
@@ -163,18 +175,11 @@ def main() -> int:
 
     modes = [("greedy", 1, 0), ("beam3", 3, 0), ("greedy_nr2", 1, 2), ("beam3_nr2", 3, 2)]
     for d in args.dirs:
-        cfg = json.loads((d / "config.json").read_text())
-        blip = cfg.get("model_type") == "blip"
+        model, processor, blip = load_model(d)
         if blip:
-            model = BlipForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
-            processor = BlipProcessor.from_pretrained(d)
-            tc = model.config.text_config
-            eos = as_set(tc.sep_token_id)
+            eos = as_set(model.config.text_config.sep_token_id)
             early = False  # vl reads no generation_config.json for BLIP
         else:
-            model = VisionEncoderDecoderModel.from_pretrained(d, dtype=torch.float32).eval()
-            fix_sinusoids(model)
-            processor = AutoImageProcessor.from_pretrained(d)
             eos = as_set(model.generation_config.eos_token_id) or as_set(model.config.eos_token_id)
             early = checkpoint_early_stopping(d)
         images = args.images or [d / "image.png"]

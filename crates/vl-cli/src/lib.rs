@@ -107,23 +107,23 @@ where
         eprintln!("error: {}", caption::one_line(&e));
         return ExitCode::from(2);
     }
-    let result = rayon::scope(|_| match &cli.command {
-        Command::Caption(args) => Err(caption::run(args)),
-        Command::EvalShapes(args) => Ok(eval::run(args)),
-        Command::TrainShapes(args) => Ok(train::run(args)),
-        Command::RenderShapes(args) => Ok(render::run(args)),
-        Command::Bench(args) => Ok(bench::run(args)),
-        Command::Experiment(args) => Ok(experiment::run(args)),
-    });
-    let result = match result {
-        Ok(r) => r,
-        Err(code) => return code,
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {}", caption::one_line(&e));
-            ExitCode::FAILURE
+    // On a pool worker: vl's parallel kernels then start on this thread
+    // instead of waking the pool and parking it.
+    rayon::scope(|_| {
+        let result = match &cli.command {
+            Command::Caption(args) => return caption::run(args),
+            Command::EvalShapes(args) => eval::run(args),
+            Command::TrainShapes(args) => train::run(args),
+            Command::RenderShapes(args) => render::run(args),
+            Command::Bench(args) => bench::run(args),
+            Command::Experiment(args) => experiment::run(args),
+        };
+        match result {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {}", caption::one_line(&e));
+                ExitCode::FAILURE
+            }
         }
-    }
+    })
 }
