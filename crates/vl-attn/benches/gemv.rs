@@ -18,7 +18,8 @@
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use vl_attn::gemv::{gemv, gemv_q8_0};
+use vl_attn::gemv::gemv;
+use vl_attn::gemv_q8::gemv_q8_0;
 
 const SHAPES: [(&str, usize, usize); 4] = [
     ("qkv", 2304, 768),

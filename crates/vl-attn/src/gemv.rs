@@ -15,11 +15,7 @@
 //! baseline on aarch64, so the plain build vectorises there). Every path
 //! is tested against a plain f64 reference on odd shapes.
 //!
-//! [`gemv_q8_0`] runs candle's q8_0 blocks with `x` in f32. It is not
-//! routed to by [`crate::Proj`]: measured next to candle's q8_0 kernel
-//! (which rounds `x` to 8 bits and uses integer dot products) it is slower
-//! wherever the weight sits in cache — the per-element dequantisation
-//! makes it compute-bound (`benches/gemv.rs`).
+//! q8_0 weights have a kernel of their own, [`crate::gemv_q8`].
 //!
 //! [`gemv`] is a candle `CustomOp2`, so models stay candle modules; it runs
 //! on CPU only and takes no part in autograd: [`crate::Proj`] routes to it
@@ -29,7 +25,6 @@
 use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
-use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -173,68 +168,6 @@ fn task<W: Weight>(x: &[f32], rows: usize, inp: usize, w: &[W], yt: &mut [f32]) 
     }
 }
 
-/// `yt[o * rows + r] = x[r] · w[o]` for q8_0 weight rows: each row is
-/// `inp / 32` blocks of an f16 scale and 32 i8 values (candle's
-/// `BlockQ8_0`, 34 bytes). `x` stays f32: no activation rounding.
-#[inline(always)]
-fn task_q8_0(x: &[f32], rows: usize, inp: usize, w: &[u8], yt: &mut [f32]) {
-    let row_bytes = inp / Q8_0_VALUES * Q8_0_BYTES;
-    let xr = |r: usize| &x[r * inp..(r + 1) * inp];
-    // Many rows (a prefill): blocks of rows that stay in cache while every
-    // weight row of the task passes by. Each output is computed the same
-    // way whatever the row count, so cached decoding equals a full pass.
-    for r0 in (0..rows).step_by(Q8_0_ROW_BLOCK) {
-        let r1 = (r0 + Q8_0_ROW_BLOCK).min(rows);
-        for (wo, yo) in w.chunks_exact(row_bytes).zip(yt.chunks_exact_mut(rows)) {
-            let mut r = r0;
-            while r < r1 {
-                if r1 - r >= 2 {
-                    let mut o = [0f32; 2];
-                    dot_rows_q8_0(std::array::from_fn(|i| xr(r + i)), wo, &mut o);
-                    yo[r..r + 2].copy_from_slice(&o);
-                    r += 2;
-                } else {
-                    let mut o = [0f32; 1];
-                    dot_rows_q8_0([xr(r)], wo, &mut o);
-                    yo[r] = o[0];
-                    r += 1;
-                }
-            }
-        }
-    }
-}
-
-/// Rows of `x` per block in the q8_0 product (64 rows of 768 f32 = 192 KB,
-/// an L2's worth).
-const Q8_0_ROW_BLOCK: usize = 64;
-
-/// `out[r] = x[r] · w` for one q8_0 weight row `w`.
-#[inline(always)]
-fn dot_rows_q8_0<const R: usize>(x: [&[f32]; R], w: &[u8], out: &mut [f32; R]) {
-    let mut acc = [[0f32; Q8_0_VALUES]; R];
-    for (b, block) in w.chunks_exact(Q8_0_BYTES).enumerate() {
-        let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
-        let mut q = [0f32; Q8_0_VALUES];
-        for (qv, &byte) in q.iter_mut().zip(&block[2..]) {
-            *qv = (byte as i8) as f32 * d;
-        }
-        for (a, xr) in acc.iter_mut().zip(&x) {
-            let xc = &xr[b * Q8_0_VALUES..(b + 1) * Q8_0_VALUES];
-            for j in 0..Q8_0_VALUES {
-                a[j] += xc[j] * q[j];
-            }
-        }
-    }
-    for (o, a) in out.iter_mut().zip(&acc) {
-        *o = a.iter().sum();
-    }
-}
-
-/// Values per q8_0 block.
-const Q8_0_VALUES: usize = 32;
-/// Bytes per q8_0 block: an f16 scale and 32 i8.
-const Q8_0_BYTES: usize = 34;
-
 /// `$avx512` / `$avx2`: `$task` compiled for AVX-512F and for AVX2+FMA
 /// (the loops inside are inlined into them and vectorised for that
 /// instruction set).
@@ -255,12 +188,11 @@ macro_rules! isa_variants {
 }
 
 isa_variants!(task, task_avx512, task_avx2, W, W: Weight);
-isa_variants!(task_q8_0, task_q8_0_avx512, task_q8_0_avx2, u8);
 
 /// Runs `run(outputs, yt)` over the output rows split into tasks across
 /// the rayon pool, `yt` being those outputs' `(len, rows)` results, and
 /// returns `y (rows, out)`.
-fn parallel(
+pub(crate) fn parallel(
     out: usize,
     rows: usize,
     run: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
@@ -306,74 +238,6 @@ fn product<W: Weight>(isa: Isa, x: &[f32], rows: usize, w: &[W], out: usize) -> 
             _ => task(x, rows, inp, w, yt),
         }
     })
-}
-
-/// As [`product`] for q8_0 weight bytes (`out` rows of `inp / 32`
-/// blocks).
-fn product_q8_0(isa: Isa, x: &[f32], rows: usize, w: &[u8], out: usize) -> Vec<f32> {
-    let inp = x.len() / rows.max(1);
-    let row_bytes = inp / Q8_0_VALUES * Q8_0_BYTES;
-    parallel(out, rows, |o, yt| {
-        let w = &w[o.start * row_bytes..o.end * row_bytes];
-        match isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as in `product`.
-            Isa::Avx512 => unsafe { task_q8_0_avx512(x, rows, inp, w, yt) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as in `product`.
-            Isa::Avx2 => unsafe { task_q8_0_avx2(x, rows, inp, w, yt) },
-            _ => task_q8_0(x, rows, inp, w, yt),
-        }
-    })
-}
-
-/// `x W^T` for a q8_0 weight, on this CPU's best [`isa`]; `x` is used in
-/// f32 (not rounded to 8 bits as candle's q8_0 product does), and every
-/// output is computed the same way whatever the number of rows, so a
-/// cached decode step equals the full pass.
-///
-/// # Shapes
-/// `x: (..., inp)` of any number of rows, any float dtype; `w: (out, inp)`
-/// q8_0 on the CPU, `inp` a multiple of 32 → `(..., out)` f32.
-///
-/// # Errors
-/// A weight not q8_0 or not on the CPU, an empty `x`, or widths that do
-/// not match, named.
-pub fn gemv_q8_0(x: &Tensor, w: &QTensor) -> candle_core::Result<Tensor> {
-    gemv_q8_0_with(isa(), x, w)
-}
-
-/// [`gemv_q8_0`] with a given instruction set (tests compare them).
-///
-/// # Errors
-/// As [`gemv_q8_0`], and an `isa` this CPU does not support.
-pub fn gemv_q8_0_with(isa: Isa, x: &Tensor, w: &QTensor) -> candle_core::Result<Tensor> {
-    if !supported(isa) {
-        candle_core::bail!("vl-gemv: this CPU cannot run {isa:?}");
-    }
-    let (out, inp) = w.shape().dims2()?;
-    let dims = x.dims();
-    let rows = x.elem_count() / inp.max(1);
-    if w.dtype() != GgmlDType::Q8_0 || !w.device().is_cpu() || !x.device().is_cpu() {
-        candle_core::bail!("vl-gemv: q8_0 takes a q8_0 weight and x on the CPU");
-    }
-    if dims.last() != Some(&inp) || !inp.is_multiple_of(Q8_0_VALUES) || rows == 0 {
-        candle_core::bail!(
-            "vl-gemv: q8_0 takes x (..., {inp}) of at least one row and a weight (out, k * 32); got x {dims:?}, w ({out}, {inp})"
-        );
-    }
-    let bytes = w.data()?;
-    if bytes.len() != out * inp / Q8_0_VALUES * Q8_0_BYTES {
-        candle_core::bail!(
-            "vl-gemv: q8_0 weight of {} bytes for ({out}, {inp})",
-            bytes.len()
-        );
-    }
-    let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let y = product_q8_0(isa, &xs, rows, &bytes, out);
-    let mut shape = dims[..dims.len() - 1].to_vec();
-    shape.push(out);
-    Tensor::from_vec(y, shape, x.device())
 }
 
 /// The op: `x (..., inp)` times `w (out, inp)` transposed.
@@ -567,46 +431,6 @@ mod tests {
                 }
             }
         }
-        Ok(())
-    }
-
-    /// The q8_0 path equals the f64 product of `x` and the dequantized
-    /// weight (relative error under 1e-5: only the summation order
-    /// differs) on every supported path, for 1 to 131 rows (past a row
-    /// block) and widths of 1 to 25 blocks; and it is refused with a
-    /// reason for a weight of another format or a width that does not
-    /// fit.
-    #[test]
-    fn q8_0_matches_the_dequantized_reference() -> candle_core::Result<()> {
-        let dev = Device::Cpu;
-        for &(out, inp) in &[(1, 32), (7, 96), (65, 800)] {
-            let w = Tensor::randn(0f32, 1., (out, inp), &dev)?;
-            let q = QTensor::quantize(&w, GgmlDType::Q8_0)?;
-            let dq = q.dequantize(&dev)?;
-            for rows in [1, 2, 3, 8, 70, 131] {
-                let x = Tensor::randn(0f32, 1., (1, rows, inp), &dev)?;
-                let want = reference(&x, &dq);
-                let scale = want.iter().map(|v| v.abs()).fold(1e-3, f64::max);
-                for isa in isas() {
-                    let y = gemv_q8_0_with(isa, &x, &q)?;
-                    assert_eq!(y.dims(), &[1, rows, out]);
-                    let got: Vec<f32> = y.flatten_all()?.to_vec1()?;
-                    for (g, w) in got.iter().zip(&want) {
-                        let err = (*g as f64 - w).abs() / scale;
-                        assert!(
-                            err < 1e-5,
-                            "{isa:?} ({rows}, {inp}) x ({out}, {inp}): {g} vs {w}"
-                        );
-                    }
-                }
-            }
-        }
-        let q4 = QTensor::quantize(&Tensor::zeros((4, 256), DType::F32, &dev)?, GgmlDType::Q4K)?;
-        let err = gemv_q8_0(&Tensor::zeros((1, 256), DType::F32, &dev)?, &q4).unwrap_err();
-        assert!(err.to_string().contains("q8_0"), "{err}");
-        let q8 = QTensor::quantize(&Tensor::zeros((4, 32), DType::F32, &dev)?, GgmlDType::Q8_0)?;
-        let err = gemv_q8_0(&Tensor::zeros((2, 64), DType::F32, &dev)?, &q8).unwrap_err();
-        assert!(err.to_string().contains("(out, k * 32)"), "{err}");
         Ok(())
     }
 

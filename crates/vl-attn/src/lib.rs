@@ -77,6 +77,7 @@ pub mod gate;
 mod gelu;
 pub mod gemm_bf16;
 pub mod gemv;
+pub mod gemv_q8;
 mod heads;
 pub mod kernel;
 pub mod mask;

@@ -312,6 +312,15 @@ impl Module for Proj {
                 out_dim,
                 ..
             } => {
+                // Decode steps on vl's q8_0 kernel (the blocks as they
+                // are, on the rayon pool); the rest on candle's.
+                if let QMatMul::QTensor(q) = weight {
+                    if crate::gemv_q8::applies(x, q) {
+                        let y =
+                            crate::gemv_q8::gemv_q8_0_rows(crate::gemv_q8::isa(), x, q, *out_dim)?;
+                        return add_bias(y, bias.as_ref())?.to_dtype(x.dtype());
+                    }
+                }
                 // The quantized kernels take contiguous f32 activations.
                 let mut y = weight.forward(&x.to_dtype(DType::F32)?.contiguous()?)?;
                 if y.dim(candle_core::D::Minus1)? > *out_dim {
