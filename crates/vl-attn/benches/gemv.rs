@@ -3,7 +3,7 @@
 //! (fused QKV), `x (3072, 768)^T` (FFN up), `(rows, 3072) x (768, 3072)^T`
 //! (FFN down) and the LM head `x (50257, 768)^T`, for 1 and 4 rows: dense
 //! f32 and bf16 (candle's matmul vs `vl_attn::gemv::gemv`), q8_0 (candle's
-//! `QMatMul` vs `gemv_q8_0`).
+//! `QMatMul` vs `vl_attn::gemv_q8::PackedQ8`).
 //!
 //! And the encoder's many-row products: candle's f32 and bf16 matmul next
 //! to `vl_attn::gemm_bf16` (FLOP/s as elements/s).
@@ -19,7 +19,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use vl_attn::gemv::gemv;
-use vl_attn::gemv_q8::gemv_q8_0;
+use vl_attn::gemv_q8::PackedQ8;
 
 const SHAPES: [(&str, usize, usize); 4] = [
     ("qkv", 2304, 768),
@@ -37,6 +37,7 @@ fn products(c: &mut Criterion) {
         let q = std::sync::Arc::new(QTensor::quantize(&w32, GgmlDType::Q8_0).expect("q8_0"));
         let q_bytes = q.storage_size_in_bytes() as u64;
         let qmm = QMatMul::from_arc(q.clone()).expect("qmatmul");
+        let packed = PackedQ8::from_qtensor(&q).expect("packed");
         for rows in [1usize, 4] {
             let x32 = Tensor::randn(0f32, 1., (rows, inp), &dev).expect("x");
             for dtype in [DType::F32, DType::BF16] {
@@ -60,7 +61,7 @@ fn products(c: &mut Criterion) {
                 b.iter(|| qmm.forward(&x32).expect("qmatmul"))
             });
             group.bench_function(BenchmarkId::new("vl", &id), |b| {
-                b.iter(|| gemv_q8_0(&x32, &q).expect("gemv_q8_0"))
+                b.iter(|| packed.matmul(&x32).expect("q8_0"))
             });
         }
     }

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use candle_nn::{Linear, VarBuilder};
 
 use crate::dropout::{Dropout, Mode};
@@ -159,6 +159,9 @@ impl CrossKv {
 pub struct CrossAttention {
     core: AttnCore,
     cfg: CrossAttentionConfig,
+    /// The dtype projected memories are kept in, when not the
+    /// activations' (see [`CrossAttention::with_memory_dtype`]).
+    memory_dtype: Option<DType>,
     /// Calls of `project_memory`, shared by clones.
     projections: Arc<AtomicUsize>,
 }
@@ -175,6 +178,7 @@ impl CrossAttention {
         Self {
             core,
             cfg: cfg.clone(),
+            memory_dtype: None,
             projections: Arc::default(),
         }
     }
@@ -220,8 +224,39 @@ impl CrossAttention {
     /// `k_proj`, `v_proj`, `o_proj`) whose input width (`query_dim`,
     /// `memory_dim`, `inner_dim`) is not a multiple of the format's block
     /// size (32 for `q8_0`, 256 for `q4k`).
+    ///
+    /// With an integer format (`q8_0`, `q4k`) over f32 activations on the
+    /// CPU, projected memories are kept in bf16
+    /// ([`CrossAttention::with_memory_dtype`]): a decode step then reads
+    /// half the bytes of keys and values, which at 8-bit weights are an
+    /// eighth of a step's reads, and the rounding is small beside the
+    /// weights'.
     pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
-        Ok(Self::new(self.core.quantize(format)?, &self.cfg).with_backend(self.backend()))
+        let q = Self::new(self.core.quantize(format)?, &self.cfg).with_backend(self.backend());
+        let integer = !matches!(format, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+        let memory_dtype = match self.memory_dtype {
+            None if integer && q.core.dtype() == DType::F32 && q.core.device().is_cpu() => {
+                Some(DType::BF16)
+            }
+            kept => kept,
+        };
+        Ok(q.with_memory_dtype(memory_dtype))
+    }
+
+    /// Keeps the keys and values of [`CrossAttention::project_memory`] in
+    /// `dtype` (a 16-bit float under f32 activations; `None`: the
+    /// activations' dtype, the default): half the bytes of an image cache.
+    /// Attention widens them as it reads them (vl's CPU kernel in place,
+    /// other paths by a cast).
+    pub fn with_memory_dtype(mut self, dtype: Option<DType>) -> Self {
+        self.memory_dtype = dtype;
+        self
+    }
+
+    /// The dtype projected memories are kept in, `None` for the
+    /// activations' dtype.
+    pub fn memory_dtype(&self) -> Option<DType> {
+        self.memory_dtype
     }
 
     /// The quantized format of the projections, `None` when dense.
@@ -291,6 +326,10 @@ impl CrossAttention {
             .check_input("memory", memory, self.cfg.memory_dim, "memory_dim")?;
         // (b, t, kv_inner) -> (b, kv_heads, t, head_dim)
         let (k, v) = self.core.keys_values(memory, b, t)?;
+        let (k, v) = match self.memory_dtype {
+            Some(dtype) if dtype != k.dtype() => (k.to_dtype(dtype)?, v.to_dtype(dtype)?),
+            _ => (k, v),
+        };
         self.projections.fetch_add(1, Ordering::Relaxed);
         CrossKv::new(k, v)
     }

@@ -82,8 +82,9 @@ pub fn supported(isa: Isa) -> bool {
     }
 }
 
-/// A weight element the kernel reads.
-trait Weight: Copy + Send + Sync {
+/// An element vl's kernels read and widen to f32: a weight here, keys
+/// and values in [`crate::kernel`]'s per-row attention.
+pub(crate) trait Weight: Copy + Send + Sync {
     fn to_f32(self) -> f32;
 }
 

@@ -1,61 +1,64 @@
-//! vl's q8_0 kernel for decode shapes: `y = x W^T` with `W (out, in)` in
-//! candle's q8_0 blocks (an f16 scale and 32 `i8` per 32 weights, 34
-//! bytes) and `x` of 1 to [`MAX_ROWS`](crate::gemv::MAX_ROWS) rows.
+//! vl's q8_0 products on the CPU: `y = x W^T` with `W (n, k)` quantized
+//! to q8_0 (per 32 weights, an f16 scale `max|w| / 127` and 32 `i8`, as
+//! candle and ggml quantize) and packed once, at load, into tiles of 16
+//! rows, for any number of rows of `x` — a decode step, beams, a prefill,
+//! an encoder.
 //!
 //! Why vl owns it: candle's x86 q8_0 product repacks each weight into
 //! tiles on first use and keeps them beside the blocks it was given (two
-//! copies of every quantized weight), and runs on a thread pool of its
-//! own whose worker spins between products while vl's pool computes
-//! everything else — on two cores a fifth of a decode step went to that
-//! spinning. This kernel reads the blocks where candle holds them (no
-//! second copy) and splits the output rows across the rayon pool, the
-//! process's one pool.
+//! copies of every weight), runs on a thread pool of its own whose worker
+//! spins between products while vl's pool computes everything else (on
+//! two cores a fifth of a decode step went to that spinning), and rounds
+//! `x` per 256 values. A [`PackedQ8`] is the only copy of its weight, its
+//! products run on the rayon pool (the process's one pool, sized by
+//! `--threads`), and `x` is rounded per 32 values (ggml's q8_0 × q8_0).
 //!
-//! The arithmetic is ggml's q8_0 × q8_0 dot product: each row of `x` is
-//! rounded to q8_0 itself (per 32 values, scale `max|x| / 127`, values
-//! `round(x / scale)`), each block's integer dot product is exact in
-//! `i32`, and `scale_w · scale_x · dot` accumulates in f32. candle rounds
-//! `x` per 256 values (its `q8k` blocks), so this is the finer of the two.
-//! Every output is computed the same way whatever the number of rows.
+//! The layout: for each tile of 16 rows and each block of 32 columns, 512
+//! bytes `[group of 4 columns (8)][row (16)][4 bytes]` holding `w + 128`
+//! (unsigned), and the 16 rows' f16 scales apart. One AVX-512 VNNI
+//! `vpdpbusd` multiplies a group (16 rows × 4 columns) by 4 values of `x`
+//! broadcast, so 8 of them give a block's 16 integer dot products; each
+//! lane starts at `-128 × Σx` of the block, which takes the offset back.
+//! The integer sums are exact; `scale_w · scale_x · sum` accumulates in
+//! f32. Every output is computed the same way whatever the number of
+//! rows, so a decode step equals the full pass bit for bit.
 //!
-//! [`crate::Proj`] routes decode shapes here and more rows (a prefill,
-//! an encoder) to candle's tiled product, which reuses each weight tile
-//! across rows and is 3.5 times faster there (a ViT-B/16 encode: 92 ms
-//! against 323 ms with every row here); the two round `x` differently,
-//! so a prefill of more than [`MAX_ROWS`](crate::gemv::MAX_ROWS) rows and
-//! the same rows one step at a time agree within 8-bit precision, not to
-//! the last bit.
-//!
-//! The instruction set is chosen once per process ([`isa`]): AVX-512 VNNI
-//! (`vpdpbusd`, weights offset to unsigned with the offset taken back
-//! through the activations' sums), AVX2 (`vpmaddubsw` on the weights'
-//! magnitudes and the signs moved onto `x`, as ggml does), or plain code
-//! for the target's baseline. Every path is tested against an f64
-//! reference on odd shapes.
+//! The instruction set is chosen once per process ([`isa`]): AVX-512
+//! VNNI intrinsics, or the same arithmetic in plain Rust compiled for
+//! AVX2+FMA or for the target's baseline. Every path is tested against an
+//! f64 reference on odd shapes.
 
 use std::sync::OnceLock;
 
 use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use half::f16;
+use rayon::prelude::*;
+
+use crate::gemv::Isa;
+use crate::micro::{madd, Kernel};
 
 /// Values per q8_0 block.
 pub const BLOCK_VALUES: usize = 32;
-/// Bytes per q8_0 block: an f16 scale and 32 `i8`.
-pub const BLOCK_BYTES: usize = 34;
-
-/// Rows of `x` per block of a many-row product (64 rows of 3072 bytes
-/// and their scales: an L2's share).
+/// Bytes per q8_0 block in candle's format: an f16 scale and 32 `i8`.
+const BLOCK_BYTES: usize = 34;
+/// Rows per tile (the lanes of an AVX-512 register of i32).
+const TILE_ROWS: usize = 16;
+/// Bytes per tile and block.
+const TILE_BYTES: usize = TILE_ROWS * BLOCK_VALUES;
+/// Rows of `x` per block of a many-row product (64 rows of 3072 values
+/// and their scales: a share of L2), so that `x` stays in cache while a
+/// task's weights pass by.
 const ROW_BLOCK: usize = 64;
 
-/// The instruction set of the q8_0 kernel.
+/// The instruction set of the q8_0 kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Q8Isa {
-    /// x86-64 with AVX-512F, AVX-512BW and AVX-512 VNNI.
+    /// x86-64 with AVX-512F, AVX-512BW and AVX-512 VNNI: intrinsics.
     Vnni,
-    /// x86-64 with AVX2 and FMA.
+    /// x86-64 with AVX2 and FMA: plain Rust compiled for them.
     Avx2,
-    /// The target's baseline.
+    /// The target's baseline: plain Rust.
     Portable,
 }
 
@@ -87,6 +90,286 @@ pub fn supported(isa: Q8Isa) -> bool {
     }
 }
 
+/// The f32 kernels' instruction set for the parts of `isa` written in
+/// plain Rust (the rounding of `x`, the non-VNNI products).
+fn plain_isa(isa: Q8Isa) -> Isa {
+    match isa {
+        Q8Isa::Vnni => Isa::Avx512,
+        Q8Isa::Avx2 => Isa::Avx2,
+        Q8Isa::Portable => Isa::Portable,
+    }
+}
+
+/// A q8_0 weight `(n, k)` packed for vl's kernels (see the module's
+/// documentation): `n` rounded up to tiles of 16 rows, the padding rows
+/// zero and never computed.
+#[derive(Debug)]
+pub struct PackedQ8 {
+    n: usize,
+    k: usize,
+    /// `(tiles, k / 32)` tiles of [`TILE_BYTES`]: `w + 128`.
+    qs: Vec<u8>,
+    /// `(tiles, k / 32, 16)` f16 scales, as bits.
+    d: Vec<u16>,
+}
+
+impl PackedQ8 {
+    /// Quantizes `w (n, k)` (on the CPU, `k` a multiple of 32) to q8_0
+    /// as candle does (per 32 weights, scale `max|w| / 127` in f16, values
+    /// `round(w / scale)`), straight into the packed layout: no second
+    /// copy of the weight, tiles on the pool.
+    ///
+    /// # Errors
+    /// A weight that is not 2-D, not on the CPU, or of a width that is not
+    /// a multiple of 32, named with its shape.
+    pub fn quantize(w: &Tensor) -> candle_core::Result<Self> {
+        let (n, k) = w.dims2()?;
+        if !w.device().is_cpu() || !k.is_multiple_of(BLOCK_VALUES) {
+            candle_core::bail!(
+                "vl-q8_0: packs a weight (n, k * 32) on the CPU; got {:?} on {:?}",
+                w.dims(),
+                w.device()
+            );
+        }
+        let w = w.to_dtype(DType::F32)?;
+        let (storage, layout) = w.storage_and_layout();
+        let copied;
+        let values: &[f32] = match (&*storage, layout.contiguous_offsets()) {
+            (candle_core::Storage::Cpu(cpu), Some((start, end))) => {
+                &cpu.as_slice::<f32>()?[start..end]
+            }
+            _ => {
+                copied = w.flatten_all()?.to_vec1::<f32>()?;
+                &copied
+            }
+        };
+        let blocks = k / BLOCK_VALUES;
+        let tiles = n.div_ceil(TILE_ROWS);
+        let mut qs = vec![128u8; tiles * blocks * TILE_BYTES];
+        let mut d = vec![0u16; tiles * blocks * TILE_ROWS];
+        if blocks > 0 {
+            qs.par_chunks_mut(blocks * TILE_BYTES)
+                .zip(d.par_chunks_mut(blocks * TILE_ROWS))
+                .enumerate()
+                .for_each(|(t, (qs, d))| {
+                    for j in 0..TILE_ROWS.min(n - t * TILE_ROWS) {
+                        let row = &values[(t * TILE_ROWS + j) * k..][..k];
+                        for (b, xb) in row.chunks_exact(BLOCK_VALUES).enumerate() {
+                            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+                            let scale = amax / 127.0;
+                            let id = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+                            d[b * TILE_ROWS + j] = f16::from_f32(scale).to_bits();
+                            let tile = &mut qs[b * TILE_BYTES..][..TILE_BYTES];
+                            for (v, &x) in xb.iter().enumerate() {
+                                let (g, c) = (v / 4, v % 4);
+                                let q = (x * id).round() as i8;
+                                tile[(g * TILE_ROWS + j) * 4 + c] = (q as i16 + 128) as u8;
+                            }
+                        }
+                    }
+                });
+        }
+        Ok(Self { n, k, qs, d })
+    }
+
+    /// Packs candle's q8_0 blocks (the weight of a GGUF file, say).
+    ///
+    /// # Errors
+    /// A tensor not q8_0 `(n, k)` on the CPU, named.
+    pub fn from_qtensor(q: &QTensor) -> candle_core::Result<Self> {
+        let (n, k) = q.shape().dims2()?;
+        if q.dtype() != GgmlDType::Q8_0 || !q.device().is_cpu() {
+            candle_core::bail!(
+                "vl-q8_0: packs a q8_0 weight on the CPU; got {:?} ({n}, {k})",
+                q.dtype()
+            );
+        }
+        let bytes = q.data()?;
+        let blocks = k / BLOCK_VALUES;
+        if bytes.len() != n * blocks * BLOCK_BYTES {
+            candle_core::bail!(
+                "vl-q8_0: a q8_0 weight of {} bytes for ({n}, {k})",
+                bytes.len()
+            );
+        }
+        let tiles = n.div_ceil(TILE_ROWS);
+        // Padding rows: weight 0 (128 unsigned), scale 0.
+        let mut qs = vec![128u8; tiles * blocks * TILE_BYTES];
+        let mut d = vec![0u16; tiles * blocks * TILE_ROWS];
+        for row in 0..n {
+            let (t, j) = (row / TILE_ROWS, row % TILE_ROWS);
+            for b in 0..blocks {
+                let src = &bytes[(row * blocks + b) * BLOCK_BYTES..][..BLOCK_BYTES];
+                let tb = t * blocks + b;
+                d[tb * TILE_ROWS + j] = u16::from_le_bytes([src[0], src[1]]);
+                let tile = &mut qs[tb * TILE_BYTES..][..TILE_BYTES];
+                for (v, &byte) in src[2..].iter().enumerate() {
+                    let (g, c) = (v / 4, v % 4);
+                    tile[(g * TILE_ROWS + j) * 4 + c] = (byte as i8 as i16 + 128) as u8;
+                }
+            }
+        }
+        Ok(Self { n, k, qs, d })
+    }
+
+    /// `(n, k)`.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// The bytes held.
+    pub fn size_in_bytes(&self) -> usize {
+        self.qs.len() + 2 * self.d.len()
+    }
+
+    /// The weight the blocks stand for, `(n, k)` f32 (exactly candle's
+    /// dequantization of the same blocks).
+    pub fn dequantize(&self) -> candle_core::Result<Tensor> {
+        let blocks = self.k / BLOCK_VALUES;
+        let mut w = vec![0f32; self.n * self.k];
+        for (row, wr) in w.chunks_exact_mut(self.k.max(1)).enumerate() {
+            let (t, j) = (row / TILE_ROWS, row % TILE_ROWS);
+            for b in 0..blocks {
+                let tb = t * blocks + b;
+                let s = f16::from_bits(self.d[tb * TILE_ROWS + j]).to_f32();
+                let tile = &self.qs[tb * TILE_BYTES..][..TILE_BYTES];
+                for (v, o) in wr[b * BLOCK_VALUES..][..BLOCK_VALUES]
+                    .iter_mut()
+                    .enumerate()
+                {
+                    let (g, c) = (v / 4, v % 4);
+                    *o = (tile[(g * TILE_ROWS + j) * 4 + c] as i32 - 128) as f32 * s;
+                }
+            }
+        }
+        Tensor::from_vec(w, (self.n, self.k), &Device::Cpu)
+    }
+
+    /// `x W^T` on this CPU's best [`isa`].
+    ///
+    /// # Shapes
+    /// `x: (..., k)` f32, f16 or bf16 on the CPU, any number of rows →
+    /// `(..., n)` f32.
+    ///
+    /// # Errors
+    /// An `x` of another width, not on the CPU or of an integer dtype,
+    /// named.
+    pub fn matmul(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.matmul_with(isa(), x)
+    }
+
+    /// [`PackedQ8::matmul`] with a given instruction set (tests compare
+    /// them).
+    ///
+    /// # Errors
+    /// As [`PackedQ8::matmul`], and an `isa` this CPU does not support.
+    pub fn matmul_with(&self, isa: Q8Isa, x: &Tensor) -> candle_core::Result<Tensor> {
+        if !supported(isa) {
+            candle_core::bail!("vl-q8_0: this CPU cannot run {isa:?}");
+        }
+        let dims = x.dims();
+        if dims.last() != Some(&self.k)
+            || !x.device().is_cpu()
+            || !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        {
+            candle_core::bail!(
+                "vl-q8_0: takes x (..., {}) f32, f16 or bf16 on the CPU for a weight ({}, {}); got x {dims:?} {:?} on {:?}",
+                self.k,
+                self.n,
+                self.k,
+                x.dtype(),
+                x.device()
+            );
+        }
+        let rows = x.elem_count() / self.k.max(1);
+        let mut shape = dims[..dims.len() - 1].to_vec();
+        shape.push(self.n);
+        if rows == 0 || self.n == 0 {
+            return Tensor::zeros(shape, DType::F32, x.device());
+        }
+        let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let a = Activations::new(plain_isa(isa), &xs, rows, self.k);
+        let y = self.product(isa, &a);
+        Tensor::from_vec(y, shape, x.device())
+    }
+
+    /// `y (rows, n)`: tile columns split across the pool, each task
+    /// writing its own columns of every row.
+    fn product(&self, isa: Q8Isa, a: &Activations) -> Vec<f32> {
+        let tiles = self.n.div_ceil(TILE_ROWS);
+        let threads = rayon::current_num_threads().max(1);
+        let per_task = tiles.div_ceil(threads * 4).max(1);
+        let mut y = vec![0f32; a.rows * self.n];
+        let out = OutPtr(y.as_mut_ptr());
+        (0..tiles.div_ceil(per_task))
+            .into_par_iter()
+            .for_each(|task| {
+                let t0 = task * per_task;
+                let t1 = (t0 + per_task).min(tiles);
+                for r0 in (0..a.rows).step_by(ROW_BLOCK) {
+                    let r1 = (r0 + ROW_BLOCK).min(a.rows);
+                    for t in t0..t1 {
+                        let mut r = r0;
+                        while r < r1 {
+                            let step = (r1 - r).min(4);
+                            // SAFETY: tasks write disjoint tile columns
+                            // `t0..t1`; rows `r..r + step` exist; `y` outlives
+                            // the parallel loop.
+                            unsafe {
+                                match step {
+                                    4 => self.tile::<4>(isa, a, t, r, &out),
+                                    3 => self.tile::<3>(isa, a, t, r, &out),
+                                    2 => self.tile::<2>(isa, a, t, r, &out),
+                                    _ => self.tile::<1>(isa, a, t, r, &out),
+                                }
+                            }
+                            r += step;
+                        }
+                    }
+                }
+            });
+        y
+    }
+
+    /// Rows `r0..r0 + R` of `x` against tile `t`, written to `out`.
+    ///
+    /// # Safety
+    /// `out` is `(a.rows, n)`; no other thread writes tile `t`'s columns
+    /// of these rows meanwhile; `isa` runs on this CPU.
+    #[inline(always)]
+    unsafe fn tile<const R: usize>(
+        &self,
+        isa: Q8Isa,
+        a: &Activations,
+        t: usize,
+        r0: usize,
+        out: &OutPtr,
+    ) {
+        let mut acc = [[0f32; TILE_ROWS]; R];
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the caller's contract: the CPU has VNNI.
+            Q8Isa::Vnni => unsafe { tile_vnni(self, a, t, r0, &mut acc) },
+            other => tile_plain(plain_isa(other), self, a, t, r0, &mut acc),
+        }
+        let cols = (self.n - t * TILE_ROWS).min(TILE_ROWS);
+        for (i, acc) in acc.iter().enumerate() {
+            // SAFETY: row `r0 + i` exists and columns `t * 16 ..` of it
+            // are this call's alone (the caller's contract).
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(out.0.add((r0 + i) * self.n + t * TILE_ROWS), cols)
+            };
+            dst.copy_from_slice(&acc[..cols]);
+        }
+    }
+}
+
+/// The output of a product, written by the tasks at disjoint columns.
+struct OutPtr(*mut f32);
+// SAFETY: shared only by `PackedQ8::product`'s tasks, which write
+// disjoint elements.
+unsafe impl Sync for OutPtr {}
+
 /// Rows of `x` rounded to q8_0, with what the kernels read besides.
 pub(crate) struct Activations {
     rows: usize,
@@ -96,50 +379,71 @@ pub(crate) struct Activations {
     q: Vec<i8>,
     /// `(rows, k / 32)` scales.
     d: Vec<f32>,
-    /// `(rows, k / 4)`: for each group of 4 values, `-128 ×` their sum
-    /// (VNNI: what the weights' +128 offset adds to each lane).
+    /// `(rows, k / 32)`: `-128 ×` each block's sum (what the weights'
+    /// +128 offset adds to each lane).
     offset: Vec<i32>,
-    /// `(rows, k / 4)`: each group's block scale (VNNI lanes).
-    lane_d: Vec<f32>,
+}
+
+/// Rounds blocks of 32 values: scale `max|x| / 127`, values `x / scale`
+/// rounded to the nearest (ties to even, as ggml's SIMD code does).
+#[inline(always)]
+fn round_blocks<K: Kernel>(x: &[f32], q: &mut [i8], d: &mut [f32], offset: &mut [i32]) {
+    let _ = K::FMA;
+    for (((xb, qb), db), ob) in x
+        .chunks_exact(BLOCK_VALUES)
+        .zip(q.chunks_exact_mut(BLOCK_VALUES))
+        .zip(d.iter_mut())
+        .zip(offset.iter_mut())
+    {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        *db = amax / 127.0;
+        let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        let mut sum = 0i32;
+        for (qv, &xv) in qb.iter_mut().zip(xb) {
+            let r = (xv * id).round_ties_even() as i32;
+            *qv = r as i8;
+            sum += r;
+        }
+        *ob = -128 * sum;
+    }
+}
+
+crate::micro::per_isa! {
+    /// [`round_blocks`] on the given instruction set.
+    fn round_blocks_on(x: &[f32], q: &mut [i8], d: &mut [f32], offset: &mut [i32])
+        = round_blocks::<crate::micro::Avx512>
 }
 
 impl Activations {
-    /// Rounds `x (rows, k)` row by row, block by block: scale `max|x| /
-    /// 127`, values `round(x / scale)` (ggml's `quantize_row_q8_0`).
-    pub(crate) fn new(x: &[f32], rows: usize, k: usize) -> Self {
+    /// Rounds `x (rows, k)` block by block (see [`round_blocks`]); rows
+    /// split across the pool when there are many.
+    pub(crate) fn new(isa: Isa, x: &[f32], rows: usize, k: usize) -> Self {
         let blocks = k / BLOCK_VALUES;
         let mut q = vec![0i8; rows * k];
         let mut d = vec![0f32; rows * blocks];
-        for ((xb, qb), db) in x
-            .chunks_exact(BLOCK_VALUES)
-            .zip(q.chunks_exact_mut(BLOCK_VALUES))
-            .zip(d.iter_mut())
-        {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            *db = amax / 127.0;
-            let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-            for (qv, &xv) in qb.iter_mut().zip(xb) {
-                *qv = (xv * id).round() as i8;
-            }
+        let mut offset = vec![0i32; rows * blocks];
+        const CHUNK: usize = 16;
+        if rows <= CHUNK {
+            round_blocks_on(isa, x, &mut q, &mut d, &mut offset);
+        } else {
+            x.par_chunks(CHUNK * k)
+                .zip(q.par_chunks_mut(CHUNK * k))
+                .zip(d.par_chunks_mut(CHUNK * blocks))
+                .zip(offset.par_chunks_mut(CHUNK * blocks))
+                .for_each(|(((x, q), d), o)| round_blocks_on(isa, x, q, d, o));
         }
-        let offset = q
-            .chunks_exact(4)
-            .map(|g| -128 * g.iter().map(|&v| v as i32).sum::<i32>())
-            .collect();
-        let lane_d = d.iter().flat_map(|&s| [s; BLOCK_VALUES / 4]).collect();
         Self {
             rows,
             k,
             q,
             d,
             offset,
-            lane_d,
         }
     }
 
     /// Row `r`'s rounded values and block scales.
     #[cfg(test)]
-    pub(crate) fn row(&self, r: usize) -> (&[i8], &[f32]) {
+    fn row(&self, r: usize) -> (&[i8], &[f32]) {
         let blocks = self.k / BLOCK_VALUES;
         (
             &self.q[r * self.k..][..self.k],
@@ -148,286 +452,141 @@ impl Activations {
     }
 }
 
-/// `out[i] = x[r0 + i] · w` for one weight row `w` (its q8_0 blocks), on
-/// the plain path: integer dot per block, scaled and summed in f32.
+/// One tile against rows `r0..r0 + R`, in plain Rust (vectorised by the
+/// compiler for the instruction set it is compiled for).
 #[inline(always)]
-fn dot_portable<const R: usize>(w: &[u8], a: &Activations, r0: usize, out: &mut [f32; R]) {
-    let blocks = a.k / BLOCK_VALUES;
-    let mut acc = [0f32; R];
-    for (b, block) in w.chunks_exact(BLOCK_BYTES).enumerate() {
-        let dw = f16::from_le_bytes([block[0], block[1]]).to_f32();
+fn tile_generic<K: Kernel, const R: usize>(
+    p: &PackedQ8,
+    a: &Activations,
+    t: usize,
+    r0: usize,
+    acc: &mut [[f32; TILE_ROWS]; R],
+) {
+    let blocks = p.k / BLOCK_VALUES;
+    for b in 0..blocks {
+        let tb = t * blocks + b;
+        let tile: &[u8; TILE_BYTES] = p.qs[tb * TILE_BYTES..][..TILE_BYTES]
+            .try_into()
+            .expect("a tile");
+        let dw: [f32; TILE_ROWS] =
+            std::array::from_fn(|j| f16::from_bits(p.d[tb * TILE_ROWS + j]).to_f32());
         for (i, acc) in acc.iter_mut().enumerate() {
             let r = r0 + i;
-            let xq = &a.q[r * a.k + b * BLOCK_VALUES..][..BLOCK_VALUES];
-            let s: i32 = block[2..]
-                .iter()
-                .zip(xq)
-                .map(|(&wv, &xv)| (wv as i8) as i32 * xv as i32)
-                .sum();
-            *acc += s as f32 * (dw * a.d[r * blocks + b]);
-        }
-    }
-    *out = acc;
-}
-
-/// [`dot_portable`] with AVX-512 VNNI: two blocks per `vpdpbusd`, the
-/// weights offset by +128 to unsigned, the lanes started at `-128 × Σx`
-/// so the offset cancels.
-///
-/// # Safety
-/// The CPU supports AVX-512F, BW and VNNI; `w` is whole blocks of the
-/// width of `a`, and rows `r0..r0 + R` exist in `a`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn dot_vnni<const R: usize>(w: &[u8], a: &Activations, r0: usize, out: &mut [f32; R]) {
-    // SAFETY: the caller's contract (above): whole blocks, rows that
-    // exist, and the instruction set; the one-block tail loads masked.
-    unsafe {
-        use std::arch::x86_64::*;
-        let blocks = a.k / BLOCK_VALUES;
-        debug_assert_eq!(w.len(), blocks * BLOCK_BYTES);
-        let flip = _mm512_set1_epi8(-128);
-        let mut acc = [_mm512_setzero_ps(); R];
-        let wp = w.as_ptr();
-        let q = a.q.as_ptr();
-        let offset = a.offset.as_ptr();
-        let lane_d = a.lane_d.as_ptr();
-        let (k, lanes) = (a.k, a.k / 4);
-        let mut b = 0;
-        while b + 2 <= blocks {
-            let p = wp.add(b * BLOCK_BYTES);
-            let lo = _mm256_loadu_si256(p.add(2) as *const __m256i);
-            let hi = _mm256_loadu_si256(p.add(BLOCK_BYTES + 2) as *const __m256i);
-            let wu = _mm512_xor_si512(
-                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi),
-                flip,
-            );
-            let d0 = (p as *const i16).read_unaligned();
-            let d1 = (p.add(BLOCK_BYTES) as *const i16).read_unaligned();
-            let dh = _mm256_inserti128_si256::<1>(
-                _mm256_castsi128_si256(_mm_set1_epi16(d0)),
-                _mm_set1_epi16(d1),
-            );
-            let dw = _mm512_cvtph_ps(dh);
-            for (i, acc) in acc.iter_mut().enumerate() {
-                let r = r0 + i;
-                let xq = _mm512_loadu_si512(q.add(r * k + b * BLOCK_VALUES) as *const _);
-                let c = _mm512_loadu_si512(offset.add(r * lanes + b * 8) as *const _);
-                let s = _mm512_dpbusd_epi32(c, wu, xq);
-                let dx = _mm512_loadu_ps(lane_d.add(r * lanes + b * 8));
-                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx), *acc);
-            }
-            b += 2;
-        }
-        if b < blocks {
-            // One block left: the upper lanes load nothing (masked) and add 0.
-            let p = wp.add(b * BLOCK_BYTES);
-            let lo = _mm256_loadu_si256(p.add(2) as *const __m256i);
-            let wu = _mm512_xor_si512(_mm512_zextsi256_si512(lo), flip);
-            let d0 = (p as *const i16).read_unaligned();
-            let dw = _mm512_cvtph_ps(_mm256_set1_epi16(d0));
-            for (i, acc) in acc.iter_mut().enumerate() {
-                let r = r0 + i;
-                let xq = _mm512_maskz_loadu_epi8(u32::MAX as u64, q.add(r * k + b * BLOCK_VALUES));
-                let c = _mm512_maskz_loadu_epi32(0x00ff, offset.add(r * lanes + b * 8));
-                let s = _mm512_dpbusd_epi32(c, wu, xq);
-                let dx = _mm512_maskz_loadu_ps(0x00ff, lane_d.add(r * lanes + b * 8));
-                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx), *acc);
-            }
-        }
-        for (o, acc) in out.iter_mut().zip(acc) {
-            *o = _mm512_reduce_add_ps(acc);
-        }
-    }
-}
-
-/// [`dot_portable`] with AVX2: per block, `vpmaddubsw` of the weights'
-/// magnitudes and `x` carrying the weights' signs (no overflow: `x` is
-/// within ±127), pairs summed by `vpmaddwd`.
-///
-/// # Safety
-/// The CPU supports AVX2 and FMA; `w` is whole blocks of the width of
-/// `a`, and rows `r0..r0 + R` exist in `a`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_avx2<const R: usize>(w: &[u8], a: &Activations, r0: usize, out: &mut [f32; R]) {
-    // SAFETY: the caller's contract (above): whole blocks, rows that
-    // exist, and the instruction set; the one-block tail loads masked.
-    unsafe {
-        use std::arch::x86_64::*;
-        let blocks = a.k / BLOCK_VALUES;
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); R];
-        for (b, block) in w.chunks_exact(BLOCK_BYTES).enumerate() {
-            let dw = f16::from_le_bytes([block[0], block[1]]).to_f32();
-            let wv = _mm256_loadu_si256(block.as_ptr().add(2) as *const __m256i);
-            let wabs = _mm256_sign_epi8(wv, wv);
-            for (i, acc) in acc.iter_mut().enumerate() {
-                let r = r0 + i;
-                let xq =
-                    _mm256_loadu_si256(a.q.as_ptr().add(r * a.k + b * BLOCK_VALUES) as *const _);
-                let pairs = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xq, wv));
-                let s = _mm256_madd_epi16(pairs, ones);
-                let d = _mm256_set1_ps(dw * a.d[r * blocks + b]);
-                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, *acc);
-            }
-        }
-        for (o, acc) in out.iter_mut().zip(acc) {
-            let h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
-            let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            let h = _mm_add_ss(h, _mm_movehdup_ps(h));
-            *o = _mm_cvtss_f32(h);
-        }
-    }
-}
-
-/// Rows `r0..r0 + R` of `a` against one weight row, with `isa`.
-#[inline(always)]
-fn dot<const R: usize>(isa: Q8Isa, w: &[u8], a: &Activations, r0: usize, out: &mut [f32; R]) {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa` is one the CPU supports (`product`'s callers check
-        // with `supported`); `task` passes whole weight rows of `a`'s width
-        // and rows that exist.
-        Q8Isa::Vnni => unsafe { dot_vnni(w, a, r0, out) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Q8Isa::Avx2 => unsafe { dot_avx2(w, a, r0, out) },
-        _ => dot_portable(w, a, r0, out),
-    }
-}
-
-/// `yt[o * rows + r] = x[r] · w[o]` for the weight rows `w` of one task.
-fn task(isa: Q8Isa, a: &Activations, w: &[u8], yt: &mut [f32]) {
-    let rows = a.rows;
-    let row_bytes = a.k / BLOCK_VALUES * BLOCK_BYTES;
-    for r0 in (0..rows).step_by(ROW_BLOCK) {
-        let r1 = (r0 + ROW_BLOCK).min(rows);
-        for (wo, yo) in w.chunks_exact(row_bytes).zip(yt.chunks_exact_mut(rows)) {
-            // Groups of 4, 2, 1 rows: the weight row stays in L1 between them.
-            let mut r = r0;
-            while r < r1 {
-                match r1 - r {
-                    n if n >= 4 => {
-                        let mut o = [0f32; 4];
-                        dot(isa, wo, a, r, &mut o);
-                        yo[r..r + 4].copy_from_slice(&o);
-                        r += 4;
-                    }
-                    n if n >= 2 => {
-                        let mut o = [0f32; 2];
-                        dot(isa, wo, a, r, &mut o);
-                        yo[r..r + 2].copy_from_slice(&o);
-                        r += 2;
-                    }
-                    _ => {
-                        let mut o = [0f32; 1];
-                        dot(isa, wo, a, r, &mut o);
-                        yo[r] = o[0];
-                        r += 1;
+            let x = &a.q[r * a.k + b * BLOCK_VALUES..][..BLOCK_VALUES];
+            let mut s = [a.offset[r * blocks + b]; TILE_ROWS];
+            for g in 0..BLOCK_VALUES / 4 {
+                for (j, s) in s.iter_mut().enumerate() {
+                    for c in 0..4 {
+                        *s += tile[(g * TILE_ROWS + j) * 4 + c] as i32 * x[g * 4 + c] as i32;
                     }
                 }
             }
+            let dx = a.d[r * blocks + b];
+            for j in 0..TILE_ROWS {
+                acc[j] = madd(K::FMA, s[j] as f32, dw[j] * dx, acc[j]);
+            }
         }
     }
 }
 
-/// `y (rows, out)` for the first `out` rows of the q8_0 weight `bytes`,
-/// with `isa`, which the CPU supports.
-fn product(isa: Q8Isa, a: &Activations, bytes: &[u8], out: usize) -> Vec<f32> {
-    let row_bytes = a.k / BLOCK_VALUES * BLOCK_BYTES;
-    crate::gemv::parallel(out, a.rows, |o, yt| {
-        task(isa, a, &bytes[o.start * row_bytes..o.end * row_bytes], yt)
-    })
+/// [`tile_generic`] compiled for `isa` (which the CPU supports).
+fn tile_plain<const R: usize>(
+    isa: Isa,
+    p: &PackedQ8,
+    a: &Activations,
+    t: usize,
+    r0: usize,
+    acc: &mut [[f32; TILE_ROWS]; R],
+) {
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    fn avx512<const R: usize>(
+        p: &PackedQ8,
+        a: &Activations,
+        t: usize,
+        r0: usize,
+        acc: &mut [[f32; TILE_ROWS]; R],
+    ) {
+        tile_generic::<crate::micro::Avx512, R>(p, a, t, r0, acc)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn avx2<const R: usize>(
+        p: &PackedQ8,
+        a: &Activations,
+        t: usize,
+        r0: usize,
+        acc: &mut [[f32; TILE_ROWS]; R],
+    ) {
+        tile_generic::<crate::micro::Fma, R>(p, a, t, r0, acc)
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa` runs on this CPU (the callers' contract).
+        Isa::Avx512 => unsafe { avx512(p, a, t, r0, acc) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { avx2(p, a, t, r0, acc) },
+        _ => tile_generic::<crate::micro::Plain, R>(p, a, t, r0, acc),
+    }
 }
 
-/// Whether [`gemv_q8_0`] takes `x` and `w` as a decode-step product: both
-/// on the CPU, `w` q8_0 `(out, k)`, `x (..., k)` a float tensor of 1 to
-/// [`MAX_ROWS`](crate::gemv::MAX_ROWS) rows, untracked by autograd.
-pub fn applies(x: &Tensor, w: &QTensor) -> bool {
-    let Ok((_, k)) = w.shape().dims2() else {
-        return false;
-    };
-    let rows = x.elem_count() / k.max(1);
-    w.dtype() == GgmlDType::Q8_0
-        && w.device().is_cpu()
-        && x.device().is_cpu()
-        && !x.track_op()
-        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
-        && x.dims().last() == Some(&k)
-        && k.is_multiple_of(BLOCK_VALUES)
-        && (1..=crate::gemv::MAX_ROWS).contains(&rows)
-}
-
-/// `x W^T` for a q8_0 weight, on this CPU's best [`isa`], with `x` rounded
-/// to q8_0 (see the module's documentation); any number of rows, each
-/// computed the same way.
+/// [`tile_generic`] with AVX-512 VNNI intrinsics: per block, the tile's 8
+/// groups loaded once for all `R` rows, two `vpdpbusd` chains per row.
 ///
-/// # Shapes
-/// `x: (..., k)` any float dtype; `w: (out, k)` q8_0 on the CPU, `k` a
-/// multiple of 32 → `(..., out)` f32.
-///
-/// # Errors
-/// A weight not q8_0 or not on the CPU, an `x` not on the CPU or empty,
-/// widths that do not match — each named.
-pub fn gemv_q8_0(x: &Tensor, w: &QTensor) -> candle_core::Result<Tensor> {
-    let out = w.shape().dims2()?.0;
-    gemv_q8_0_rows(isa(), x, w, out)
-}
-
-/// [`gemv_q8_0`] with a given instruction set (tests compare them).
-///
-/// # Errors
-/// As [`gemv_q8_0`], and an `isa` this CPU does not support.
-pub fn gemv_q8_0_with(isa: Q8Isa, x: &Tensor, w: &QTensor) -> candle_core::Result<Tensor> {
-    let out = w.shape().dims2()?.0;
-    gemv_q8_0_rows(isa, x, w, out)
-}
-
-/// [`gemv_q8_0`] for the first `out` rows of `w` only (a weight padded
-/// with rows of zeros for another kernel's tiles).
-pub(crate) fn gemv_q8_0_rows(
-    isa: Q8Isa,
-    x: &Tensor,
-    w: &QTensor,
-    out: usize,
-) -> candle_core::Result<Tensor> {
-    if !supported(isa) {
-        candle_core::bail!("vl-gemv-q8_0: this CPU cannot run {isa:?}");
+/// # Safety
+/// The CPU has AVX-512F, BW and VNNI; `t` is a tile of `p` and rows
+/// `r0..r0 + R` exist in `a`, whose width is `p`'s.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn tile_vnni<const R: usize>(
+    p: &PackedQ8,
+    a: &Activations,
+    t: usize,
+    r0: usize,
+    acc: &mut [[f32; TILE_ROWS]; R],
+) {
+    use std::arch::x86_64::*;
+    let blocks = p.k / BLOCK_VALUES;
+    debug_assert!((t + 1) * blocks * TILE_BYTES <= p.qs.len());
+    debug_assert!((r0 + R) * a.k <= a.q.len());
+    // SAFETY: every offset below is within the tile `t` of `p` and the rows
+    // `r0..r0 + R` of `a` (the caller's contract, checked in debug builds).
+    unsafe {
+        let mut sums = [_mm512_setzero_ps(); R];
+        let qs = p.qs.as_ptr().add(t * blocks * TILE_BYTES);
+        let ds = p.d.as_ptr().add(t * blocks * TILE_ROWS);
+        for b in 0..blocks {
+            let tile = qs.add(b * TILE_BYTES);
+            let w: [__m512i; 8] =
+                std::array::from_fn(|g| _mm512_loadu_si512(tile.add(g * 64) as *const _));
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(ds.add(b * TILE_ROWS) as *const _));
+            for (i, sum) in sums.iter_mut().enumerate() {
+                let r = r0 + i;
+                let x = a.q.as_ptr().add(r * a.k + b * BLOCK_VALUES);
+                let x4 =
+                    |g: usize| _mm512_set1_epi32((x.add(g * 4) as *const i32).read_unaligned());
+                let mut s0 = _mm512_set1_epi32(*a.offset.get_unchecked(r * blocks + b));
+                let mut s1 = _mm512_setzero_si512();
+                for g in (0..8).step_by(2) {
+                    s0 = _mm512_dpbusd_epi32(s0, w[g], x4(g));
+                    s1 = _mm512_dpbusd_epi32(s1, w[g + 1], x4(g + 1));
+                }
+                let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*a.d.get_unchecked(r * blocks + b)));
+                *sum = _mm512_fmadd_ps(s, scale, *sum);
+            }
+        }
+        for (o, sum) in acc.iter_mut().zip(sums) {
+            _mm512_storeu_ps(o.as_mut_ptr(), sum);
+        }
     }
-    let (w_rows, k) = w.shape().dims2()?;
-    let dims = x.dims();
-    if w.dtype() != GgmlDType::Q8_0 || !w.device().is_cpu() || !x.device().is_cpu() {
-        candle_core::bail!(
-            "vl-gemv-q8_0: takes a q8_0 weight and x on the CPU; got a {:?} weight",
-            w.dtype()
-        );
-    }
-    let rows = x.elem_count() / k.max(1);
-    if dims.last() != Some(&k) || !k.is_multiple_of(BLOCK_VALUES) || rows == 0 || out > w_rows {
-        candle_core::bail!(
-            "vl-gemv-q8_0: takes x (..., {k}) of at least one row and a weight (out, k * 32); got x {dims:?}, w ({w_rows}, {k})"
-        );
-    }
-    let bytes = w.data()?;
-    if bytes.len() != w_rows * k / BLOCK_VALUES * BLOCK_BYTES {
-        candle_core::bail!(
-            "vl-gemv-q8_0: a q8_0 weight of {} bytes for ({w_rows}, {k})",
-            bytes.len()
-        );
-    }
-    let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let a = Activations::new(&xs, rows, k);
-    let y = product(isa, &a, &bytes, out);
-    let mut shape = dims[..dims.len() - 1].to_vec();
-    shape.push(out);
-    Tensor::from_vec(y, shape, x.device())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Module};
+    use candle_core::Module;
 
     fn isas() -> Vec<Q8Isa> {
         [Q8Isa::Vnni, Q8Isa::Avx2, Q8Isa::Portable]
@@ -436,46 +595,85 @@ mod tests {
             .collect()
     }
 
-    /// The rounding is ggml's: scale `max|x| / 127`, values within ±127,
-    /// each value within half a step of `x / scale`; a zero block stays
-    /// zero with scale 0.
+    /// The rounding: scale `max|x| / 127`, values within ±127 and within
+    /// half a step of `x / scale`, a block's offset `-128 ×` its sum; a
+    /// zero block stays zero with scale 0; every instruction set alike.
     #[test]
     fn activations_round_per_block() {
-        let mut x: Vec<f32> = (0..96)
+        let mut x: Vec<f32> = (0..96 * 20)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
             .collect();
         x[32..64].fill(0.0);
-        let a = Activations::new(&x, 1, 96);
-        let (q, d) = a.row(0);
-        assert_eq!(d[1], 0.0);
-        assert!(q[32..64].iter().all(|&v| v == 0));
-        for b in [0, 2] {
-            let xb = &x[b * 32..][..32];
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            assert_eq!(d[b], amax / 127.0);
-            for (qv, xv) in q[b * 32..][..32].iter().zip(xb) {
-                assert!((-127..=127).contains(qv));
-                assert!((*qv as f32 - xv / d[b]).abs() <= 0.5 + 1e-4, "{qv} vs {xv}");
+        let first = Activations::new(Isa::Portable, &x, 20, 96);
+        for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
+            if !crate::gemv::supported(isa) {
+                continue;
+            }
+            let a = Activations::new(isa, &x, 20, 96);
+            assert_eq!((&a.q, &a.d, &a.offset), (&first.q, &first.d, &first.offset));
+            let (q, d) = a.row(0);
+            assert_eq!(d[1], 0.0);
+            assert!(q[32..64].iter().all(|&v| v == 0));
+            for b in [0, 2] {
+                let xb = &x[b * 32..][..32];
+                let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+                assert_eq!(d[b], amax / 127.0);
+                let sum: i32 = q[b * 32..][..32].iter().map(|&v| v as i32).sum();
+                assert_eq!(a.offset[b], -128 * sum);
+                for (qv, xv) in q[b * 32..][..32].iter().zip(xb) {
+                    assert!((-127..=127).contains(qv));
+                    assert!((*qv as f32 - xv / d[b]).abs() <= 0.5 + 1e-4, "{qv} vs {xv}");
+                }
             }
         }
+    }
+
+    /// Packing keeps candle's blocks exactly (dequantized bit for bit),
+    /// for heights that are not a multiple of a tile.
+    #[test]
+    fn packing_keeps_the_blocks() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        for &(n, k) in &[(1, 32), (17, 64), (40, 800)] {
+            let w = Tensor::randn(0f32, 1., (n, k), &dev)?;
+            let q = QTensor::quantize(&w, GgmlDType::Q8_0)?;
+            let p = PackedQ8::from_qtensor(&q)?;
+            assert_eq!(p.dims(), (n, k));
+            let want: Vec<f32> = q.dequantize(&dev)?.flatten_all()?.to_vec1()?;
+            let got: Vec<f32> = p.dequantize()?.flatten_all()?.to_vec1()?;
+            assert_eq!(got, want);
+            let again: Vec<f32> = PackedQ8::quantize(&w)?
+                .dequantize()?
+                .flatten_all()?
+                .to_vec1()?;
+            assert_eq!(again, want);
+            // Rows narrowed out of a larger weight (a fused projection's
+            // split) quantize as those rows alone.
+            let fused = Tensor::cat(&[&Tensor::randn(0f32, 1., (3, k), &dev)?, &w], 0)?;
+            let part: Vec<f32> = PackedQ8::quantize(&fused.narrow(0, 3, n)?)?
+                .dequantize()?
+                .flatten_all()?
+                .to_vec1()?;
+            assert_eq!(part, want);
+        }
+        Ok(())
     }
 
     /// Every supported path equals the f64 product of the dequantized
     /// weight and the rounded `x` (relative error under 1e-5: only the
     /// summation order differs) for 1 to 131 rows (past a row block),
-    /// widths of 1 to 25 blocks (odd block counts: VNNI's half pair) and
-    /// weight rows reaching the end of the buffer; `out` below the
-    /// weight's rows computes those rows only.
+    /// widths of 1 to 25 blocks and heights off the tile size; and the
+    /// rows of a many-row product equal the same rows one at a time, bit
+    /// for bit.
     #[test]
     fn matches_the_dequantized_reference() -> candle_core::Result<()> {
         let dev = Device::Cpu;
-        for &(out, k) in &[(1, 32), (7, 96), (33, 64), (65, 800)] {
-            let w = Tensor::randn(0f32, 1., (out, k), &dev)?;
-            let q = QTensor::quantize(&w, GgmlDType::Q8_0)?;
-            let dq: Vec<f32> = q.dequantize(&dev)?.flatten_all()?.to_vec1()?;
+        for &(n, k) in &[(1, 32), (7, 96), (16, 64), (33, 64), (65, 800)] {
+            let w = Tensor::randn(0f32, 1., (n, k), &dev)?;
+            let p = PackedQ8::quantize(&w)?;
+            let dq: Vec<f32> = p.dequantize()?.flatten_all()?.to_vec1()?;
             for rows in [1, 2, 3, 5, 8, 70, 131] {
                 let x = Tensor::randn(0f32, 1., (1, rows, k), &dev)?;
-                let a = Activations::new(&x.flatten_all()?.to_vec1::<f32>()?, rows, k);
+                let a = Activations::new(Isa::Portable, &x.flatten_all()?.to_vec1()?, rows, k);
                 let mut want = Vec::new();
                 for r in 0..rows {
                     let (xq, xd) = a.row(r);
@@ -491,25 +689,19 @@ mod tests {
                 }
                 let scale = want.iter().map(|v| v.abs()).fold(1e-3, f64::max);
                 for isa in isas() {
-                    let y = gemv_q8_0_with(isa, &x, &q)?;
-                    assert_eq!(y.dims(), &[1, rows, out]);
+                    let y = p.matmul_with(isa, &x)?;
+                    assert_eq!(y.dims(), &[1, rows, n]);
                     let got: Vec<f32> = y.flatten_all()?.to_vec1()?;
                     for (g, w) in got.iter().zip(&want) {
                         let err = (*g as f64 - w).abs() / scale;
-                        assert!(
-                            err < 1e-5,
-                            "{isa:?} ({rows}, {k}) x ({out}, {k}): {g} vs {w}"
-                        );
+                        assert!(err < 1e-5, "{isa:?} ({rows}, {k}) x ({n}, {k}): {g} vs {w}");
                     }
-                    if out > 1 {
-                        let y = gemv_q8_0_rows(isa, &x, &q, out - 1)?;
-                        assert_eq!(y.dims(), &[1, rows, out - 1]);
-                        let head = got
-                            .chunks(out)
-                            .flat_map(|r| r[..out - 1].to_vec())
-                            .collect::<Vec<_>>();
-                        assert_eq!(y.flatten_all()?.to_vec1::<f32>()?, head);
-                    }
+                    let last = p.matmul_with(isa, &x.narrow(1, rows - 1, 1)?)?;
+                    assert_eq!(
+                        last.flatten_all()?.to_vec1::<f32>()?,
+                        got[(rows - 1) * n..].to_vec(),
+                        "{isa:?}: one row vs {rows}"
+                    );
                 }
             }
         }
@@ -518,48 +710,49 @@ mod tests {
 
     /// Against the unrounded product: the error of rounding `x` stays
     /// within what 8 bits allow (relative L2 under 1%), and candle's own
-    /// q8_0 product is no closer.
+    /// q8_0 product (which rounds `x` per 256 values) is no closer.
     #[test]
     fn close_to_the_f32_product() -> candle_core::Result<()> {
         let dev = Device::Cpu;
-        let (out, k) = (96, 768);
-        let w = Tensor::randn(0f32, 1., (out, k), &dev)?;
+        let (n, k) = (96, 768);
+        let w = Tensor::randn(0f32, 1., (n, k), &dev)?;
         let q = QTensor::quantize(&w, GgmlDType::Q8_0)?;
+        let p = PackedQ8::from_qtensor(&q)?;
         let x = Tensor::randn(0f32, 1., (3, k), &dev)?;
-        let exact = x.matmul(&q.dequantize(&dev)?.t()?)?;
+        let exact = x.matmul(&p.dequantize()?.t()?)?;
         let rel = |y: &Tensor| -> candle_core::Result<f32> {
             let num = (y - &exact)?.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?;
             let den = exact.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?;
             Ok(num / den)
         };
-        let ours = rel(&gemv_q8_0(&x, &q)?)?;
+        let ours = rel(&p.matmul(&x)?)?;
         let candle = rel(&candle_core::quantized::QMatMul::from_qtensor(q)?.forward(&x)?)?;
         assert!(ours < 1e-2, "{ours}");
         assert!(ours <= candle * 1.05, "vl {ours} vs candle {candle}");
         Ok(())
     }
 
-    /// Weights of another format, mismatched widths and an `out` past the
-    /// weight are refused with the reason; `applies` says no to them and
-    /// to more rows than a decode step has.
+    /// Weights of another format or width, and inputs of another width or
+    /// dtype, are refused with the reason; empty inputs give empty outputs.
     #[test]
     fn refuses_what_it_does_not_take() -> candle_core::Result<()> {
         let dev = Device::Cpu;
         let q4 = QTensor::quantize(&Tensor::zeros((4, 256), DType::F32, &dev)?, GgmlDType::Q4K)?;
-        let x = Tensor::zeros((1, 256), DType::F32, &dev)?;
-        assert!(!applies(&x, &q4));
-        let err = gemv_q8_0(&x, &q4).unwrap_err();
+        let err = PackedQ8::from_qtensor(&q4).unwrap_err();
         assert!(err.to_string().contains("q8_0 weight"), "{err}");
-        let q8 = QTensor::quantize(&Tensor::zeros((4, 32), DType::F32, &dev)?, GgmlDType::Q8_0)?;
-        let wide = Tensor::zeros((2, 64), DType::F32, &dev)?;
-        assert!(!applies(&wide, &q8));
-        let err = gemv_q8_0(&wide, &q8).unwrap_err();
-        assert!(err.to_string().contains("(out, k * 32)"), "{err}");
-        let err =
-            gemv_q8_0_rows(isa(), &Tensor::zeros((2, 32), DType::F32, &dev)?, &q8, 5).unwrap_err();
-        assert!(err.to_string().contains("(4, 32)"), "{err}");
-        assert!(applies(&Tensor::zeros((8, 32), DType::F32, &dev)?, &q8));
-        assert!(!applies(&Tensor::zeros((9, 32), DType::F32, &dev)?, &q8));
+        let err = PackedQ8::quantize(&Tensor::zeros((4, 33), DType::F32, &dev)?).unwrap_err();
+        assert!(err.to_string().contains("(n, k * 32)"), "{err}");
+        let p = PackedQ8::quantize(&Tensor::zeros((4, 32), DType::F32, &dev)?)?;
+        let err = p
+            .matmul(&Tensor::zeros((2, 64), DType::F32, &dev)?)
+            .unwrap_err();
+        assert!(err.to_string().contains("x (..., 32)"), "{err}");
+        let err = p
+            .matmul(&Tensor::zeros((2, 32), DType::U32, &dev)?)
+            .unwrap_err();
+        assert!(err.to_string().contains("U32"), "{err}");
+        let y = p.matmul(&Tensor::zeros((0, 32), DType::F32, &dev)?)?;
+        assert_eq!(y.dims(), &[0, 4]);
         Ok(())
     }
 }

@@ -192,11 +192,11 @@ impl AttnCore {
         &self.heads
     }
 
-    fn dtype(&self) -> DType {
+    pub fn dtype(&self) -> DType {
         self.q_proj.dtype()
     }
 
-    fn device(&self) -> &Device {
+    pub fn device(&self) -> &Device {
         self.q_proj.device()
     }
 

@@ -12,12 +12,13 @@
 //! Masks follow [`crate::mask`]: `1` = may attend. A query row with no key
 //! left gives an exactly zero output row and zero weights.
 
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, D};
 use rayon::prelude::*;
 
 use crate::dropout::{Dropout, Mode};
 use crate::error::{AttnError, Result};
-use crate::gemv::Isa;
+use crate::gemv::{Isa, Weight};
 use crate::mask::Mask;
 #[cfg(target_arch = "x86_64")]
 use crate::micro::Fma;
@@ -130,8 +131,15 @@ impl Dims {
         if v.dims() != k.dims() {
             return Err(shape_err("v", format!("{:?} like k", k.dims()), v));
         }
-        crate::error::check_dtype_device("k", k, "q", q.dtype(), q.device())?;
-        crate::error::check_dtype_device("v", v, "q", q.dtype(), q.device())?;
+        // Keys and values have the queries' dtype, or one 16-bit float
+        // dtype under f32 queries (a quantized model's image cache: half
+        // the bytes, read in place by the per-row kernel).
+        let kv_dtype = match (q.dtype(), k.dtype()) {
+            (DType::F32, half @ (DType::BF16 | DType::F16)) => half,
+            (dtype, _) => dtype,
+        };
+        crate::error::check_dtype_device("k", k, "q", kv_dtype, q.device())?;
+        crate::error::check_dtype_device("v", v, "k", kv_dtype, q.device())?;
         if let Some(m) = mask {
             m.check(batch_q, q_len, k_len)?;
             crate::error::check_dtype_device("mask", m.tensor(), "u8 mask", DType::U8, q.device())?;
@@ -174,6 +182,11 @@ impl Dims {
     /// Query rows that read one key head: `r · g · q_len`.
     pub(crate) fn group_rows(&self) -> usize {
         self.r() * self.g() * self.q_len
+    }
+
+    /// Whether the CPU kernel runs tiled (else one query row at a time).
+    pub(crate) fn tiled(&self) -> bool {
+        self.head_dim > 0 && self.k_len > 0 && self.group_rows() >= TILED_MIN_ROWS
     }
 }
 
@@ -336,6 +349,8 @@ fn reference(
         k_len,
         ..
     } = dims;
+    // 16-bit keys and values under f32 queries: widened here.
+    let (k, v) = (&k.to_dtype(q.dtype())?, &v.to_dtype(q.dtype())?);
     let (r, g) = (dims.r(), dims.g());
     // f16 queries and keys are widened first: their logits may pass f16's
     // largest value (65504) and turn into Inf, then NaN in the softmax,
@@ -423,10 +438,17 @@ fn fused(
         mask,
         isa: crate::gemv::isa(),
     };
-    // Keys and values are read in place when they are f32 with contiguous
-    // heads and one head stride (a KV cache's prefix); copied otherwise.
-    let (k, v) = if k.dtype() == DType::F32
-        && v.dtype() == DType::F32
+    // Keys and values are read in place when they have contiguous heads
+    // and one head stride (a KV cache's prefix) and are f32, or 16-bit for
+    // the per-row kernel (which widens them as it reads); copied to f32
+    // otherwise.
+    let readable = match k.dtype() {
+        DType::F32 => true,
+        DType::BF16 | DType::F16 => !dims.tiled(),
+        _ => false,
+    };
+    let (k, v) = if readable
+        && v.dtype() == k.dtype()
         && is_head_strided(k)
         && is_head_strided(v)
         && k.stride() == v.stride()
@@ -522,17 +544,17 @@ impl HostMask {
 /// A dot product written so that the compiler vectorises it (for the
 /// instruction set of the function it is inlined into).
 #[inline(always)]
-fn dot<K: Kernel>(a: &[f32], b: &[f32]) -> f32 {
+fn dot<K: Kernel, E: Weight>(a: &[f32], b: &[E]) -> f32 {
     const LANES: usize = 16;
     let mut acc = [0f32; LANES];
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
         for l in 0..LANES {
-            acc[l] = madd(K::FMA, x[l], y[l], acc[l]);
+            acc[l] = madd(K::FMA, x[l], y[l].to_f32(), acc[l]);
         }
     }
-    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
+    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y.to_f32()).sum();
     acc.iter().sum::<f32>() + tail
 }
 
@@ -540,11 +562,11 @@ fn dot<K: Kernel>(a: &[f32], b: &[f32]) -> f32 {
 /// scores, a softmax with [`exp_neg`] over all of them at once, then the
 /// weighted values; compiled once per instruction set below.
 #[inline(always)]
-fn row_generic<K: Kernel>(
+fn row_generic<K: Kernel, E: Weight>(
     op: &FusedCpu,
     row: usize,
     q: &[f32],
-    (k, v, kv_stride): KeysValues<'_>,
+    (k, v, kv_stride): KeysValues<'_, E>,
     scores: &mut [f32],
     out: &mut [f32],
 ) {
@@ -569,7 +591,7 @@ fn row_generic<K: Kernel>(
     match op.mask.as_ref().map(|m| m.row(b, i, k_len)) {
         None => {
             for (s, k_row) in scores.iter_mut().zip(keys) {
-                *s = dot::<K>(q_row, k_row) * op.scale;
+                *s = dot::<K, E>(q_row, k_row) * op.scale;
                 max = max.max(*s);
             }
             any = k_len > 0;
@@ -580,7 +602,7 @@ fn row_generic<K: Kernel>(
                     f32::NEG_INFINITY
                 } else {
                     any = true;
-                    dot::<K>(q_row, k_row) * op.scale
+                    dot::<K, E>(q_row, k_row) * op.scale
                 };
                 max = max.max(*s);
             }
@@ -604,7 +626,7 @@ fn row_generic<K: Kernel>(
         }
         let p = p * inv;
         for (o, &x) in out.iter_mut().zip(v_row) {
-            *o = madd(K::FMA, p, x, *o);
+            *o = madd(K::FMA, p, x.to_f32(), *o);
         }
     }
 }
@@ -612,19 +634,20 @@ fn row_generic<K: Kernel>(
 crate::micro::per_isa! {
     /// [`row_generic`] on the op's instruction set (which the CPU supports:
     /// `fused` takes `gemv::isa()`, tests check with `gemv::supported`).
-    fn row(
+    fn row<E: Weight>(
         op: &FusedCpu,
         row: usize,
         q: &[f32],
-        kv: KeysValues<'_>,
+        kv: KeysValues<'_, E>,
         scores: &mut [f32],
         out: &mut [f32],
     ) = row_generic::<Fma>
 }
 
 /// Keys, values (each `(batch_k, kv_heads, k_len, head_dim)` with the given
-/// head stride) and that stride, in elements.
-type KeysValues<'a> = (&'a [f32], &'a [f32], usize);
+/// head stride) and that stride, in elements; f32, or 16-bit values the
+/// per-row kernel widens as it reads them.
+type KeysValues<'a, E> = (&'a [E], &'a [E], usize);
 
 /// Whether `t` (keys or values, `(batch_k, kv_heads, k_len, head_dim)`) is
 /// laid out as the kernels read it: each head's `k_len` rows contiguous,
@@ -652,17 +675,14 @@ fn head_stride(l: &Layout, dims: &[usize]) -> Option<usize> {
     (rows_ok && heads_ok).then_some(stride)
 }
 
-/// The f32 elements of `k` or `v` and their head stride (see
+/// The elements of `k` or `v` and their head stride (see
 /// [`is_head_strided`]), or an error naming the argument.
-fn head_strided<'a>(
-    s: &'a CpuStorage,
+fn head_strided<'a, E>(
+    data: &'a [E],
     l: &Layout,
     d: Dims,
     name: &str,
-) -> candle_core::Result<(&'a [f32], usize)> {
-    let CpuStorage::F32(data) = s else {
-        candle_core::bail!("fused attention: {name} must be f32");
-    };
+) -> candle_core::Result<(&'a [E], usize)> {
     let dims = l.shape().dims();
     let Some(stride) = head_stride(l, dims) else {
         candle_core::bail!("fused attention: {name} {dims:?} must have contiguous heads");
@@ -678,6 +698,20 @@ fn head_strided<'a>(
     }
 }
 
+/// Keys and values of one element type, with their common head stride.
+fn keys_values<'a, E>(
+    (k, lk): (&'a [E], &Layout),
+    (v, lv): (&'a [E], &Layout),
+    d: Dims,
+) -> candle_core::Result<KeysValues<'a, E>> {
+    let (k, k_stride) = head_strided(k, lk, d, "k")?;
+    let (v, v_stride) = head_strided(v, lv, d, "v")?;
+    if k_stride != v_stride {
+        candle_core::bail!("fused attention: k and v head strides differ ({k_stride}, {v_stride})");
+    }
+    Ok((k, v, k_stride))
+}
+
 /// The part of a CPU buffer that a contiguous layout covers, or an error
 /// naming the op and the argument: the input check of vl's `CustomOp`s
 /// (this kernel, [`crate::gemv`], [`crate::gemm_bf16`]).
@@ -690,6 +724,19 @@ pub(crate) fn contiguous<'a, T>(
     match layout.contiguous_offsets() {
         Some((start, end)) => Ok(&data[start..end]),
         None => candle_core::bail!("{op}: {arg} must be contiguous"),
+    }
+}
+
+impl FusedCpu {
+    /// The per-row kernel over every query row, on the pool.
+    fn rows<E: Weight>(&self, q: &[f32], kv: KeysValues<'_, E>, out: &mut [f32]) {
+        let d = self.dims;
+        if d.head_dim > 0 {
+            out.par_chunks_mut(d.head_dim).enumerate().for_each_init(
+                || vec![0f32; d.k_len],
+                |scores, (r, o)| row(self.isa, self, r, q, kv, scores, o),
+            );
+        }
     }
 }
 
@@ -715,13 +762,6 @@ impl CustomOp3 for FusedCpu {
         }
         let d = self.dims;
         let q = slice(s1, l1, "q")?;
-        let (k, k_stride) = head_strided(s2, l2, d, "k")?;
-        let (v, v_stride) = head_strided(s3, l3, d, "v")?;
-        if k_stride != v_stride {
-            candle_core::bail!(
-                "fused attention: k and v head strides differ ({k_stride}, {v_stride})"
-            );
-        }
         let len = [d.heads, d.q_len, d.head_dim]
             .iter()
             .try_fold(d.batch_q, |acc, &n| acc.checked_mul(n));
@@ -734,12 +774,16 @@ impl CustomOp3 for FusedCpu {
                 d.head_dim
             )
         };
-        if d.head_dim > 0 && d.k_len > 0 && d.group_rows() >= TILED_MIN_ROWS {
+        if d.tiled() {
+            let (CpuStorage::F32(k), CpuStorage::F32(v)) = (s2, s3) else {
+                candle_core::bail!("fused attention: the tiled kernel takes f32 k and v");
+            };
+            let (k, v, kv_stride) = keys_values((k, l2), (v, l3), d)?;
             let problem = crate::tiled::Problem {
                 q,
                 k,
                 v,
-                kv_stride: k_stride,
+                kv_stride,
                 mask: self.mask.as_ref(),
                 dims: d,
                 scale: self.scale,
@@ -750,11 +794,21 @@ impl CustomOp3 for FusedCpu {
             ));
         }
         let mut out = vec![0f32; len];
-        if d.head_dim > 0 {
-            out.par_chunks_mut(d.head_dim).enumerate().for_each_init(
-                || vec![0f32; d.k_len],
-                |scores, (r, o)| row(self.isa, self, r, q, (k, v, k_stride), scores, o),
-            );
+        match (s2, s3) {
+            (CpuStorage::F32(k), CpuStorage::F32(v)) => {
+                self.rows(q, keys_values((k, l2), (v, l3), d)?, &mut out)
+            }
+            (CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
+                self.rows(q, keys_values((k, l2), (v, l3), d)?, &mut out)
+            }
+            (CpuStorage::F16(k), CpuStorage::F16(v)) => {
+                self.rows(q, keys_values((k, l2), (v, l3), d)?, &mut out)
+            }
+            _ => candle_core::bail!(
+                "fused attention: k and v must be f32, bf16 or f16 alike, got {:?} and {:?}",
+                s2.dtype(),
+                s3.dtype()
+            ),
         }
         Ok((
             CpuStorage::F32(out),
@@ -835,6 +889,19 @@ mod tests {
                 if masked {
                     let closed = got.get(1)?.narrow(1, 0, 1)?.abs()?.max_all()?;
                     assert_eq!(closed.to_scalar::<f32>()?, 0.0, "{isa:?}");
+                }
+                // 16-bit keys and values, read in place, give what their
+                // f32 widening gives.
+                for half in [DType::BF16, DType::F16] {
+                    let (kh, vh) = (k.to_dtype(half)?, v.to_dtype(half)?);
+                    let widened = q.apply_op3_no_bwd(
+                        &kh.to_dtype(DType::F32)?,
+                        &vh.to_dtype(DType::F32)?,
+                        &op,
+                    )?;
+                    let got = q.apply_op3_no_bwd(&kh, &vh, &op)?;
+                    let err = (&got - &widened)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                    assert!(err < 1e-5, "{isa:?} {half:?}: {err}");
                 }
             }
         }

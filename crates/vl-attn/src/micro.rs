@@ -197,5 +197,31 @@ macro_rules! per_isa {
             }
         }
     };
+    // The same with one type parameter, passed on after `K`.
+    ($(#[$doc:meta])* $vis:vis fn $name:ident<$g:ident: $bound:path>($($a:ident: $t:ty),* $(,)?)
+        $(-> $r:ty)? = $generic:ident::<$k512:ty>) => {
+        $(#[$doc])*
+        $vis fn $name<$g: $bound>(isa: crate::gemv::Isa, $($a: $t),*) $(-> $r)? {
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f")]
+            fn avx512<$g: $bound>($($a: $t),*) $(-> $r)? {
+                $generic::<$k512, $g>($($a),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            fn avx2<$g: $bound>($($a: $t),*) $(-> $r)? {
+                $generic::<crate::micro::Fma, $g>($($a),*)
+            }
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as in the first form.
+                crate::gemv::Isa::Avx512 => unsafe { avx512($($a),*) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as in the first form.
+                crate::gemv::Isa::Avx2 => unsafe { avx2($($a),*) },
+                _ => $generic::<crate::micro::Plain, $g>($($a),*),
+            }
+        }
+    };
 }
 pub(crate) use per_isa;

@@ -24,6 +24,7 @@ use candle_nn::Linear;
 
 use crate::error::{AttnError, Result};
 use crate::gemm_bf16::PackedBf16;
+use crate::gemv_q8::PackedQ8;
 
 /// The row multiple quantized weights are padded to (candle's x86 tiles).
 const QUANTIZED_ROWS: usize = 16;
@@ -70,6 +71,14 @@ enum Inner {
         weight: Arc<PackedBf16>,
         dtype: DType,
     },
+    /// A q8_0 weight packed once for vl's q8_0 kernels (on the CPU).
+    Q8 {
+        weight: Arc<PackedQ8>,
+        /// f32, added before casting back.
+        bias: Option<Tensor>,
+        /// The activation dtype (the dense weight's dtype).
+        dtype: DType,
+    },
 }
 
 impl From<Linear> for Proj {
@@ -98,6 +107,7 @@ impl Proj {
             } => (*out_dim, *in_dim),
             Inner::Half { weight, .. } => weight.dims2().unwrap_or((0, 0)),
             Inner::Packed { weight, .. } => weight.dims(),
+            Inner::Q8 { weight, .. } => weight.dims(),
         }
     }
 
@@ -107,7 +117,8 @@ impl Proj {
             Inner::Dense(l) => l.weight().dtype(),
             Inner::Quantized { dtype, .. }
             | Inner::Half { dtype, .. }
-            | Inner::Packed { dtype, .. } => *dtype,
+            | Inner::Packed { dtype, .. }
+            | Inner::Q8 { dtype, .. } => *dtype,
         }
     }
 
@@ -117,7 +128,7 @@ impl Proj {
             Inner::Dense(l) => l.weight().device(),
             Inner::Quantized { device, .. } => device,
             Inner::Half { weight, .. } => weight.device(),
-            Inner::Packed { .. } => &Device::Cpu,
+            Inner::Packed { .. } | Inner::Q8 { .. } => &Device::Cpu,
         }
     }
 
@@ -127,6 +138,7 @@ impl Proj {
             Inner::Dense(_) => None,
             Inner::Quantized { format, .. } | Inner::Half { format, .. } => Some(*format),
             Inner::Packed { .. } => Some(GgmlDType::BF16),
+            Inner::Q8 { .. } => Some(GgmlDType::Q8_0),
         }
     }
 
@@ -134,7 +146,10 @@ impl Proj {
     pub fn as_linear(&self) -> Option<&Linear> {
         match &self.inner {
             Inner::Dense(l) => Some(l),
-            Inner::Quantized { .. } | Inner::Half { .. } | Inner::Packed { .. } => None,
+            Inner::Quantized { .. }
+            | Inner::Half { .. }
+            | Inner::Packed { .. }
+            | Inner::Q8 { .. } => None,
         }
     }
 
@@ -197,6 +212,7 @@ impl Proj {
             Inner::Packed { weight, .. } => {
                 (weight.unpack()?.to_dtype(DType::F32)?, weight.bias()?)
             }
+            Inner::Q8 { weight, bias, .. } => (weight.dequantize()?, bias.clone()),
         };
         if let Some(half) = match format {
             GgmlDType::BF16 => Some(DType::BF16),
@@ -222,6 +238,16 @@ impl Proj {
                     weight,
                     bias,
                     format,
+                    dtype: self.dtype(),
+                },
+            });
+        }
+        if format == GgmlDType::Q8_0 && self.device().is_cpu() {
+            // vl's q8_0 kernels: one packed copy, products on the pool.
+            return Ok(Self {
+                inner: Inner::Q8 {
+                    weight: Arc::new(PackedQ8::quantize(&weight)?),
+                    bias: bias.map(|b| b.to_dtype(DType::F32)).transpose()?,
                     dtype: self.dtype(),
                 },
             });
@@ -306,21 +332,15 @@ impl Module for Proj {
                 add_bias(y, bias.as_ref())
             }
             Inner::Packed { weight, .. } => weight.matmul(x),
+            Inner::Q8 { weight, bias, .. } => {
+                add_bias(weight.matmul(x)?, bias.as_ref())?.to_dtype(x.dtype())
+            }
             Inner::Quantized {
                 weight,
                 bias,
                 out_dim,
                 ..
             } => {
-                // Decode steps on vl's q8_0 kernel (the blocks as they
-                // are, on the rayon pool); the rest on candle's.
-                if let QMatMul::QTensor(q) = weight {
-                    if crate::gemv_q8::applies(x, q) {
-                        let y =
-                            crate::gemv_q8::gemv_q8_0_rows(crate::gemv_q8::isa(), x, q, *out_dim)?;
-                        return add_bias(y, bias.as_ref())?.to_dtype(x.dtype());
-                    }
-                }
                 // The quantized kernels take contiguous f32 activations.
                 let mut y = weight.forward(&x.to_dtype(DType::F32)?.contiguous()?)?;
                 if y.dim(candle_core::D::Minus1)? > *out_dim {

@@ -3,6 +3,7 @@
 
 mod common;
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::VarMap;
 use common::*;
@@ -74,6 +75,68 @@ fn cached_equals_uncached() -> anyhow::Result<()> {
         let step = cached(&attn, &q.narrow(1, t, 1)?, &kv, None)?;
         assert!(max_abs_diff(&step, &direct.narrow(1, t, 1)?) <= 1e-5);
     }
+    Ok(())
+}
+
+/// A memory kept in 16 bits (under f32 queries; what `quantize` to an
+/// integer format chooses on the CPU): the keys and values are the f32
+/// ones rounded once, and every backend attends over them as over their
+/// f32 widening (within 1e-5), one decode step as the whole sequence.
+#[test]
+fn a_16_bit_memory_attends_as_its_widening() -> anyhow::Result<()> {
+    let (_v, attn) = module(32, 24, 4, 2);
+    let (q, m) = (randn(&[2, 5, 32]), randn(&[2, 13, 24]));
+    let full = attn.project_memory(&m)?;
+    for half in [DType::BF16, DType::F16] {
+        let attn = attn.clone().with_memory_dtype(Some(half));
+        assert_eq!(attn.memory_dtype(), Some(half));
+        let kv = attn.project_memory(&m)?;
+        assert_eq!((kv.k().dtype(), kv.v().dtype()), (half, half));
+        assert_eq!(
+            max_abs_diff(
+                &kv.k().to_dtype(DType::F32)?,
+                &full.k().to_dtype(half)?.to_dtype(DType::F32)?
+            ),
+            0.0
+        );
+        let widened = CrossKv::new(kv.k().to_dtype(DType::F32)?, kv.v().to_dtype(DType::F32)?)?;
+        for backend in [Backend::Reference, Backend::Fused, Backend::Auto] {
+            let attn = attn.clone().with_backend(backend);
+            let want = cached(&attn, &q, &widened, None)?;
+            let got = cached(&attn, &q, &kv, None)?;
+            assert!(max_abs_diff(&got, &want) <= 1e-5, "{half:?} {backend:?}");
+            let step = cached(&attn, &q.narrow(1, 4, 1)?, &kv, None)?;
+            assert!(
+                max_abs_diff(&step, &want.narrow(1, 4, 1)?) <= 1e-5,
+                "{half:?} {backend:?}"
+            );
+            assert!(max_abs_diff(&attn.forward(&q, &m, None)?, &want) <= 1e-5);
+        }
+    }
+    // Quantizing to q8_0 on the CPU keeps the memory in bf16; to a 16-bit
+    // weight format, in the activations' dtype.
+    let (_w, wide) = module(32, 32, 4, 2);
+    assert_eq!(
+        wide.quantize(GgmlDType::Q8_0)?.memory_dtype(),
+        Some(DType::BF16)
+    );
+    assert_eq!(wide.quantize(GgmlDType::BF16)?.memory_dtype(), None);
+
+    // Keys and values of an integer dtype, or 16-bit under 16-bit queries
+    // of another kind, are refused naming them.
+    let kv = attn.project_memory(&m)?;
+    let bf16_q = q.to_dtype(DType::BF16)?;
+    let err = kernel::attention(
+        &bf16_q.reshape((2, 5, 4, 8))?.transpose(1, 2)?,
+        &kv.k().to_dtype(DType::F16)?,
+        &kv.v().to_dtype(DType::F16)?,
+        None,
+        1.0,
+        Backend::Auto,
+        Weights::Skip,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains('k'), "{err}");
     Ok(())
 }
 

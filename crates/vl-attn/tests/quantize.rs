@@ -66,13 +66,11 @@ fn self_attention_cached_equals_uncached() -> anyhow::Result<()> {
     let vars = VarMap::new();
     let dense = CausalSelfAttention::load(vb(&vars, DType::F32), &SelfAttentionConfig::new(64, 4))?;
     let q = dense.quantize(GgmlDType::Q8_0)?;
-    // 2 x 4 rows: a decode-shape product for the full pass as for the
-    // steps (the same kernel, the same rounding of the activations).
-    let x = seeded(&[2, 4, 64], 3);
+    let x = seeded(&[2, 6, 64], 3);
     let full = q.forward(&x, None)?;
     assert!(rel_err(&full, &dense.forward(&x, None)?)? < Q8_TOL);
     let mut cache = q.new_cache(4)?;
-    let steps = (0..4)
+    let steps = (0..6)
         .map(|i| {
             q.attend(&x.narrow(1, i, 1)?, Some(&mut cache), None, Weights::Skip)
                 .map(|o| o.output)
@@ -80,25 +78,6 @@ fn self_attention_cached_equals_uncached() -> anyhow::Result<()> {
         .collect::<Result<Vec<_>, _>>()?;
     let diff = max_abs_diff(&Tensor::cat(&steps, 1)?, &full);
     assert!(diff < 1e-4, "cached vs uncached: {diff}");
-    // A full pass of more rows (a prefill) takes candle's kernel, which
-    // rounds the activations per 256 values instead of 32: the steps
-    // agree with it within 8-bit precision.
-    let long = seeded(&[2, 9, 64], 6);
-    let full = q.forward(&long, None)?;
-    let mut cache = q.new_cache(9)?;
-    let steps = (0..9)
-        .map(|i| {
-            q.attend(
-                &long.narrow(1, i, 1)?,
-                Some(&mut cache),
-                None,
-                Weights::Skip,
-            )
-            .map(|o| o.output)
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let err = rel_err(&Tensor::cat(&steps, 1)?, &full)?;
-    assert!(err < Q8_TOL, "cached vs a many-row pass: {err}");
     Ok(())
 }
 
