@@ -74,7 +74,7 @@ fn encoder(c: &mut Criterion) {
     let dev = Device::Cpu;
     let mut group = c.benchmark_group("gemm");
     group.sample_size(10);
-    for (name, out, inp) in [("up", 3072, 768), ("down", 768, 3072)] {
+    for (name, out, inp) in [("o", 768, 768), ("up", 3072, 768), ("down", 768, 3072)] {
         let m = 197;
         let w32 = Tensor::randn(0f32, 1., (out, inp), &dev).expect("w");
         let x32 = Tensor::randn(0f32, 1., (m, inp), &dev).expect("x");
@@ -94,6 +94,15 @@ fn encoder(c: &mut Criterion) {
         if vl_attn::gemm_bf16::available() {
             group.bench_function(BenchmarkId::new("vl bf16", name), |b| {
                 b.iter(|| vl_attn::gemm_bf16::matmul(&x, &w).expect("gemm"))
+            });
+            // As the encoder runs it: the weight packed once, at load.
+            let packed = std::sync::Arc::new(
+                vl_attn::gemm_bf16::PackedBf16::new(&w, None)
+                    .expect("pack")
+                    .expect("packable"),
+            );
+            group.bench_function(BenchmarkId::new("vl bf16 packed", name), |b| {
+                b.iter(|| packed.matmul(&x).expect("gemm"))
             });
         }
     }

@@ -336,10 +336,13 @@ fn gemv_packed(x: &[f32], w: &PackedBf16, m: usize) -> Vec<f32> {
 
 /// An output element: the f32 accumulator rounded (bf16) or as is (f32).
 trait Out: Copy + Default + Send + Sync {
+    /// Whether the element is bf16 (else f32): the kernels' vector stores.
+    const BF16: bool;
     fn from_acc(v: f32) -> Self;
 }
 
 impl Out for bf16 {
+    const BF16: bool = true;
     #[inline(always)]
     fn from_acc(v: f32) -> Self {
         bf16::from_f32(v)
@@ -347,6 +350,7 @@ impl Out for bf16 {
 }
 
 impl Out for f32 {
+    const BF16: bool = false;
     #[inline(always)]
     fn from_acc(v: f32) -> Self {
         v
@@ -385,7 +389,12 @@ fn panels_product<O: Out>(
     let blocks = m.div_ceil(TASK_ROWS);
     let out = SyncPtr(y.as_mut_ptr());
     (0..blocks * groups).into_par_iter().for_each(|t| {
-        let (b, g) = (t / groups, t % groups);
+        // Group-major: the tasks of one panel group (all row blocks) are
+        // neighbours, so a thread reads a group from memory once and keeps
+        // it in L2 for every row block; the two halves of the range (one
+        // per thread, as rayon splits it) read disjoint halves of the
+        // weight.
+        let (g, b) = (t / blocks, t % blocks);
         let rows = TASK_ROWS.min(m - b * TASK_ROWS);
         let xt = &x[b * TASK_ROWS * k..(b * TASK_ROWS + rows) * k];
         let first = g * group;
@@ -483,11 +492,39 @@ mod avx512 {
                     _ => micro::<1>(xs, panel, k, &mut tile),
                 }
                 for (i, row) in tile.iter().take(mr).enumerate() {
-                    for (c, v) in row.iter().take(cols).enumerate() {
-                        let v = v + bias.map_or(0.0, |b| b[j * NR + c]);
-                        // SAFETY: row `r + i < rows`, column `j * NR + c`
-                        // within this task's columns (the contract).
-                        unsafe { y.add((r + i) * n + j * NR + c).write(O::from_acc(v)) };
+                    // SAFETY: row `r + i < rows`, columns `j * NR ..
+                    // j * NR + cols` within this task's columns (the
+                    // contract); a full panel's bias has NR values there.
+                    unsafe {
+                        let dst = y.add((r + i) * n + j * NR);
+                        if cols == NR {
+                            // A full panel: two vectors, rounded (bf16) by
+                            // `vcvtneps2bf16`, to nearest even as
+                            // `bf16::from_f32`.
+                            let mut v = [
+                                _mm512_loadu_ps(row.as_ptr()),
+                                _mm512_loadu_ps(row.as_ptr().add(16)),
+                            ];
+                            if let Some(b) = bias {
+                                for (h, v) in v.iter_mut().enumerate() {
+                                    let bv = _mm512_loadu_ps(b.as_ptr().add(j * NR + 16 * h));
+                                    *v = _mm512_add_ps(*v, bv);
+                                }
+                            }
+                            for (h, v) in v.into_iter().enumerate() {
+                                if O::BF16 {
+                                    let half: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
+                                    _mm256_storeu_si256(dst.add(16 * h) as *mut __m256i, half);
+                                } else {
+                                    _mm512_storeu_ps(dst.add(16 * h) as *mut f32, v);
+                                }
+                            }
+                        } else {
+                            for (c, v) in row.iter().take(cols).enumerate() {
+                                let v = v + bias.map_or(0.0, |b| b[j * NR + c]);
+                                dst.add(c).write(O::from_acc(v));
+                            }
+                        }
                     }
                 }
                 r += mr;
