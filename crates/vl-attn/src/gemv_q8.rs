@@ -111,6 +111,8 @@ pub struct PackedQ8 {
     qs: Vec<u8>,
     /// `(tiles, k / 32, 16)` f16 scales, as bits.
     d: Vec<u16>,
+    /// The layer's bias, added as the outputs are stored.
+    bias: Option<Vec<f32>>,
 }
 
 impl PackedQ8 {
@@ -169,7 +171,13 @@ impl PackedQ8 {
                     }
                 });
         }
-        Ok(Self { n, k, qs, d })
+        Ok(Self {
+            n,
+            k,
+            qs,
+            d,
+            bias: None,
+        })
     }
 
     /// Packs candle's q8_0 blocks (the weight of a GGUF file, say).
@@ -209,7 +217,44 @@ impl PackedQ8 {
                 }
             }
         }
-        Ok(Self { n, k, qs, d })
+        Ok(Self {
+            n,
+            k,
+            qs,
+            d,
+            bias: None,
+        })
+    }
+
+    /// With the layer's bias `(n)` (any float dtype), added to every
+    /// output row as it is stored.
+    ///
+    /// # Errors
+    /// A bias of another length or not on the CPU, named.
+    pub fn with_bias(mut self, bias: Option<&Tensor>) -> candle_core::Result<Self> {
+        self.bias = match bias {
+            None => None,
+            Some(b) if b.dims() == [self.n] && b.device().is_cpu() => {
+                Some(b.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+            }
+            Some(b) => candle_core::bail!(
+                "vl-q8_0: a bias ({}) on the CPU for a weight ({}, {}); got {:?} on {:?}",
+                self.n,
+                self.n,
+                self.k,
+                b.dims(),
+                b.device()
+            ),
+        };
+        Ok(self)
+    }
+
+    /// The bias, `(n)` f32, if any.
+    pub fn bias(&self) -> candle_core::Result<Option<Tensor>> {
+        self.bias
+            .as_ref()
+            .map(|b| Tensor::from_slice(b, self.n, &Device::Cpu))
+            .transpose()
     }
 
     /// `(n, k)`.
@@ -245,7 +290,7 @@ impl PackedQ8 {
         Tensor::from_vec(w, (self.n, self.k), &Device::Cpu)
     }
 
-    /// `x W^T` on this CPU's best [`isa`].
+    /// `x W^T` (plus the bias, if any) on this CPU's best [`isa`].
     ///
     /// # Shapes
     /// `x: (..., k)` f32, f16 or bf16 on the CPU, any number of rows →
@@ -353,6 +398,14 @@ impl PackedQ8 {
             other => tile_plain(plain_isa(other), self, a, t, r0, &mut acc),
         }
         let cols = (self.n - t * TILE_ROWS).min(TILE_ROWS);
+        if let Some(b) = &self.bias {
+            let b = &b[t * TILE_ROWS..][..cols];
+            for acc in acc.iter_mut() {
+                for (a, b) in acc.iter_mut().zip(b) {
+                    *a += b;
+                }
+            }
+        }
         for (i, acc) in acc.iter().enumerate() {
             // SAFETY: row `r0 + i` exists and columns `t * 16 ..` of it
             // are this call's alone (the caller's contract).
@@ -688,9 +741,21 @@ mod tests {
                     }
                 }
                 let scale = want.iter().map(|v| v.abs()).fold(1e-3, f64::max);
+                let bias = Tensor::randn(0f32, 1., n, &dev)?;
+                let pb = PackedQ8::quantize(&w)?.with_bias(Some(&bias))?;
+                assert_eq!(
+                    pb.bias()?.map(|b| b.to_vec1::<f32>()).transpose()?,
+                    Some(bias.to_vec1()?)
+                );
                 for isa in isas() {
                     let y = p.matmul_with(isa, &x)?;
                     assert_eq!(y.dims(), &[1, rows, n]);
+                    let biased = pb.matmul_with(isa, &x)?;
+                    let want_biased = y.broadcast_add(&bias)?;
+                    assert_eq!(
+                        biased.flatten_all()?.to_vec1::<f32>()?,
+                        want_biased.flatten_all()?.to_vec1::<f32>()?
+                    );
                     let got: Vec<f32> = y.flatten_all()?.to_vec1()?;
                     for (g, w) in got.iter().zip(&want) {
                         let err = (*g as f64 - w).abs() / scale;
@@ -751,6 +816,10 @@ mod tests {
             .matmul(&Tensor::zeros((2, 32), DType::U32, &dev)?)
             .unwrap_err();
         assert!(err.to_string().contains("U32"), "{err}");
+        let err = PackedQ8::quantize(&Tensor::zeros((4, 32), DType::F32, &dev)?)?
+            .with_bias(Some(&Tensor::zeros(5, DType::F32, &dev)?))
+            .unwrap_err();
+        assert!(err.to_string().contains("a bias (4)"), "{err}");
         let y = p.matmul(&Tensor::zeros((0, 32), DType::F32, &dev)?)?;
         assert_eq!(y.dims(), &[0, 4]);
         Ok(())

@@ -73,9 +73,8 @@ enum Inner {
     },
     /// A q8_0 weight packed once for vl's q8_0 kernels (on the CPU).
     Q8 {
+        /// The bias inside, added as the outputs are stored.
         weight: Arc<PackedQ8>,
-        /// f32, added before casting back.
-        bias: Option<Tensor>,
         /// The activation dtype (the dense weight's dtype).
         dtype: DType,
     },
@@ -212,7 +211,7 @@ impl Proj {
             Inner::Packed { weight, .. } => {
                 (weight.unpack()?.to_dtype(DType::F32)?, weight.bias()?)
             }
-            Inner::Q8 { weight, bias, .. } => (weight.dequantize()?, bias.clone()),
+            Inner::Q8 { weight, .. } => (weight.dequantize()?, weight.bias()?),
         };
         if let Some(half) = match format {
             GgmlDType::BF16 => Some(DType::BF16),
@@ -246,8 +245,7 @@ impl Proj {
             // vl's q8_0 kernels: one packed copy, products on the pool.
             return Ok(Self {
                 inner: Inner::Q8 {
-                    weight: Arc::new(PackedQ8::quantize(&weight)?),
-                    bias: bias.map(|b| b.to_dtype(DType::F32)).transpose()?,
+                    weight: Arc::new(PackedQ8::quantize(&weight)?.with_bias(bias.as_ref())?),
                     dtype: self.dtype(),
                 },
             });
@@ -332,9 +330,7 @@ impl Module for Proj {
                 add_bias(y, bias.as_ref())
             }
             Inner::Packed { weight, .. } => weight.matmul(x),
-            Inner::Q8 { weight, bias, .. } => {
-                add_bias(weight.matmul(x)?, bias.as_ref())?.to_dtype(x.dtype())
-            }
+            Inner::Q8 { weight, .. } => weight.matmul(x)?.to_dtype(x.dtype()),
             Inner::Quantized {
                 weight,
                 bias,
