@@ -356,12 +356,17 @@ impl PackedQ8 {
                     for t in t0..t1 {
                         let mut r = r0;
                         while r < r1 {
-                            let step = (r1 - r).min(4);
+                            // Up to 8 rows share each tile's loads.
+                            let step = (r1 - r).min(8);
                             // SAFETY: tasks write disjoint tile columns
                             // `t0..t1`; rows `r..r + step` exist; `y` outlives
                             // the parallel loop.
                             unsafe {
                                 match step {
+                                    8 => self.tile::<8>(isa, a, t, r, &out),
+                                    7 => self.tile::<7>(isa, a, t, r, &out),
+                                    6 => self.tile::<6>(isa, a, t, r, &out),
+                                    5 => self.tile::<5>(isa, a, t, r, &out),
                                     4 => self.tile::<4>(isa, a, t, r, &out),
                                     3 => self.tile::<3>(isa, a, t, r, &out),
                                     2 => self.tile::<2>(isa, a, t, r, &out),
