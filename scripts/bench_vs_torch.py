@@ -256,11 +256,15 @@ def main():
     rows = [("encode ms", "encode_ms"), ("decode ms/token", "ms_per_token"),
             (f"caption ms (encode + {NEW_TOKENS})", "e2e_ms"),
             (f"images/s, batch {args.batch}", "images_per_s"),
-            ("peak RSS MB", "peak_rss_mb"), ("peak RSS / weights file", "rss_over_weights")]
+            ("peak RSS MB", "peak_rss_mb"), ("peak RSS / weights file", "rss_over_weights"),
+            ("decode step reads MB", "decode_step_mb"), ("decode GB/s", "decode_gb_s"),
+            ("machine read GB/s, start", "read_gb_s_start"),
+            ("machine read GB/s, end", "read_gb_s_end"),
+            ("decode / machine read", "decode_bandwidth_fraction")]
     width = max([12] + [len(c) + 2 for c in columns])
     print(f"\n{'':28}" + "".join(f"{c:>{width}}" for c in columns))
     for label, key in rows:
-        spec = f"{width}.2f" if key == "rss_over_weights" else f"{width}.1f"
+        spec = f"{width}.2f" if key in ("rss_over_weights", "decode_bandwidth_fraction") else f"{width}.1f"
         print(f"{label:28}" + "".join(fmt(get(c, key), spec, width) for c in columns))
 
     vl_run = [name for cid, (name, _) in VL_CONFIGS.items() if cid in configs]

@@ -1,6 +1,8 @@
 //! Times captioning with a model directory and prints one JSON line of
 //! medians: encode, decode per token, end to end, batch throughput, the
-//! image and text caches, peak memory.
+//! image and text caches, peak memory; and the machine's read bandwidth,
+//! measured in the same process at its start and end, with the bytes a
+//! decode step reads and the fraction of the bandwidth that reaches.
 //!
 //! `vl bench --model DIR [--dtype bf16] [--quantize q8_0]`
 //!
@@ -129,9 +131,78 @@ fn weights_mb(dir: &std::path::Path) -> f64 {
         .sum()
 }
 
+/// The machine's read bandwidth in GB/s, measured in this process: the
+/// best of three sums of a 256 MB buffer split across the pool (the
+/// threads `--threads` gives), in 16-float lanes so that loads, not adds,
+/// bound it.
+fn read_gb_s() -> f64 {
+    use rayon::prelude::*;
+    let buf = vec![1f32; 64 << 20];
+    let mut best = f64::MAX;
+    let mut sink = 0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let s: f32 = buf
+            .par_chunks(1 << 16)
+            .map(|c| {
+                let mut acc = [0f32; 16];
+                for v in c.chunks_exact(16) {
+                    for (a, x) in acc.iter_mut().zip(v) {
+                        *a += x;
+                    }
+                }
+                acc.iter().sum::<f32>()
+            })
+            .sum();
+        best = best.min(t.elapsed().as_secs_f64());
+        sink += f64::from(s);
+    }
+    std::hint::black_box(sink);
+    (buf.len() * std::mem::size_of::<f32>()) as f64 / best / 1e9
+}
+
+/// The bytes one decode step of one sample reads, about: every weight it
+/// multiplies by (self-attention, the cross-attention's query and output
+/// projections, the feed-forward layers, the LM head; the image's keys and
+/// values are projected once per image) at the bytes per weight of its
+/// format, plus the image's keys and values as the cache holds them. The
+/// text cache, biases and norms (well under 1% at 16 tokens) are left out.
+fn decode_step_bytes(dec: &VisionLanguageDecoder, ctx: &ImageContext) -> f64 {
+    use candle_core::quantized::GgmlDType;
+    let c = dec.config();
+    let (h, inter) = (c.hidden_size as f64, c.intermediate_size as f64);
+    let kv = h * c.num_key_value_heads.unwrap_or(c.num_attention_heads) as f64
+        / c.num_attention_heads.max(1) as f64;
+    let per_weight = match dec.quantization() {
+        None => dec.dtype().size_in_bytes() as f64,
+        Some(GgmlDType::Q8_0) => 34.0 / 32.0,
+        Some(GgmlDType::Q4K) => 144.0 / 256.0,
+        Some(GgmlDType::BF16 | GgmlDType::F16) => 2.0,
+        Some(other) => other.type_size() as f64 / other.block_size() as f64,
+    };
+    let mut weights = c.vocab_size as f64 * h;
+    let mut image = 0f64;
+    for layer in 0..c.num_hidden_layers {
+        weights += 2.0 * h * h + 2.0 * kv * h + 2.0 * h * inter;
+        if let Some(cross) = ctx.layer(layer) {
+            weights += 2.0 * h * h;
+            if c.gated_cross_ffn {
+                weights += 2.0 * h * inter;
+            }
+            for t in [cross.k(), cross.v()] {
+                image += (t.elem_count() * t.dtype().size_in_bytes()) as f64;
+            }
+        }
+    }
+    weights * per_weight + image
+}
+
 /// Runs `vl bench`: prints one JSON line of medians.
 pub fn run(args: &Args) -> anyhow::Result<()> {
     let (device, dtype) = (&args.device, args.dtype);
+    // Before anything is loaded (so the buffer does not count in the peak
+    // memory figure: the model's own peak is larger).
+    let read_start = device.is_cpu().then(read_gb_s);
     // Quantized as `vl caption --quantize` does: part by part during the
     // load (its time counts in `load_ms`).
     let (load_ms, model) = time(|| {
@@ -167,6 +238,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let e2e_ms = bench(args.repeats, || {
         caption_ms(&model, &pixels, args.new_tokens)
     })?;
+    let step_bytes = decode_step_bytes(dec, &ctx);
     let mut json = serde_json::json!({
         "model": args.model.display().to_string(),
         "dtype": args.dtype.as_str(),
@@ -177,6 +249,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         "encode_ms": encode_ms,
         "ms_per_token": ms_per_token,
         "e2e_ms": e2e_ms,
+        "decode_step_mb": step_bytes / 1e6,
+        "decode_gb_s": step_bytes / ms_per_token / 1e6,
     });
     if !args.quick {
         let reps = args.repeats.min(3);
@@ -202,6 +276,16 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     if let Some(rss) = peak_rss_mb() {
         json["peak_rss_mb"] = rss.into();
         json["rss_over_weights"] = (rss / weights).into();
+    }
+    // After the memory figure (its buffer must not count in it), the
+    // bandwidth again: the decode figures as a fraction of what the machine
+    // read at the start and at the end of this run.
+    if let Some(start) = read_start {
+        let end = read_gb_s();
+        json["read_gb_s_start"] = start.into();
+        json["read_gb_s_end"] = end.into();
+        json["decode_bandwidth_fraction"] =
+            (step_bytes / ms_per_token / 1e6 / ((start + end) / 2.0)).into();
     }
     // After the memory figure: the f32 reference loaded for the agreement
     // check must not count in it.

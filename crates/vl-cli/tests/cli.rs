@@ -366,3 +366,48 @@ fn quantize_flag() {
         "{err}"
     );
 }
+
+/// `vl bench` on a transformers fixture, quantized: one JSON line whose
+/// decode figures come with the bytes a step reads (q8_0 weights at 34
+/// bytes per 32, bf16 image keys and values: fewer than the f32 file's
+/// share) and the read bandwidth measured in the same process, start and
+/// end, and the fraction the decode reaches.
+#[test]
+fn bench_reports_the_bandwidth_it_reaches() {
+    let dir = common::repo_root().join("tests/fixtures/hf/equal");
+    let out = std::process::Command::new(common::vl_bin())
+        .args([
+            "bench",
+            "--model",
+            s(&dir),
+            "--quantize",
+            "q8_0",
+            "--quick",
+            "--repeats",
+            "1",
+            "--new-tokens",
+            "2",
+            "--agreement-tokens",
+            "4",
+            "--threads",
+            "1",
+        ])
+        .output()
+        .expect("run bench");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let num = |k: &str| json[k].as_f64().unwrap_or_else(|| panic!("{k} in {json}"));
+    let step = num("decode_step_mb");
+    assert!(step > 0.0 && step < num("weights_mb") * 1.05, "{json}");
+    for k in ["read_gb_s_start", "read_gb_s_end", "decode_gb_s"] {
+        assert!(num(k) > 0.0, "{k}: {json}");
+    }
+    let fraction = num("decode_bandwidth_fraction");
+    let want = num("decode_gb_s") / ((num("read_gb_s_start") + num("read_gb_s_end")) / 2.0);
+    assert!((fraction - want).abs() < 1e-9 * want.max(1.0), "{json}");
+}
