@@ -24,9 +24,10 @@
 //!   kernels — tiled (query blocks × key blocks, online softmax) for
 //!   prefill and encoders, one row at a time for decode steps; a query
 //!   row with nothing to attend to yields zeros, never NaN.
-//! - [`gemv`] and [`gemm_bf16`]: vl's CPU matrix products for decode
-//!   shapes (1–8 rows, f32/f16/bf16 weights, across the thread pool) and
-//!   for many bf16 rows (AVX512_BF16), behind [`Proj`].
+//! - [`gemv`], [`gemm_bf16`] and [`gemv_q8`]: vl's CPU matrix products
+//!   for decode shapes (1–8 rows, f32/f16/bf16 weights, across the thread
+//!   pool), for many bf16 rows (AVX512_BF16), and for q8_0 weights packed
+//!   once (AVX-512 VNNI, any number of rows), behind [`Proj`].
 //! - [`Proj`]: the projections, dense or quantized (`q8_0`, `q4k`) through
 //!   `quantize` on every attention and on [`FeedForward`].
 //! - [`dropout`]: inverted [`Dropout`] with seeded, reproducible masks and
