@@ -381,7 +381,9 @@ fn panels_product<O: Out>(
     m: usize,
     (n, k): (usize, usize),
 ) -> Vec<O> {
-    let mut y = vec![O::default(); m * n];
+    // Not zeroed first (a memset and, for a fresh buffer, its page faults,
+    // before the tasks overwrite it): the tasks write every element.
+    let mut y: Vec<O> = Vec::with_capacity(m * n);
     let panel_len = (k / 2) * NR;
     let panels = n.div_ceil(NR);
     let group = (TASK_PANEL_BYTES / (panel_len * 4).max(1)).clamp(1, panels);
@@ -420,6 +422,17 @@ fn panels_product<O: Out>(
         #[cfg(not(target_arch = "x86_64"))]
         let _ = (xt, rows, panel_range, &out);
     });
+    // SAFETY: the tasks cover every row block × panel group, and each
+    // writes every row and column of its block and group (`task`'s tiles
+    // span all its rows and the group's columns up to `n`): all `m * n`
+    // elements are initialised. Elsewhere than x86-64 nothing ran (the
+    // kernel is never `available()` there): zeros.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        y.set_len(m * n)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    y.resize(m * n, O::default());
     y
 }
 

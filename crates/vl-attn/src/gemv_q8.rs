@@ -344,7 +344,10 @@ impl PackedQ8 {
         let tiles = self.n.div_ceil(TILE_ROWS);
         let threads = rayon::current_num_threads().max(1);
         let per_task = tiles.div_ceil(threads * 4).max(1);
-        let mut y = vec![0f32; a.rows * self.n];
+        // Not zeroed first (a memset and, for a fresh buffer, its page
+        // faults, before the tasks overwrite it): the tasks write every
+        // element (below).
+        let mut y: Vec<f32> = Vec::with_capacity(a.rows * self.n);
         let out = OutPtr(y.as_mut_ptr());
         (0..tiles.div_ceil(per_task))
             .into_par_iter()
@@ -378,6 +381,10 @@ impl PackedQ8 {
                     }
                 }
             });
+        // SAFETY: the tasks cover every tile column, and `tile` writes
+        // each column below `n` of every row: all `rows * n` elements are
+        // initialised.
+        unsafe { y.set_len(a.rows * self.n) };
         y
     }
 
@@ -413,11 +420,15 @@ impl PackedQ8 {
         }
         for (i, acc) in acc.iter().enumerate() {
             // SAFETY: row `r0 + i` exists and columns `t * 16 ..` of it
-            // are this call's alone (the caller's contract).
-            let dst = unsafe {
-                std::slice::from_raw_parts_mut(out.0.add((r0 + i) * self.n + t * TILE_ROWS), cols)
+            // are this call's alone (the caller's contract); written
+            // through the pointer (the buffer is not initialised before).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    acc.as_ptr(),
+                    out.0.add((r0 + i) * self.n + t * TILE_ROWS),
+                    cols,
+                )
             };
-            dst.copy_from_slice(&acc[..cols]);
         }
     }
 }
