@@ -17,8 +17,20 @@ const VOCAB: usize = 23;
 const MEM: usize = 24;
 /// fairseq's padding index in these tests (TrOCR's `pad_token_id`).
 const PAD: u32 = 1;
-/// Step-by-step and batched decoding against one pass, f32.
+/// Step-by-step and batched decoding against one pass, f32: the largest
+/// difference, relative to the largest output (at least 1). The two sum
+/// in different orders (one row's products on vl's GEMV, many rows' on
+/// candle's matmul): measured up to 2.2e-6 over 40 runs of unseeded
+/// weights, whose outputs reach 1.5 to 5.3 in magnitude; an absolute 1e-5
+/// failed 2 of those 40 runs.
 const TOL: f32 = 1e-5;
+
+/// `max |a - b|` and the bound it must stay within: [`TOL`] times the
+/// largest `|b|` (at least 1).
+fn diff_and_bound(a: &Tensor, b: &Tensor) -> anyhow::Result<(f32, f32)> {
+    let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    Ok((max_abs_diff(a, b)?, TOL * scale.max(1.0)))
+}
 
 /// TrOCR's layout: post-LN, no final norm, scaled embeddings, an
 /// embedding norm, an untied head; positions as `positions`.
@@ -140,13 +152,16 @@ fn cached_decoding_equals_the_full_forward() -> anyhow::Result<()> {
         for t in 2..6 {
             steps.push(model.step(&mut state, &toks.narrow(1, t, 1)?)?);
         }
-        let d = max_abs_diff(&Tensor::cat(&steps, 1)?, &full)?;
-        assert!(d <= TOL, "{name}: step vs full differ by {d}");
+        let (d, bound) = diff_and_bound(&Tensor::cat(&steps, 1)?, &full)?;
+        assert!(d <= bound, "{name}: step vs full differ by {d} > {bound}");
         // Text only: the cross branches (and their post-norms) are skipped.
         let text = model.forward(&toks, None, ForwardMasks::default())?;
         let mut state = model.start(&model.text_only_context(), 2)?;
-        let d = max_abs_diff(&model.step(&mut state, &toks)?, &text)?;
-        assert!(d <= TOL, "{name}: text-only step vs full differ by {d}");
+        let (d, bound) = diff_and_bound(&model.step(&mut state, &toks)?, &text)?;
+        assert!(
+            d <= bound,
+            "{name}: text-only step vs full differ by {d} > {bound}"
+        );
         assert!(max_abs_diff(&text, &full)? > 1e-3, "{name}: image ignored");
     }
     Ok(())
@@ -165,8 +180,8 @@ fn batch_equals_per_sample() -> anyhow::Result<()> {
                 Some(&mem.i(b..b + 1)?),
                 ForwardMasks::default(),
             )?;
-            let d = max_abs_diff(&all.i(b..b + 1)?, &one)?;
-            assert!(d <= TOL, "{name}: sample {b} differs by {d}");
+            let (d, bound) = diff_and_bound(&all.i(b..b + 1)?, &one)?;
+            assert!(d <= bound, "{name}: sample {b} differs by {d} > {bound}");
         }
     }
     Ok(())
