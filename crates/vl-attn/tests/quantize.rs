@@ -61,23 +61,39 @@ fn cross_attention_close_to_dense() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Quantized self-attention step by step (a cache that grows past its
+/// first capacity) against the full pass. With 3 positions both run the
+/// same kernels (vl's q8_0 products compute each row alike whatever the
+/// row count; the per-row attention kernel for both): equal to 1e-6. With
+/// 6, the full pass takes the tiled attention kernel, whose sums differ
+/// in the last bits, and rounding the output projection's input to 8 bits
+/// can turn that into one 8-bit step: within 1% (relative L2), where a
+/// caching mistake (a wrong position or key) is of order 1.
 #[test]
 fn self_attention_cached_equals_uncached() -> anyhow::Result<()> {
     let vars = VarMap::new();
     let dense = CausalSelfAttention::load(vb(&vars, DType::F32), &SelfAttentionConfig::new(64, 4))?;
     let q = dense.quantize(GgmlDType::Q8_0)?;
-    let x = seeded(&[2, 6, 64], 3);
-    let full = q.forward(&x, None)?;
-    assert!(rel_err(&full, &dense.forward(&x, None)?)? < Q8_TOL);
-    let mut cache = q.new_cache(4)?;
-    let steps = (0..6)
-        .map(|i| {
-            q.attend(&x.narrow(1, i, 1)?, Some(&mut cache), None, Weights::Skip)
-                .map(|o| o.output)
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let diff = max_abs_diff(&Tensor::cat(&steps, 1)?, &full);
-    assert!(diff < 1e-4, "cached vs uncached: {diff}");
+    for (len, same_kernels) in [(3, true), (6, false)] {
+        let x = seeded(&[2, len, 64], 3);
+        let full = q.forward(&x, None)?;
+        assert!(rel_err(&full, &dense.forward(&x, None)?)? < Q8_TOL);
+        let mut cache = q.new_cache(2)?;
+        let steps = (0..len)
+            .map(|i| {
+                q.attend(&x.narrow(1, i, 1)?, Some(&mut cache), None, Weights::Skip)
+                    .map(|o| o.output)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let steps = Tensor::cat(&steps, 1)?;
+        if same_kernels {
+            let diff = max_abs_diff(&steps, &full);
+            assert!(diff <= 1e-6, "cached vs uncached, {len} positions: {diff}");
+        } else {
+            let err = rel_err(&steps, &full)?;
+            assert!(err < 1e-2, "cached vs uncached, {len} positions: {err}");
+        }
+    }
     Ok(())
 }
 
