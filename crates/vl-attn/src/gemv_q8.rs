@@ -558,46 +558,15 @@ fn tile_generic<K: Kernel, const R: usize>(
     }
 }
 
-/// [`tile_generic`] compiled for `isa` (which the CPU supports).
-fn tile_plain<const R: usize>(
-    isa: Isa,
-    p: &PackedQ8,
-    a: &Activations,
-    t: usize,
-    r0: usize,
-    acc: &mut [[f32; TILE_ROWS]; R],
-) {
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f")]
-    fn avx512<const R: usize>(
+crate::micro::per_isa! {
+    /// [`tile_generic`] compiled for `isa` (which the CPU supports).
+    fn tile_plain<const R: usize>(
         p: &PackedQ8,
         a: &Activations,
         t: usize,
         r0: usize,
         acc: &mut [[f32; TILE_ROWS]; R],
-    ) {
-        tile_generic::<crate::micro::Avx512, R>(p, a, t, r0, acc)
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    fn avx2<const R: usize>(
-        p: &PackedQ8,
-        a: &Activations,
-        t: usize,
-        r0: usize,
-        acc: &mut [[f32; TILE_ROWS]; R],
-    ) {
-        tile_generic::<crate::micro::Fma, R>(p, a, t, r0, acc)
-    }
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa` runs on this CPU (the callers' contract).
-        Isa::Avx512 => unsafe { avx512(p, a, t, r0, acc) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Isa::Avx2 => unsafe { avx2(p, a, t, r0, acc) },
-        _ => tile_generic::<crate::micro::Plain, R>(p, a, t, r0, acc),
-    }
+    ) = tile_generic::<crate::micro::Avx512>
 }
 
 /// [`tile_generic`] with AVX-512 VNNI intrinsics: per block, the tile's 8

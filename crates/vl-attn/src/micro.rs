@@ -197,19 +197,29 @@ macro_rules! per_isa {
             }
         }
     };
-    // The same with one type parameter, passed on after `K`.
+    // The same with one type or const parameter, passed on after `K`.
     ($(#[$doc:meta])* $vis:vis fn $name:ident<$g:ident: $bound:path>($($a:ident: $t:ty),* $(,)?)
         $(-> $r:ty)? = $generic:ident::<$k512:ty>) => {
+        crate::micro::per_isa!(@one [$g: $bound] $g $(#[$doc])* $vis fn $name($($a: $t),*)
+            $(-> $r)? = $generic::<$k512>);
+    };
+    ($(#[$doc:meta])* $vis:vis fn $name:ident<const $g:ident: usize>($($a:ident: $t:ty),* $(,)?)
+        $(-> $r:ty)? = $generic:ident::<$k512:ty>) => {
+        crate::micro::per_isa!(@one [const $g: usize] $g $(#[$doc])* $vis fn $name($($a: $t),*)
+            $(-> $r)? = $generic::<$k512>);
+    };
+    (@one [$($decl:tt)*] $g:ident $(#[$doc:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),*)
+        $(-> $r:ty)? = $generic:ident::<$k512:ty>) => {
         $(#[$doc])*
-        $vis fn $name<$g: $bound>(isa: crate::gemv::Isa, $($a: $t),*) $(-> $r)? {
+        $vis fn $name<$($decl)*>(isa: crate::gemv::Isa, $($a: $t),*) $(-> $r)? {
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f")]
-            fn avx512<$g: $bound>($($a: $t),*) $(-> $r)? {
+            fn avx512<$($decl)*>($($a: $t),*) $(-> $r)? {
                 $generic::<$k512, $g>($($a),*)
             }
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2,fma")]
-            fn avx2<$g: $bound>($($a: $t),*) $(-> $r)? {
+            fn avx2<$($decl)*>($($a: $t),*) $(-> $r)? {
                 $generic::<crate::micro::Fma, $g>($($a),*)
             }
             match isa {

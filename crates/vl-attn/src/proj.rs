@@ -6,9 +6,11 @@
 //! bf16 GEMM ([`crate::gemm_bf16`]) where the CPU has AVX512_BF16 (a
 //! weight quantized to bf16 there is packed once for it, at load time);
 //! everything else (f32 prefill and encoders, training, other devices) on
-//! candle's matmul;
-//! candle's quantized kernels (`q8_0`, `q4k`) run those much faster than a
-//! dense bf16 or f32 weight while holding 4 to 7 times fewer bytes.
+//! candle's matmul. A `q8_0` weight on the CPU is packed once for vl's
+//! own q8_0 kernels ([`crate::gemv_q8::PackedQ8`], any number of rows);
+//! `q4k` (and `q8_0` off the CPU) run on candle's quantized kernels —
+//! both much faster than a dense bf16 or f32 weight while holding 4 to 7
+//! times fewer bytes.
 //!
 //! Quantizing a weight `(out, in)` needs `in` to be a multiple of the
 //! format's block size (32 for `q8_0`, 256 for `q4k`); otherwise

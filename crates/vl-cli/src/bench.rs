@@ -168,17 +168,15 @@ fn read_gb_s() -> f64 {
 /// format, plus the image's keys and values as the cache holds them. The
 /// text cache, biases and norms (well under 1% at 16 tokens) are left out.
 fn decode_step_bytes(dec: &VisionLanguageDecoder, ctx: &ImageContext) -> f64 {
-    use candle_core::quantized::GgmlDType;
     let c = dec.config();
     let (h, inter) = (c.hidden_size as f64, c.intermediate_size as f64);
     let kv = h * c.num_key_value_heads.unwrap_or(c.num_attention_heads) as f64
         / c.num_attention_heads.max(1) as f64;
+    // Bytes per block over weights per block: q8_0 34/32, q4k 144/256,
+    // bf16 2.
     let per_weight = match dec.quantization() {
         None => dec.dtype().size_in_bytes() as f64,
-        Some(GgmlDType::Q8_0) => 34.0 / 32.0,
-        Some(GgmlDType::Q4K) => 144.0 / 256.0,
-        Some(GgmlDType::BF16 | GgmlDType::F16) => 2.0,
-        Some(other) => other.type_size() as f64 / other.block_size() as f64,
+        Some(format) => format.type_size() as f64 / format.block_size() as f64,
     };
     let mut weights = c.vocab_size as f64 * h;
     let mut image = 0f64;
