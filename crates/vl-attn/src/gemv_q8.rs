@@ -478,9 +478,72 @@ fn round_blocks<K: Kernel>(x: &[f32], q: &mut [i8], d: &mut [f32], offset: &mut 
 }
 
 crate::micro::per_isa! {
-    /// [`round_blocks`] on the given instruction set.
-    fn round_blocks_on(x: &[f32], q: &mut [i8], d: &mut [f32], offset: &mut [i32])
+    /// [`round_blocks`] compiled for the given instruction set.
+    fn round_blocks_compiled(x: &[f32], q: &mut [i8], d: &mut [f32], offset: &mut [i32])
         = round_blocks::<crate::micro::Avx512>
+}
+
+/// [`round_blocks`] on the given instruction set: AVX-512F intrinsics
+/// where present (the compiler does not vectorise the plain loop's
+/// maximum), the plain loop compiled for the others. Every instruction
+/// set gives the same bytes.
+fn round_blocks_on(isa: Isa, x: &[f32], q: &mut [i8], d: &mut [f32], offset: &mut [i32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx512` is only chosen on a CPU with AVX-512F.
+        Isa::Avx512 => unsafe { round_blocks_avx512(x, q, d, offset) },
+        other => round_blocks_compiled(other, x, q, d, offset),
+    }
+}
+
+/// [`round_blocks`] with AVX-512F intrinsics: two vectors per block, the
+/// conversion rounding to nearest even (as `round_ties_even`), saturated
+/// to `i8` (values are within ±127 already). A block with an infinite or
+/// NaN value goes to the plain loop, so that those round alike too.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn round_blocks_avx512(x: &[f32], q: &mut [i8], d: &mut [f32], offset: &mut [i32]) {
+    use std::arch::x86_64::*;
+    let blocks = d
+        .len()
+        .min(offset.len())
+        .min(x.len() / BLOCK_VALUES)
+        .min(q.len() / BLOCK_VALUES);
+    let inf = _mm512_set1_ps(f32::INFINITY);
+    for b in 0..blocks {
+        let xb = &x[b * BLOCK_VALUES..][..BLOCK_VALUES];
+        // SAFETY: `xb` holds 32 floats and `qb` 32 bytes (just sliced).
+        unsafe {
+            let x0 = _mm512_loadu_ps(xb.as_ptr());
+            let x1 = _mm512_loadu_ps(xb.as_ptr().add(16));
+            let (a0, a1) = (_mm512_abs_ps(x0), _mm512_abs_ps(x1));
+            // Not less than infinity, or unordered: inf or NaN.
+            let odd = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(a0, inf)
+                | _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(a1, inf);
+            if odd != 0 {
+                round_blocks::<crate::micro::Avx512>(
+                    xb,
+                    &mut q[b * BLOCK_VALUES..][..BLOCK_VALUES],
+                    &mut d[b..b + 1],
+                    &mut offset[b..b + 1],
+                );
+                continue;
+            }
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+            d[b] = amax / 127.0;
+            let id = _mm512_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
+            const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            let r0 = _mm512_cvt_roundps_epi32::<NEAREST>(_mm512_mul_ps(x0, id));
+            let r1 = _mm512_cvt_roundps_epi32::<NEAREST>(_mm512_mul_ps(x1, id));
+            offset[b] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1));
+            let qb = q[b * BLOCK_VALUES..][..BLOCK_VALUES].as_mut_ptr();
+            _mm_storeu_si128(qb as *mut __m128i, _mm512_cvtsepi32_epi8(r0));
+            _mm_storeu_si128(qb.add(16) as *mut __m128i, _mm512_cvtsepi32_epi8(r1));
+        }
+    }
 }
 
 impl Activations {
@@ -642,7 +705,15 @@ mod tests {
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
             .collect();
         x[32..64].fill(0.0);
+        // Row 1's first block: scale 1, so values k + 0.5 are ties (to
+        // even); its second block holds an infinity, its third a NaN.
+        x[96] = 127.0;
+        let ties = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5];
+        x[97..97 + ties.len()].copy_from_slice(&ties);
+        x[130] = f32::INFINITY;
+        x[170] = f32::NAN;
         let first = Activations::new(Isa::Portable, &x, 20, 96);
+        assert_eq!(&first.q[97..97 + ties.len()], &[0, 2, 2, 0, -2, -2, 126]);
         for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
             if !crate::gemv::supported(isa) {
                 continue;

@@ -10,6 +10,7 @@
 //! exactly `--new-tokens` tokens. `scripts/bench_vs_torch.py` runs this next
 //! to transformers on the same checkpoint and prints the ratios.
 
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -34,11 +35,11 @@ pub struct Args {
     #[arg(long, default_value = "cpu", value_parser = crate::args::device)]
     device: Device,
     /// Tokens decoded per caption.
-    #[arg(long, default_value_t = 16)]
-    new_tokens: usize,
+    #[arg(long, default_value = "16", value_parser = crate::args::positive)]
+    new_tokens: NonZeroUsize,
     /// Images of the throughput run.
-    #[arg(long, default_value_t = 8)]
-    batch: usize,
+    #[arg(long, default_value = "8", value_parser = crate::args::positive)]
+    batch: NonZeroUsize,
     /// Timed repetitions (the median is reported), after one warm-up.
     #[arg(long, default_value_t = 5)]
     repeats: usize,
@@ -46,7 +47,7 @@ pub struct Args {
     #[arg(long, default_value_t = 200)]
     long_position: usize,
     /// Positions of the teacher-forced top-1 agreement check against the f32
-    /// model (with --quantize or a --dtype other than f32).
+    /// model (with --quantize or a --dtype other than f32); 0 skips it.
     #[arg(long, default_value_t = 256)]
     agreement_tokens: usize,
     /// Skip the slow measurements (no image cache, long context, batch).
@@ -231,10 +232,10 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let memory = model.encode_pixels(&pixels)?;
     let ctx = dec.image_context(&memory, None)?;
     let ms_per_token = bench(args.repeats, || {
-        decode(dec, &ctx, &memory, 1, args.new_tokens, false)
+        decode(dec, &ctx, &memory, 1, args.new_tokens.get(), false)
     })?;
     let e2e_ms = bench(args.repeats, || {
-        caption_ms(&model, &pixels, args.new_tokens)
+        caption_ms(&model, &pixels, args.new_tokens.get())
     })?;
     let step_bytes = decode_step_bytes(dec, &ctx);
     let mut json = serde_json::json!({
@@ -242,7 +243,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         "dtype": args.dtype.as_str(),
         "quantize": args.quantize.name(),
         "device": crate::args::device_name(&args.device),
-        "new_tokens": args.new_tokens,
+        "new_tokens": args.new_tokens.get(),
         "load_ms": load_ms,
         "encode_ms": encode_ms,
         "ms_per_token": ms_per_token,
@@ -253,21 +254,23 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     if !args.quick {
         let reps = args.repeats.min(3);
         let no_cache = bench(reps, || {
-            decode(dec, &ctx, &memory, 1, args.new_tokens.min(8), true)
+            decode(dec, &ctx, &memory, 1, args.new_tokens.get().min(8), true)
         })?;
         // The text cache: ms/token with `long_position` tokens cached vs 10.
         let at = |pos: usize| bench(reps, || decode(dec, &ctx, &memory, pos, 8, false));
         let short = at(10)?;
         let long = at(args.long_position)?;
-        let batch_pixels = pixels.repeat((args.batch, 1, 1, 1))?;
-        let batch_ms = bench(reps, || caption_ms(&model, &batch_pixels, args.new_tokens))?;
+        let batch_pixels = pixels.repeat((args.batch.get(), 1, 1, 1))?;
+        let batch_ms = bench(reps, || {
+            caption_ms(&model, &batch_pixels, args.new_tokens.get())
+        })?;
         json["no_image_cache_ms_per_token"] = no_cache.into();
         json["image_cache_speedup"] = (no_cache / ms_per_token).into();
         json["ms_per_token_at_10"] = short.into();
         json[format!("ms_per_token_at_{}", args.long_position)] = long.into();
         json["long_over_short"] = (long / short).into();
-        json["batch"] = args.batch.into();
-        json["images_per_s"] = (args.batch as f64 * 1e3 / batch_ms).into();
+        json["batch"] = args.batch.get().into();
+        json["images_per_s"] = (args.batch.get() as f64 * 1e3 / batch_ms).into();
     }
     let weights = weights_mb(&args.model);
     json["weights_mb"] = weights.into();
@@ -287,7 +290,9 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     }
     // After the memory figure: the f32 reference loaded for the agreement
     // check must not count in it.
-    if args.dtype != DType::F32 || args.quantize != Quantization::None {
+    if args.agreement_tokens > 0
+        && (args.dtype != DType::F32 || args.quantize != Quantization::None)
+    {
         let reference = VlModel::load(&args.model, DType::F32, device)
             .with_context(|| format!("cannot load {} in f32", args.model.display()))?;
         let (agreement, margin) = agreement(&reference, &model, &pixels, args.agreement_tokens)?;

@@ -411,3 +411,35 @@ fn bench_reports_the_bandwidth_it_reaches() {
     let want = num("decode_gb_s") / ((num("read_gb_s_start") + num("read_gb_s_end")) / 2.0);
     assert!((fraction - want).abs() < 1e-9 * want.max(1.0), "{json}");
 }
+
+/// `vl bench --agreement-tokens 0` skips the agreement check (no f32
+/// reference loaded, no agreement figure); counts that must be positive
+/// are refused by name.
+#[test]
+fn bench_skips_the_agreement_and_refuses_zero_counts() {
+    let dir = common::repo_root().join("tests/fixtures/hf/equal");
+    let run = |extra: &[&str]| {
+        std::process::Command::new(common::vl_bin())
+            .args(["bench", "--model", s(&dir), "--quantize", "q8_0", "--quick"])
+            .args(["--repeats", "1", "--threads", "1"])
+            .args(extra)
+            .output()
+            .expect("run bench")
+    };
+    let out = run(&["--new-tokens", "2", "--agreement-tokens", "0"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert!(json["ms_per_token"].as_f64().is_some(), "{json}");
+    assert!(json.get("top1_agreement").is_none(), "{json}");
+    for flag in ["--new-tokens", "--batch"] {
+        let out = run(&[flag, "0"]);
+        assert_eq!(out.status.code(), Some(2), "{flag} 0");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(flag), "{flag}: {err}");
+    }
+}
