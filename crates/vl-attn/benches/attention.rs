@@ -36,6 +36,20 @@ fn kernels(c: &mut Criterion) {
                 attention(&q, &k, &v, None, scale, Backend::Fused, Weights::Skip).expect("fused")
             })
         });
+        if tq == 1 {
+            // A decode step against an image's keys and values kept in
+            // bf16 (as `CrossAttention::with_memory_dtype` caches them).
+            let (kb, vb) = (
+                k.to_dtype(DType::BF16).expect("kb"),
+                v.to_dtype(DType::BF16).expect("vb"),
+            );
+            group.bench_function(BenchmarkId::new("fused_bf16_kv", &id), |b| {
+                b.iter(|| {
+                    attention(&q, &kb, &vb, None, scale, Backend::Fused, Weights::Skip)
+                        .expect("fused bf16")
+                })
+            });
+        }
         // candle-nn wants (batch, len, heads, head_dim).
         let (qf, kf, vf) = (
             q.transpose(1, 2).and_then(|t| t.contiguous()).expect("qf"),
