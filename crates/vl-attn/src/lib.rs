@@ -67,6 +67,7 @@
 //! # }
 //! ```
 
+pub mod add;
 pub mod cache;
 pub mod co_attn;
 pub mod co_block;
