@@ -12,9 +12,13 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 use candle_nn::{LayerNormConfig, Module, VarBuilder};
+#[cfg(target_arch = "x86_64")]
+use half::bf16;
+#[cfg(target_arch = "x86_64")]
 use rayon::prelude::*;
 
 use crate::error::Result;
+#[cfg(target_arch = "x86_64")]
 use crate::kernel::contiguous;
 
 /// Layer normalisation with weight and bias: `weight (width,)`, `bias (width,)`.
@@ -98,6 +102,7 @@ fn ours(x: &Tensor, weight: &Tensor, bias: &Tensor) -> bool {
 }
 
 /// Rows per parallel task: about 16K values.
+#[cfg(target_arch = "x86_64")]
 fn rows_per_task(width: usize) -> usize {
     (16 * 1024 / width).max(1)
 }
@@ -130,6 +135,7 @@ impl CustomOp3 for Norm {
                 l3.dims()
             );
         }
+        #[cfg(target_arch = "x86_64")]
         let rows = rows_per_task(width) * width;
         let y = match (s1, s2, s3) {
             #[cfg(target_arch = "x86_64")]
@@ -146,7 +152,7 @@ impl CustomOp3 for Norm {
                         for (y, x) in y.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
                             // SAFETY: `ours` chose this op on a CPU with
                             // AVX-512F; rows, weight and bias are `width` long.
-                            unsafe { avx512::row(x, w, b, self.eps, y) }
+                            unsafe { row_f32(x, w, b, self.eps, y) }
                         }
                     });
                 CpuStorage::F32(y)
@@ -160,14 +166,14 @@ impl CustomOp3 for Norm {
                     contiguous(w, l2, "vl-layer-norm", "weight")?,
                     contiguous(b, l3, "vl-layer-norm", "bias")?,
                 );
-                let mut y = vec![half::bf16::ZERO; x.len()];
+                let mut y = vec![bf16::ZERO; x.len()];
                 y.par_chunks_mut(rows)
                     .zip(x.par_chunks(rows))
                     .for_each(|(y, x)| {
                         for (y, x) in y.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
                             // SAFETY: AVX-512F and AVX512_BF16 (checked);
                             // rows, weight and bias are `width` long.
-                            unsafe { avx512::row(x, w, b, self.eps, y) }
+                            unsafe { row_bf16(x, w, b, self.eps, y) }
                         }
                     });
                 CpuStorage::BF16(y)
@@ -239,8 +245,9 @@ mod avx512 {
     /// differences, not of the large values.
     ///
     /// # Safety
-    /// The CPU has AVX-512F and, for bf16, AVX512_BF16.
-    #[target_feature(enable = "avx512f,avx512bf16")]
+    /// The CPU has AVX-512F and, for bf16, AVX512_BF16; inlined only into
+    /// [`row_f32`] and [`row_bf16`], compiled for those.
+    #[inline(always)]
     pub(super) unsafe fn row<E: Out>(x: &[E], w: &[E], b: &[E], eps: f32, y: &mut [E]) {
         let n = x.len().min(w.len()).min(b.len()).min(y.len());
         if n == 0 {
@@ -285,6 +292,28 @@ mod avx512 {
             }
         }
     }
+}
+
+/// [`avx512::row`] for f32 rows.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn row_f32(x: &[f32], w: &[f32], b: &[f32], eps: f32, y: &mut [f32]) {
+    // SAFETY: the caller's contract.
+    unsafe { avx512::row(x, w, b, eps, y) }
+}
+
+/// [`avx512::row`] for bf16 rows.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX512_BF16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn row_bf16(x: &[bf16], w: &[bf16], b: &[bf16], eps: f32, y: &mut [bf16]) {
+    // SAFETY: the caller's contract.
+    unsafe { avx512::row(x, w, b, eps, y) }
 }
 
 #[cfg(test)]
