@@ -92,24 +92,6 @@ fn usage_error(e: &clap::Error) -> ExitCode {
     ExitCode::from(2)
 }
 
-/// Has glibc's allocator keep freed memory for reuse instead of handing it
-/// back to the kernel: blocks up to 32 MB (its most) from the heap rather
-/// than fresh mappings, and no trimming of the heap's top. Activations of
-/// a batch are allocated and freed layer after layer; with glibc's
-/// defaults each large one was a new mapping whose every page faulted in
-/// again (a BLIP-base caption of 8 images at batch 8 in bf16: 2.34 → 2.17 s,
-/// the same peak RSS). Elsewhere a no-op.
-fn keep_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: `mallopt` only sets allocator parameters; called before the
-    // threads that allocate exist.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-        libc::mallopt(libc::M_TOP_PAD, 64 << 20);
-    }
-}
-
 /// Parses `args` (the program name first) and runs the subcommand.
 pub fn main_with<I, T>(args: I) -> ExitCode
 where
@@ -117,7 +99,6 @@ where
     T: Into<std::ffi::OsString> + Clone,
 {
     init_logging();
-    keep_freed_memory();
     let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
         Err(e) => return usage_error(&e),
