@@ -212,8 +212,9 @@ impl ThreadArgs {
 /// Has glibc's allocator keep freed memory for reuse instead of handing it
 /// back to the kernel: blocks up to 32 MB (its most) from the heap rather
 /// than fresh mappings, and no trimming of the heap's top. Called once the
-/// model is loaded (during the load it raised the f32 peak RSS by a tenth:
-/// buffers of many sizes freed and kept): a batch's activations are
+/// model is loaded, for inference (the loader's buffers are returned as
+/// glibc's defaults would; the peaks below were the same either way): a
+/// batch's activations are
 /// allocated and freed layer after layer, and with glibc's defaults each
 /// large one was a new mapping whose every page faulted in again (a
 /// BLIP-base caption of 8 images at batch 8 in bf16: 2.34-2.43 → 2.19 s,
