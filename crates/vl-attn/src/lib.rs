@@ -30,6 +30,10 @@
 //!   once (AVX-512 VNNI, any number of rows), behind [`Proj`].
 //! - [`Proj`]: the projections, dense or quantized (`q8_0`, `q4k`) through
 //!   `quantize` on every attention and on [`FeedForward`].
+//! - [`LayerNorm`] (trainable; vl's kernel for f32 and bf16 rows on
+//!   AVX-512 CPUs in inference) and [`add::add`] (residual additions of
+//!   bf16 activations, vectorised where candle's are not): the element-wise
+//!   work of a block besides GELU.
 //! - [`dropout`]: inverted [`Dropout`] with seeded, reproducible masks and
 //!   the [`Mode`] switch (inference by default); every attention module
 //!   applies its own to the attention probabilities in training.
