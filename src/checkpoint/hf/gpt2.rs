@@ -184,7 +184,7 @@ impl HfGpt2Config {
 /// along `out` into `parts` equal linear layers.
 fn conv1d_split<const N: usize>(vb: VarBuilder, inp: usize, out: usize) -> Result<[Linear; N]> {
     // (in, out) -> (out, in), the layout of a Linear.
-    let w = vb.get((inp, out), "weight")?.t()?.contiguous()?;
+    let w = super::tensors::transposed(&vb.get((inp, out), "weight")?)?;
     let b = vb.get(out, "bias")?;
     let each = out / N;
     let split = |i: usize| -> Result<Linear> {
