@@ -566,29 +566,23 @@ fn row_generic<K: Kernel, E: Weight>(
     op: &FusedCpu,
     row: usize,
     q: &[f32],
-    (k, v, kv_stride): KeysValues<'_, E>,
+    kv: KeysValues<'_, E>,
     scores: &mut [f32],
     out: &mut [f32],
 ) {
     let Dims {
-        heads,
-        q_len,
-        head_dim,
-        kv_heads,
-        k_len,
-        ..
+        head_dim, k_len, ..
     } = op.dims;
-    let (r, g) = (op.dims.r(), op.dims.g());
-    // row = (b * heads + h) * q_len + i
-    let i = row % q_len;
-    let h = (row / q_len) % heads;
-    let b = row / (q_len * heads);
-    let kv_base = ((b / r) * kv_heads + h / g) * kv_stride;
-    let q_row = &q[row * head_dim..][..head_dim];
-    let keys = k[kv_base..][..k_len * head_dim].chunks_exact(head_dim);
+    let RowInputs {
+        q: q_row,
+        keys,
+        values,
+        allowed,
+    } = op.row_inputs(row, q, kv);
+    let keys = keys.chunks_exact(head_dim);
     let mut max = f32::NEG_INFINITY;
     let mut any = false;
-    match op.mask.as_ref().map(|m| m.row(b, i, k_len)) {
+    match allowed {
         None => {
             for (s, k_row) in scores.iter_mut().zip(keys) {
                 *s = dot::<K, E>(q_row, k_row) * op.scale;
@@ -619,8 +613,7 @@ fn row_generic<K: Kernel, E: Weight>(
         sum += *s;
     }
     let inv = 1.0 / sum;
-    let values = v[kv_base..][..k_len * head_dim].chunks_exact(head_dim);
-    for (&p, v_row) in scores.iter().zip(values) {
+    for (&p, v_row) in scores.iter().zip(values.chunks_exact(head_dim)) {
         if p == 0.0 {
             continue;
         }
@@ -704,31 +697,23 @@ unsafe fn row_avx512<E: Lanes>(
     op: &FusedCpu,
     row: usize,
     q: &[f32],
-    (k, v, kv_stride): KeysValues<'_, E>,
+    kv: KeysValues<'_, E>,
     scores: &mut [f32],
     out: &mut [f32],
 ) {
     use std::arch::x86_64::*;
     let Dims {
-        heads,
-        q_len,
-        head_dim,
-        kv_heads,
-        k_len,
-        ..
+        head_dim, k_len, ..
     } = op.dims;
     debug_assert!(head_dim.is_multiple_of(16));
-    let (r, g) = (op.dims.r(), op.dims.g());
-    let i = row % q_len;
-    let h = (row / q_len) % heads;
-    let b = row / (q_len * heads);
-    let kv_base = ((b / r) * kv_heads + h / g) * kv_stride;
-    let q_row = &q[row * head_dim..][..head_dim];
-    let keys = &k[kv_base..][..k_len * head_dim];
-    let values = &v[kv_base..][..k_len * head_dim];
+    let RowInputs {
+        q: q_row,
+        keys,
+        values,
+        allowed,
+    } = op.row_inputs(row, q, kv);
     let scores = &mut scores[..k_len];
     let out = &mut out[..head_dim];
-    let allowed = op.mask.as_ref().map(|m| m.row(b, i, k_len));
     let chunks = head_dim / 16;
     // SAFETY: every pointer below stays within `q_row`, `keys`, `values`,
     // `scores` or `out` (sliced to their extents above): key `j < k_len`
@@ -938,7 +923,48 @@ pub(crate) fn contiguous<'a, T>(
     }
 }
 
+/// What one query row of the per-row kernels reads: its query
+/// (`head_dim`), its key head's keys and values (`k_len` rows of
+/// `head_dim`) and its mask row (one byte per key, `1` = may attend).
+struct RowInputs<'a, E> {
+    q: &'a [f32],
+    keys: &'a [E],
+    values: &'a [E],
+    allowed: Option<&'a [u8]>,
+}
+
 impl FusedCpu {
+    /// The inputs of query row `row = (b * heads + h) * q_len + i`: its
+    /// sample's keys for `b` (beams share a sample's keys: `b / r`), the
+    /// key head of `h`'s group (`h / g`).
+    #[inline(always)]
+    fn row_inputs<'a, E>(
+        &'a self,
+        row: usize,
+        q: &'a [f32],
+        (k, v, kv_stride): KeysValues<'a, E>,
+    ) -> RowInputs<'a, E> {
+        let Dims {
+            heads,
+            q_len,
+            head_dim,
+            kv_heads,
+            k_len,
+            ..
+        } = self.dims;
+        let (r, g) = (self.dims.r(), self.dims.g());
+        let i = row % q_len;
+        let h = (row / q_len) % heads;
+        let b = row / (q_len * heads);
+        let kv_base = ((b / r) * kv_heads + h / g) * kv_stride;
+        RowInputs {
+            q: &q[row * head_dim..][..head_dim],
+            keys: &k[kv_base..][..k_len * head_dim],
+            values: &v[kv_base..][..k_len * head_dim],
+            allowed: self.mask.as_ref().map(|m| m.row(b, i, k_len)),
+        }
+    }
+
     /// The per-row kernel over every query row, on the pool.
     fn rows<E: Lanes>(&self, q: &[f32], kv: KeysValues<'_, E>, out: &mut [f32]) {
         let d = self.dims;

@@ -101,10 +101,43 @@ fn ours(x: &Tensor, weight: &Tensor, bias: &Tensor) -> bool {
         })
 }
 
-/// Rows per parallel task: about 16K values.
+/// The op's `x`, weight and bias.
 #[cfg(target_arch = "x86_64")]
-fn rows_per_task(width: usize) -> usize {
-    (16 * 1024 / width).max(1)
+type Slices<'a, T> = (&'a [T], &'a [T], &'a [T]);
+
+/// `x`, weight and bias as contiguous slices, or an error naming the one
+/// that is not.
+#[cfg(target_arch = "x86_64")]
+fn slices<'a, T>(
+    (x, lx): (&'a [T], &Layout),
+    (w, lw): (&'a [T], &Layout),
+    (b, lb): (&'a [T], &Layout),
+) -> candle_core::Result<Slices<'a, T>> {
+    Ok((
+        contiguous(x, lx, "vl-layer-norm", "x")?,
+        contiguous(w, lw, "vl-layer-norm", "weight")?,
+        contiguous(b, lb, "vl-layer-norm", "bias")?,
+    ))
+}
+
+/// Every row of `x` (`width` values each) through `row(x, y)`, rows split
+/// across the pool in tasks of about 16K values.
+#[cfg(target_arch = "x86_64")]
+fn rows<T: Copy + Default + Send + Sync>(
+    x: &[T],
+    width: usize,
+    row: impl Fn(&[T], &mut [T]) + Sync,
+) -> Vec<T> {
+    let task = (16 * 1024 / width).max(1) * width;
+    let mut y = vec![T::default(); x.len()];
+    y.par_chunks_mut(task)
+        .zip(x.par_chunks(task))
+        .for_each(|(y, x)| {
+            for (y, x) in y.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
+                row(x, y);
+            }
+        });
+    y
 }
 
 /// `(x - mean) / sqrt(var + eps) · weight + bias` over the last dimension.
@@ -135,48 +168,26 @@ impl CustomOp3 for Norm {
                 l3.dims()
             );
         }
-        #[cfg(target_arch = "x86_64")]
-        let rows = rows_per_task(width) * width;
         let y = match (s1, s2, s3) {
             #[cfg(target_arch = "x86_64")]
             (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
-                let x = contiguous(x, l1, "vl-layer-norm", "x")?;
-                let (w, b) = (
-                    contiguous(w, l2, "vl-layer-norm", "weight")?,
-                    contiguous(b, l3, "vl-layer-norm", "bias")?,
-                );
-                let mut y = vec![0f32; x.len()];
-                y.par_chunks_mut(rows)
-                    .zip(x.par_chunks(rows))
-                    .for_each(|(y, x)| {
-                        for (y, x) in y.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
-                            // SAFETY: `ours` chose this op on a CPU with
-                            // AVX-512F; rows, weight and bias are `width` long.
-                            unsafe { row_f32(x, w, b, self.eps, y) }
-                        }
-                    });
-                CpuStorage::F32(y)
+                let (x, w, b) = slices((x, l1), (w, l2), (b, l3))?;
+                // SAFETY: `ours` chose this op on a CPU with AVX-512F;
+                // rows, weight and bias are `width` long.
+                CpuStorage::F32(rows(x, width, |x, y| unsafe {
+                    row_f32(x, w, b, self.eps, y)
+                }))
             }
             #[cfg(target_arch = "x86_64")]
             (CpuStorage::BF16(x), CpuStorage::BF16(w), CpuStorage::BF16(b))
                 if crate::gemm_bf16::available() =>
             {
-                let x = contiguous(x, l1, "vl-layer-norm", "x")?;
-                let (w, b) = (
-                    contiguous(w, l2, "vl-layer-norm", "weight")?,
-                    contiguous(b, l3, "vl-layer-norm", "bias")?,
-                );
-                let mut y = vec![bf16::ZERO; x.len()];
-                y.par_chunks_mut(rows)
-                    .zip(x.par_chunks(rows))
-                    .for_each(|(y, x)| {
-                        for (y, x) in y.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
-                            // SAFETY: AVX-512F and AVX512_BF16 (checked);
-                            // rows, weight and bias are `width` long.
-                            unsafe { row_bf16(x, w, b, self.eps, y) }
-                        }
-                    });
-                CpuStorage::BF16(y)
+                let (x, w, b) = slices((x, l1), (w, l2), (b, l3))?;
+                // SAFETY: AVX-512F and AVX512_BF16 (checked); rows, weight
+                // and bias are `width` long.
+                CpuStorage::BF16(rows(x, width, |x, y| unsafe {
+                    row_bf16(x, w, b, self.eps, y)
+                }))
             }
             _ => candle_core::bail!(
                 "vl-layer-norm: x, weight and bias must be f32, or bf16 on a CPU with \

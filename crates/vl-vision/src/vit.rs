@@ -647,6 +647,13 @@ mod tests {
         Ok(())
     }
 
+    /// `|got - want| / |want|`, L2 norms over every element.
+    fn relative_l2(got: &Tensor, want: &Tensor) -> Result<f32> {
+        let norm =
+            |t: &Tensor| -> Result<f32> { Ok(t.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?) };
+        Ok(norm(&(got - want)?)? / norm(want)?)
+    }
+
     /// A ViT of width 64 (a multiple of q8_0's block of 32) quantized to
     /// q8_0 gives tokens within 4% relative L2 error of the dense ones
     /// (seen: 2.1-2.2% over three runs of random weights and pixels: two
@@ -661,12 +668,7 @@ mod tests {
         let want = dense.forward(&pixels)?;
         let got = q.forward(&pixels)?;
         assert_eq!(got.dims(), &[2, 5, 32]);
-        let err = ((&got - &want)?
-            .sqr()?
-            .sum_all()?
-            .sqrt()?
-            .to_scalar::<f32>()?)
-            / want.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?;
+        let err = relative_l2(&got, &want)?;
         assert!(err < 0.04, "relative L2 error {err} >= 0.04");
         // Quantizing again to the same format changes nothing.
         let again = q.quantize(GgmlDType::Q8_0)?.forward(&pixels)?;
@@ -688,12 +690,7 @@ mod tests {
             let q = dense.quantize(format)?;
             assert_eq!(q.patch_embed.quantization(), Some(format));
             let got = q.forward(&pixels)?;
-            let err = ((&got - &want)?
-                .sqr()?
-                .sum_all()?
-                .sqrt()?
-                .to_scalar::<f32>()?)
-                / want.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?;
+            let err = relative_l2(&got, &want)?;
             assert!(err < 0.02, "{format:?}: relative L2 error {err}");
         }
         let q8 = dense.quantize(GgmlDType::Q8_0)?;
