@@ -13,11 +13,13 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use half::bf16;
+#[cfg(target_arch = "x86_64")]
 use rayon::prelude::*;
 
 use crate::kernel::contiguous;
 
 /// Elements per parallel task.
+#[cfg(target_arch = "x86_64")]
 const CHUNK: usize = 16 * 1024;
 
 /// `a + b`, the two of one shape: on vl's kernel for untracked bf16 CPU
@@ -73,57 +75,46 @@ impl CustomOp2 for Bf16Add {
             contiguous(a, l1, "vl-bf16-add", "a")?,
             contiguous(b, l2, "vl-bf16-add", "b")?,
         );
-        let mut y = vec![bf16::ZERO; a.len()];
-        y.par_chunks_mut(CHUNK)
-            .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
-            .for_each(|(y, (a, b))| add_slices(a, b, y));
-        Ok((CpuStorage::BF16(y), l1.shape().clone()))
+        #[cfg(target_arch = "x86_64")]
+        if crate::gemm_bf16::available() {
+            let mut y = vec![bf16::ZERO; a.len()];
+            y.par_chunks_mut(CHUNK)
+                .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
+                // SAFETY: the CPU has AVX512F and AVX512_BF16 (just checked).
+                .for_each(|(y, (a, b))| unsafe { add_avx512(a, b, y) });
+            return Ok((CpuStorage::BF16(y), l1.shape().clone()));
+        }
+        // `add` builds this op only where the kernel runs.
+        let _ = (a, b);
+        candle_core::bail!("vl-bf16-add: this CPU has no AVX512_BF16")
     }
 }
 
-/// `y = a + b` element by element, rounded as candle's bf16 addition
-/// rounds on AVX512_BF16 CPUs.
-fn add_slices(a: &[bf16], b: &[bf16], y: &mut [bf16]) {
-    #[cfg(target_arch = "x86_64")]
-    if crate::gemm_bf16::available() {
-        // SAFETY: the CPU has AVX512F and AVX512_BF16 (just checked).
-        unsafe { add_avx512(a, b, y) };
-        return;
-    }
-    for ((y, a), b) in y.iter_mut().zip(a).zip(b) {
-        *y = bf16::from_f32(a.to_f32() + b.to_f32());
-    }
-}
-
-/// [`add_slices`] with AVX-512: 16 values at a time widened (a shift),
-/// added and rounded by `vcvtneps2bf16` (to nearest even; like candle's
-/// AVX512_BF16 path it flushes subnormal inputs and results to zero); the
-/// tail through the same instruction on a padded vector.
+/// `y = a + b` with AVX-512, rounded as candle's bf16 addition rounds on
+/// AVX512_BF16 CPUs: 16 values at a time widened ([`Lanes::load16`]),
+/// added and rounded ([`crate::gemm_bf16::store_bf16x16`]: to nearest
+/// even, subnormal inputs and results flushed to zero as candle's path
+/// does); the tail through the same instructions on padded vectors.
 ///
 /// # Safety
 /// The CPU has AVX512F and AVX512_BF16.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn add_avx512(a: &[bf16], b: &[bf16], y: &mut [bf16]) {
-    use std::arch::x86_64::{
-        __m256i, _mm256_loadu_si256, _mm256_storeu_si256, _mm512_add_ps, _mm512_castsi512_ps,
-        _mm512_cvtepu16_epi32, _mm512_cvtneps_pbh, _mm512_slli_epi32,
-    };
+    use std::arch::x86_64::_mm512_add_ps;
+
+    use crate::gemm_bf16::store_bf16x16;
+    use crate::kernel::Lanes;
     let n = y.len().min(a.len()).min(b.len());
-    let widen = |p: *const bf16| {
-        // SAFETY: 16 values readable at `p` (the callers below).
-        unsafe {
-            let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide))
-        }
-    };
     let mut i = 0;
     while i + 16 <= n {
         // SAFETY: values `i..i + 16` exist in `a`, `b` and `y`.
         unsafe {
-            let sum = _mm512_add_ps(widen(a.as_ptr().add(i)), widen(b.as_ptr().add(i)));
-            let half: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(sum));
-            _mm256_storeu_si256(y.as_mut_ptr().add(i).cast(), half);
+            let sum = _mm512_add_ps(
+                bf16::load16(a.as_ptr().add(i)),
+                bf16::load16(b.as_ptr().add(i)),
+            );
+            store_bf16x16(y.as_mut_ptr().add(i), sum);
         }
         i += 16;
     }
@@ -133,9 +124,8 @@ unsafe fn add_avx512(a: &[bf16], b: &[bf16], y: &mut [bf16]) {
         pb[..n - i].copy_from_slice(&b[i..n]);
         // SAFETY: the padded buffers hold 16 values each.
         unsafe {
-            let sum = _mm512_add_ps(widen(pa.as_ptr()), widen(pb.as_ptr()));
-            let half: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(sum));
-            _mm256_storeu_si256(py.as_mut_ptr().cast(), half);
+            let sum = _mm512_add_ps(bf16::load16(pa.as_ptr()), bf16::load16(pb.as_ptr()));
+            store_bf16x16(py.as_mut_ptr(), sum);
         }
         y[i..n].copy_from_slice(&py[..n - i]);
     }

@@ -460,6 +460,25 @@ impl<O> SyncPtr<O> {
     }
 }
 
+/// 16 f32 lanes rounded to bf16 by `vcvtneps2bf16` (to nearest even, as
+/// `bf16::from_f32` and candle's bf16 ops on such CPUs; subnormals flush
+/// to zero) and stored at `p`.
+///
+/// # Safety
+/// 16 values writable at `p`; the CPU has AVX-512F and AVX512_BF16 (the
+/// caller is compiled for them, so that this inlines).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn store_bf16x16(p: *mut half::bf16, v: std::arch::x86_64::__m512) {
+    use std::arch::x86_64::{__m256i, _mm256_storeu_si256, _mm512_cvtneps_pbh};
+    // SAFETY: the caller's contract; `__m256bh` and `__m256i` are both 256
+    // bits.
+    unsafe {
+        let half: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
+        _mm256_storeu_si256(p.cast(), half);
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
@@ -511,9 +530,8 @@ mod avx512 {
                     unsafe {
                         let dst = y.add((r + i) * n + j * NR);
                         if cols == NR {
-                            // A full panel: two vectors, rounded (bf16) by
-                            // `vcvtneps2bf16`, to nearest even as
-                            // `bf16::from_f32`.
+                            // A full panel: two vectors (rounded to bf16 by
+                            // `store_bf16x16`).
                             let mut v = [
                                 _mm512_loadu_ps(row.as_ptr()),
                                 _mm512_loadu_ps(row.as_ptr().add(16)),
@@ -526,8 +544,7 @@ mod avx512 {
                             }
                             for (h, v) in v.into_iter().enumerate() {
                                 if O::BF16 {
-                                    let half: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
-                                    _mm256_storeu_si256(dst.add(16 * h) as *mut __m256i, half);
+                                    super::store_bf16x16(dst.add(16 * h).cast(), v);
                                 } else {
                                     _mm512_storeu_ps(dst.add(16 * h) as *mut f32, v);
                                 }

@@ -625,9 +625,8 @@ fn row_generic<K: Kernel, E: Weight>(
 }
 
 crate::micro::per_isa! {
-    /// [`row_generic`] on the op's instruction set (which the CPU supports:
-    /// `fused` takes `gemv::isa()`, tests check with `gemv::supported`).
-    fn row<E: Weight>(
+    /// [`row_generic`] compiled for the op's instruction set.
+    fn row_compiled<E: Weight>(
         op: &FusedCpu,
         row: usize,
         q: &[f32],
@@ -635,6 +634,28 @@ crate::micro::per_isa! {
         scores: &mut [f32],
         out: &mut [f32],
     ) = row_generic::<Fma>
+}
+
+/// One query row on the op's instruction set (which the CPU supports:
+/// `fused` takes `gemv::isa()`, tests check with `gemv::supported`):
+/// [`row_avx512`] for AVX-512 and head widths that are a multiple of 16,
+/// [`row_generic`] compiled for it otherwise.
+fn row<E: Lanes>(
+    op: &FusedCpu,
+    row: usize,
+    q: &[f32],
+    kv: KeysValues<'_, E>,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if op.isa == Isa::Avx512 && op.dims.head_dim.is_multiple_of(16) {
+        // SAFETY: `Isa::Avx512` only on CPUs with AVX-512F (the contract
+        // above); the head width is a multiple of 16 (just checked).
+        unsafe { row_avx512(op, row, q, kv, scores, out) };
+        return;
+    }
+    row_compiled(op.isa, op, row, q, kv, scores, out)
 }
 
 /// Key and value elements the AVX-512 per-row kernel reads: 16 of them
@@ -968,26 +989,10 @@ impl FusedCpu {
     /// The per-row kernel over every query row, on the pool.
     fn rows<E: Lanes>(&self, q: &[f32], kv: KeysValues<'_, E>, out: &mut [f32]) {
         let d = self.dims;
-        #[cfg(target_arch = "x86_64")]
-        let intrinsics = self.isa == Isa::Avx512 && d.head_dim.is_multiple_of(16);
-        #[cfg(not(target_arch = "x86_64"))]
-        let intrinsics = false;
         if d.head_dim > 0 {
             out.par_chunks_mut(d.head_dim).enumerate().for_each_init(
                 || vec![0f32; d.k_len],
-                |scores, (r, o)| {
-                    if intrinsics {
-                        #[cfg(target_arch = "x86_64")]
-                        // SAFETY: `Isa::Avx512` only on CPUs with AVX-512F
-                        // (`fused` takes `gemv::isa()`); the head width is
-                        // a multiple of 16 (just checked).
-                        unsafe {
-                            row_avx512(self, r, q, kv, scores, o)
-                        }
-                    } else {
-                        row(self.isa, self, r, q, kv, scores, o)
-                    }
-                },
+                |scores, (r, o)| row(self, r, q, kv, scores, o),
             );
         }
     }

@@ -204,9 +204,8 @@ impl CustomOp3 for Norm {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::{
-        __m256i, __m512, _mm256_storeu_si256, _mm512_add_ps, _mm512_cvtneps_pbh, _mm512_fmadd_ps,
-        _mm512_mul_ps, _mm512_reduce_add_ps, _mm512_set1_ps, _mm512_setzero_ps, _mm512_storeu_ps,
-        _mm512_sub_ps,
+        __m512, _mm512_add_ps, _mm512_fmadd_ps, _mm512_mul_ps, _mm512_reduce_add_ps,
+        _mm512_set1_ps, _mm512_setzero_ps, _mm512_storeu_ps, _mm512_sub_ps,
     };
 
     use half::bf16;
@@ -236,12 +235,8 @@ mod avx512 {
     impl Out for bf16 {
         #[inline(always)]
         unsafe fn store16(p: *mut bf16, v: __m512) {
-            // SAFETY: the caller's contract; `vcvtneps2bf16` rounds to
-            // nearest even, as candle's bf16 ops do on such CPUs.
-            unsafe {
-                let half: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
-                _mm256_storeu_si256(p.cast(), half);
-            }
+            // SAFETY: the caller's contract.
+            unsafe { crate::gemm_bf16::store_bf16x16(p, v) }
         }
         fn from_f32(v: f32) -> bf16 {
             bf16::from_f32(v)

@@ -240,6 +240,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         caption_ms(&model, &pixels, args.new_tokens.get())
     })?;
     let step_bytes = decode_step_bytes(dec, &ctx);
+    let decode_gb_s = step_bytes / ms_per_token / 1e6;
     let mut json = serde_json::json!({
         "model": args.model.display().to_string(),
         "dtype": args.dtype.as_str(),
@@ -251,7 +252,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         "ms_per_token": ms_per_token,
         "e2e_ms": e2e_ms,
         "decode_step_mb": step_bytes / 1e6,
-        "decode_gb_s": step_bytes / ms_per_token / 1e6,
+        "decode_gb_s": decode_gb_s,
     });
     if !args.quick {
         let reps = args.repeats.min(3);
@@ -287,8 +288,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         let end = read_gb_s();
         json["read_gb_s_start"] = start.into();
         json["read_gb_s_end"] = end.into();
-        json["decode_bandwidth_fraction"] =
-            (step_bytes / ms_per_token / 1e6 / ((start + end) / 2.0)).into();
+        json["decode_bandwidth_fraction"] = (decode_gb_s / ((start + end) / 2.0)).into();
     }
     // After the memory figure: the f32 reference loaded for the agreement
     // check must not count in it.

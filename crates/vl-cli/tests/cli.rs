@@ -367,6 +367,18 @@ fn quantize_flag() {
     );
 }
 
+/// `vl bench --quantize q8_0 --quick --repeats 1 --threads 1` on a
+/// transformers fixture, with `extra` flags.
+fn bench(extra: &[&str]) -> std::process::Output {
+    let dir = common::repo_root().join("tests/fixtures/hf/equal");
+    std::process::Command::new(common::vl_bin())
+        .args(["bench", "--model", s(&dir), "--quantize", "q8_0", "--quick"])
+        .args(["--repeats", "1", "--threads", "1"])
+        .args(extra)
+        .output()
+        .expect("run bench")
+}
+
 /// `vl bench` on a transformers fixture, quantized: one JSON line whose
 /// decode figures come with the bytes a step reads (q8_0 weights at 34
 /// bytes per 32, bf16 image keys and values: fewer than the f32 file's
@@ -374,33 +386,8 @@ fn quantize_flag() {
 /// end, and the fraction the decode reaches.
 #[test]
 fn bench_reports_the_bandwidth_it_reaches() {
-    let dir = common::repo_root().join("tests/fixtures/hf/equal");
-    let out = std::process::Command::new(common::vl_bin())
-        .args([
-            "bench",
-            "--model",
-            s(&dir),
-            "--quantize",
-            "q8_0",
-            "--quick",
-            "--repeats",
-            "1",
-            "--new-tokens",
-            "2",
-            "--agreement-tokens",
-            "4",
-            "--threads",
-            "1",
-        ])
-        .output()
-        .expect("run bench");
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let out = common::ok(&bench(&["--new-tokens", "2", "--agreement-tokens", "4"]));
+    let json: serde_json::Value = serde_json::from_str(&out).expect("json");
     let num = |k: &str| json[k].as_f64().unwrap_or_else(|| panic!("{k} in {json}"));
     let step = num("decode_step_mb");
     assert!(step > 0.0 && step < num("weights_mb") * 1.05, "{json}");
@@ -417,27 +404,12 @@ fn bench_reports_the_bandwidth_it_reaches() {
 /// are refused by name.
 #[test]
 fn bench_skips_the_agreement_and_refuses_zero_counts() {
-    let dir = common::repo_root().join("tests/fixtures/hf/equal");
-    let run = |extra: &[&str]| {
-        std::process::Command::new(common::vl_bin())
-            .args(["bench", "--model", s(&dir), "--quantize", "q8_0", "--quick"])
-            .args(["--repeats", "1", "--threads", "1"])
-            .args(extra)
-            .output()
-            .expect("run bench")
-    };
-    let out = run(&["--new-tokens", "2", "--agreement-tokens", "0"]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let out = common::ok(&bench(&["--new-tokens", "2", "--agreement-tokens", "0"]));
+    let json: serde_json::Value = serde_json::from_str(&out).expect("json");
     assert!(json["ms_per_token"].as_f64().is_some(), "{json}");
     assert!(json.get("top1_agreement").is_none(), "{json}");
     for flag in ["--new-tokens", "--batch"] {
-        let out = run(&[flag, "0"]);
+        let out = bench(&[flag, "0"]);
         assert_eq!(out.status.code(), Some(2), "{flag} 0");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(flag), "{flag}: {err}");
