@@ -30,6 +30,9 @@ Variants, each against the f32 model (same checkpoint, pixels, ids):
 - `torch-bf16`: the whole model `.to(torch.bfloat16)`, pixels in bf16,
   logits cast to f32 (TrOCR's sinusoid table, a plain attribute that
   `.to` skips, is cast as well).
+- `torch-bf16-f32-logits`: as `torch-bf16`, with the final norm and the
+  LM head as vl runs them in a 16-bit decoder (`f32_logits`): the norm in
+  f32, the head's products accumulated and written in f32.
 - `bf16-weights`: f32 model whose linear weights (every nn.Linear and
   GPT-2's Conv1D, in the vision encoder, the decoder and the LM head; not
   embeddings, the conv patch embedding, norms or biases) are rounded to
@@ -161,6 +164,37 @@ def quantized_inputs(layers: list):
             h.remove()
 
 
+@contextlib.contextmanager
+def f32_logits(model):
+    """A bf16 model's logits as vl computes them for a 16-bit decoder
+    (`VisionLanguageDecoder::logits`): the last hidden state widened to
+    f32 before the final norm (GPT-2's `ln_f`; TrOCR and BLIP have none),
+    the LM head's input rounded to bf16 as vl's many-row bf16 GEMM does,
+    the products accumulated in f32 and the logits left in f32."""
+    head = model.get_output_embeddings()
+    if head is None:  # BLIP
+        head = model.text_decoder.get_output_embeddings()
+    norms = [m for name, m in model.named_modules() if name.endswith("transformer.ln_f")]
+    saved = [(head, head.forward)] + [(m, m.forward) for m in norms]
+
+    def head_forward(x):
+        b = None if head.bias is None else head.bias.float()
+        return torch.nn.functional.linear(x.bfloat16().float(), head.weight.float(), b)
+
+    def norm_forward(m):
+        return lambda x: torch.nn.functional.layer_norm(
+            x.float(), m.normalized_shape, m.weight.float(), m.bias.float(), m.eps)
+
+    try:
+        head.forward = head_forward
+        for m in norms:
+            m.forward = norm_forward(m)
+        yield
+    finally:
+        for m, f in saved:
+            m.forward = f
+
+
 def load(d: Path, pixels_from: str):
     """The f32 model, its pixel values, whether BLIP, and the decoder's
     vocab size and max positions."""
@@ -270,8 +304,10 @@ def measure(d: Path, args) -> dict:
     model.to(torch.bfloat16)
     cast_sinusoids(model, torch.bfloat16)
     run("torch-bf16", torch.bfloat16)
+    with f32_logits(model):
+        run("torch-bf16-f32-logits", torch.bfloat16)
     # the table's order
-    order = ["torch-bf16", "bf16-weights", "q8_0-weights", "q8_0-weights+acts",
+    order = ["torch-bf16", "torch-bf16-f32-logits", "bf16-weights", "q8_0-weights", "q8_0-weights+acts",
              "f64-dense", "f64-q8_0-weights"]
     rows = {k: rows[k] for k in order if k in rows}
     del model

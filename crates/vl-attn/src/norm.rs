@@ -49,6 +49,20 @@ impl LayerNorm {
         }
     }
 
+    /// A copy with its weight and bias in `dtype` (e.g. an f32 norm on
+    /// the last hidden state of a 16-bit model, widened first).
+    ///
+    /// # Errors
+    /// When a tensor cannot be converted (a device without `dtype`).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        let weight = self.inner.weight().to_dtype(dtype)?;
+        let bias = match self.inner.bias() {
+            Some(b) => b.to_dtype(dtype)?,
+            None => weight.zeros_like()?,
+        };
+        Ok(Self::new(weight, bias, self.eps))
+    }
+
     /// Normalises over the last dimension.
     ///
     /// # Shapes

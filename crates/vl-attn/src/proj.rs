@@ -303,6 +303,46 @@ fn vl_product(x: &Tensor, w: &Tensor) -> Option<candle_core::Result<Tensor>> {
     }
 }
 
+impl Proj {
+    /// [`Module::forward`] with f32 outputs whatever the activation dtype:
+    /// what an LM head of a 16-bit model should give, since rounding
+    /// logits to bf16 (8 significant bits) ties and flips the largest ones.
+    ///
+    /// On CPU every kind of weight takes the activations widened to f32
+    /// and accumulates in f32 (dense and 16-bit weights on vl's kernels
+    /// where [`crate::gemv`] or [`crate::gemm_bf16`] takes them; q8_0 and
+    /// the quantized kernels as always), so nothing is rounded to 16 bits
+    /// on the way. Elsewhere (other devices, training, f16 prefill) the
+    /// product runs in the activation dtype and is widened after.
+    ///
+    /// # Shapes
+    /// `x: (..., in)` → `(..., out)` f32.
+    pub fn forward_f32(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (weight, bias) = match &self.inner {
+            Inner::Dense(l) => (l.weight(), l.bias()),
+            Inner::Half { weight, bias, .. } => (weight, bias.as_ref()),
+            Inner::Packed { weight, .. } => return weight.matmul(&x.to_dtype(DType::F32)?),
+            Inner::Q8 { weight, .. } => return weight.matmul(&x.to_dtype(DType::F32)?),
+            Inner::Quantized { .. } if x.device().is_cpu() => {
+                return self.forward(&x.to_dtype(DType::F32)?)
+            }
+            Inner::Quantized { dtype, .. } => {
+                return self.forward(&x.to_dtype(*dtype)?)?.to_dtype(DType::F32)
+            }
+        };
+        let wide = x.to_dtype(DType::F32)?;
+        match vl_product(&wide, weight) {
+            Some(y) => add_bias(
+                y?,
+                bias.map(|b| b.to_dtype(DType::F32)).transpose()?.as_ref(),
+            ),
+            None => self
+                .forward(&x.to_dtype(self.dtype())?)?
+                .to_dtype(DType::F32),
+        }
+    }
+}
+
 /// `y + b`, broadcast over the rows.
 fn add_bias(y: Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
     match b {

@@ -232,6 +232,9 @@ pub struct VisionLanguageDecoder {
     embedding_norm: Option<LayerNorm>,
     blocks: Vec<DecoderBlock>,
     final_norm: Option<LayerNorm>,
+    /// `final_norm` in f32, for the last hidden state of a 16-bit decoder
+    /// (widened before the norm: see [`VisionLanguageDecoder::logits`]).
+    final_norm_f32: Option<LayerNorm>,
     output_transform: Option<OutputTransform>,
     /// Dense, or quantized by [`VisionLanguageDecoder::quantize`].
     lm_head: Proj,
@@ -414,6 +417,10 @@ impl VisionLanguageDecoder {
         let dtype = embed_tokens.embeddings().dtype();
         let positions = Positions::for_config(cfg, embed_positions, dtype, &device)?;
         let dropouts = cfg.dropouts()?;
+        let final_norm_f32 = match &final_norm {
+            Some(norm) if dtype != DType::F32 => Some(norm.to_dtype(DType::F32)?),
+            _ => None,
+        };
         let blocks = blocks
             .into_iter()
             .map(|b| {
@@ -428,6 +435,7 @@ impl VisionLanguageDecoder {
             embedding_norm,
             blocks,
             final_norm,
+            final_norm_f32,
             output_transform,
             lm_head: lm_head.into(),
             embd_dropout: dropouts.embedding,
@@ -708,7 +716,7 @@ impl VisionLanguageDecoder {
     /// # Shapes
     /// - `tokens: (batch, len)` u32
     /// - `memory: (batch, image_len, memory_dim)`, or `None` for text only
-    /// - returns `(batch, len, vocab)`
+    /// - returns `(batch, len, vocab)` f32 logits ([`Self::logits`])
     pub fn forward(
         &self,
         tokens: &Tensor,
@@ -732,20 +740,37 @@ impl VisionLanguageDecoder {
         self.logits(&x)
     }
 
-    /// LM-head logits of hidden states.
+    /// LM-head logits of hidden states, in f32 whatever the decoder's
+    /// dtype.
+    ///
+    /// A 16-bit decoder widens its last hidden state to f32 before the
+    /// final norm and runs the LM head on f32 activations with f32
+    /// accumulation and outputs ([`Proj::forward_f32`]), as llama.cpp
+    /// does: rounding the norm's output and the logits to bf16 ties and
+    /// flips the largest logits. On the random-weight vit-gpt2 base
+    /// checkpoint `vl bench --dtype bf16` keeps 0.941 of f32's top-1
+    /// choices instead of 0.918 (BENCHMARKS.md). While training (hidden states
+    /// that track gradients) the norm and the head run in the decoder's
+    /// dtype and only the logits are widened, so that gradients reach
+    /// the norm's own weights.
     ///
     /// # Shapes
-    /// `hidden: (batch, len, hidden)` → `(batch, len, vocab)`.
+    /// `hidden: (batch, len, hidden)` → `(batch, len, vocab)` f32.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        let x = match &self.final_norm {
-            Some(norm) => norm.forward(hidden)?,
-            None => hidden.clone(),
+        let tracked = hidden.track_op();
+        let x = match (&self.final_norm, &self.final_norm_f32) {
+            (Some(_), Some(wide)) if !tracked => wide.forward(&hidden.to_dtype(DType::F32)?)?,
+            (Some(norm), _) => norm.forward(hidden)?,
+            (None, _) => hidden.clone(),
         };
         let x = match &self.output_transform {
-            Some(t) => t.forward(&x)?,
+            Some(t) => t.forward(&x.to_dtype(hidden.dtype())?)?,
             None => x,
         };
-        Ok(self.lm_head.forward(&x)?)
+        if tracked {
+            return Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?);
+        }
+        Ok(self.lm_head.forward_f32(&x)?)
     }
 
     /// Projects every block's image keys and values, once per image batch.
@@ -1040,7 +1065,7 @@ impl VisionLanguageDecoder {
     /// Feeds the next tokens and returns the logits of every new position.
     ///
     /// # Shapes
-    /// `tokens: (rows, len)` u32 → `(rows, len, vocab)`.
+    /// `tokens: (rows, len)` u32 → `(rows, len, vocab)` f32.
     ///
     /// # Errors
     /// As [`VisionLanguageDecoder::step_hidden`].
@@ -1083,10 +1108,7 @@ impl VisionLanguageDecoder {
         // (rows, len, hidden), len >= 1 (checked by step_hidden)
         let (_, t, _) = h.dims3()?;
         let last = t.saturating_sub(1);
-        let logits = self
-            .logits(&h.narrow(1, last, 1)?)?
-            .squeeze(1)?
-            .to_dtype(DType::F32)?;
+        let logits = self.logits(&h.narrow(1, last, 1)?)?.squeeze(1)?;
         let weights = match weights {
             // (rows, heads, len, image_len) -> (rows, image_len)
             Some(w) => Some(
