@@ -37,6 +37,11 @@ Variants, each against the f32 model (same checkpoint, pixels, ids):
   GPT-2's Conv1D, in the vision encoder, the decoder and the LM head; not
   embeddings, the conv patch embedding, norms or biases) are rounded to
   bf16 (round to nearest even) and back.
+- `bf16-weights+acts`: as `bf16-weights`, and each such layer's input
+  activation rounded to bf16 as well (a forward pre-hook); everything
+  else (residual stream, norms, attention, logits) in f32. The least
+  rounding any model whose products take bf16 operands can have: the
+  ceiling of `--dtype bf16`.
 - `q8_0-weights`: the same weights through a ggml q8_0 round trip along
   the input dimension: per block of 32, d = max|w| / 127, q = roundf(w *
   (1/d)) (half away from zero, as ggml's and candle's reference code),
@@ -151,13 +156,14 @@ def transformed_weights(layers: list, f, blocked: bool):
 
 
 @contextlib.contextmanager
-def quantized_inputs(layers: list):
-    """A q8_0 round trip of every (blocked) layer's input activation."""
+def rounded_inputs(layers: list, f, blocked: bool):
+    """f applied to every layer's input activation (a forward pre-hook);
+    `blocked`: only layers whose input width is a multiple of 32."""
     hooks = []
     try:
         for name, m, width in layers:
-            if width % BLOCK == 0:
-                hooks.append(m.register_forward_pre_hook(lambda _m, a: (q8_0(a[0]),) + a[1:]))
+            if not blocked or width % BLOCK == 0:
+                hooks.append(m.register_forward_pre_hook(lambda _m, a: (f(a[0]),) + a[1:]))
         yield
     finally:
         for h in hooks:
@@ -288,9 +294,11 @@ def measure(d: Path, args) -> dict:
 
     with transformed_weights(layers, bf16, blocked=False):
         run("bf16-weights")
+        with rounded_inputs(layers, bf16, blocked=False):
+            run("bf16-weights+acts")
     with transformed_weights(layers, q8_0, blocked=True):
         run("q8_0-weights")
-        with quantized_inputs(layers):
+        with rounded_inputs(layers, q8_0, blocked=True):
             run("q8_0-weights+acts")
     if not args.skip_f64:
         model.double()
@@ -307,7 +315,7 @@ def measure(d: Path, args) -> dict:
     with f32_logits(model):
         run("torch-bf16-f32-logits", torch.bfloat16)
     # the table's order
-    order = ["torch-bf16", "torch-bf16-f32-logits", "bf16-weights", "q8_0-weights", "q8_0-weights+acts",
+    order = ["torch-bf16", "torch-bf16-f32-logits", "bf16-weights", "bf16-weights+acts", "q8_0-weights", "q8_0-weights+acts",
              "f64-dense", "f64-q8_0-weights"]
     rows = {k: rows[k] for k in order if k in rows}
     del model
