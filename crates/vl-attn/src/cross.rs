@@ -225,19 +225,22 @@ impl CrossAttention {
     /// `memory_dim`, `inner_dim`) is not a multiple of the format's block
     /// size (32 for `q8_0`, 256 for `q4k`).
     ///
-    /// With an integer format (`q8_0`, `q4k`) over f32 activations on the
-    /// CPU, projected memories are kept in bf16
-    /// ([`CrossAttention::with_memory_dtype`]): a decode step then reads
-    /// half the bytes of keys and values, which at 8-bit weights are an
-    /// eighth of a step's reads, and the rounding is small beside the
-    /// weights'.
+    /// Over f32 activations on the CPU, projected memories are kept in 16
+    /// bits ([`CrossAttention::with_memory_dtype`]): in the weights' own
+    /// type for `bf16` and `f16`, in bf16 for the integer formats (`q8_0`,
+    /// `q4k`). A decode step then reads half the bytes of keys and values
+    /// (an eighth of a step's reads at 8-bit weights, a fifteenth at
+    /// 16-bit ones, more for long images), and the rounding is that of
+    /// the weights that made them.
     pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
         let q = Self::new(self.core.quantize(format)?, &self.cfg).with_backend(self.backend());
-        let integer = !matches!(format, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+        let narrow = match format {
+            GgmlDType::F32 => None,
+            GgmlDType::F16 => Some(DType::F16),
+            _ => Some(DType::BF16),
+        };
         let memory_dtype = match self.memory_dtype {
-            None if integer && q.core.dtype() == DType::F32 && q.core.device().is_cpu() => {
-                Some(DType::BF16)
-            }
+            None if q.core.dtype() == DType::F32 && q.core.device().is_cpu() => narrow,
             kept => kept,
         };
         Ok(q.with_memory_dtype(memory_dtype))

@@ -113,14 +113,16 @@ fn a_16_bit_memory_attends_as_its_widening() -> anyhow::Result<()> {
             assert!(max_abs_diff(&attn.forward(&q, &m, None)?, &want) <= 1e-5);
         }
     }
-    // Quantizing to q8_0 on the CPU keeps the memory in bf16; to a 16-bit
-    // weight format, in the activations' dtype.
+    // Quantizing f32 activations' weights on the CPU keeps the memory in
+    // 16 bits: bf16 for q8_0 and bf16 weights, f16 for f16 weights.
     let (_w, wide) = module(32, 32, 4, 2);
-    assert_eq!(
-        wide.quantize(GgmlDType::Q8_0)?.memory_dtype(),
-        Some(DType::BF16)
-    );
-    assert_eq!(wide.quantize(GgmlDType::BF16)?.memory_dtype(), None);
+    for (format, memory) in [
+        (GgmlDType::Q8_0, DType::BF16),
+        (GgmlDType::BF16, DType::BF16),
+        (GgmlDType::F16, DType::F16),
+    ] {
+        assert_eq!(wide.quantize(format)?.memory_dtype(), Some(memory));
+    }
 
     // Keys and values of an integer dtype, or 16-bit under 16-bit queries
     // of another kind, are refused naming them.
