@@ -274,8 +274,14 @@ impl Proj {
         }
         drop(dense);
         values.resize(padded * in_dim, 0.0);
-        let weight = Tensor::from_vec(values, (padded, in_dim), weight.device())?;
-        let q = QTensor::quantize(&weight, format)?;
+        let q = if weight.device().is_cpu() {
+            quantize_rows(&values, in_dim, format)?
+        } else {
+            QTensor::quantize(
+                &Tensor::from_vec(values, (padded, in_dim), weight.device())?,
+                format,
+            )?
+        };
         Ok(Self {
             inner: Inner::Quantized {
                 weight: QMatMul::from_arc(Arc::new(q))?,
@@ -288,6 +294,35 @@ impl Proj {
             },
         })
     }
+}
+
+/// candle's `QTensor::quantize` of a CPU weight `(rows, in_dim)` (row-major
+/// `values`, `in_dim` a multiple of the format's block), its rows split
+/// across the rayon pool: candle quantizes on the calling thread, and a
+/// k-quant's search for each block's scales is most of a `--quantize q4k`
+/// load. Every row is whole blocks, so the quantized rows of the parts,
+/// concatenated, are the bytes of the whole.
+fn quantize_rows(values: &[f32], in_dim: usize, format: GgmlDType) -> Result<QTensor> {
+    use rayon::prelude::*;
+    let rows = values.len() / in_dim.max(1);
+    let per_task = rows
+        .div_ceil(rayon::current_num_threads().max(1) * 4)
+        .max(QUANTIZED_ROWS);
+    let parts = values
+        .par_chunks(per_task * in_dim)
+        .map(|part| -> candle_core::Result<Vec<u8>> {
+            let part = Tensor::from_slice(part, (part.len() / in_dim, in_dim), &Device::Cpu)?;
+            Ok(QTensor::quantize(&part, format)?.data()?.into_owned())
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let bytes = parts.concat();
+    drop(parts);
+    let storage = candle_core::quantized::QStorage::from_data(
+        std::borrow::Cow::Owned(bytes),
+        &Device::Cpu,
+        format,
+    )?;
+    Ok(QTensor::new(storage, (rows, in_dim))?)
 }
 
 /// `x W^T` on vl's CPU kernels when one takes these operands — decode
@@ -405,6 +440,29 @@ mod tests {
     fn layer(out: usize, inp: usize, dev: &Device) -> Result<Linear> {
         let w = (Tensor::randn(0f32, 1., (out, inp), dev)? / (inp as f64).sqrt())?;
         Ok(Linear::new(w, Some(Tensor::randn(0f32, 1., out, dev)?)))
+    }
+
+    /// Quantizing rows in parallel parts gives candle's bytes for the whole
+    /// weight, exactly, for heights that split unevenly across the tasks.
+    #[test]
+    fn quantizing_rows_in_parts_is_quantizing_the_whole() -> Result<()> {
+        let dev = Device::Cpu;
+        for (rows, format) in [
+            (37, GgmlDType::Q4K),
+            (300, GgmlDType::Q4K),
+            (300, GgmlDType::Q6K),
+            (129, GgmlDType::Q4_0),
+            (129, GgmlDType::Q8_0),
+        ] {
+            let w = Tensor::randn(0f32, 1., (rows, 256), &dev)?;
+            let values = w.flatten_all()?.to_vec1::<f32>()?;
+            let parts = quantize_rows(&values, 256, format)?;
+            let whole = QTensor::quantize(&w, format)?;
+            assert_eq!(parts.shape().dims(), &[rows, 256]);
+            assert_eq!(parts.dtype(), format);
+            assert!(parts.data()? == whole.data()?, "{format:?} x {rows} rows");
+        }
+        Ok(())
     }
 
     /// A weight narrowed out of a fused one (a view with an offset, as the
