@@ -108,18 +108,8 @@ impl CheckedSafetensors {
     }
 
     fn read(&self, name: &str, e: &Entry) -> candle_core::Result<Tensor> {
+        use safetensors::Dtype;
         use std::io::{Read, Seek, SeekFrom};
-        let dtype = match e.dtype {
-            safetensors::Dtype::F32 => DType::F32,
-            safetensors::Dtype::F16 => DType::F16,
-            safetensors::Dtype::BF16 => DType::BF16,
-            safetensors::Dtype::F64 => DType::F64,
-            other => {
-                return Err(self.err(format!(
-                    "tensor `{name}` has dtype {other:?}, expected a float (f32, f16, bf16)"
-                )))
-            }
-        };
         let f = &self.files[e.file];
         let len = e.offsets.1 - e.offsets.0;
         let read = |bytes: &mut [u8]| -> candle_core::Result<()> {
@@ -137,18 +127,21 @@ impl CheckedSafetensors {
         // twice, a third of a vit-gpt2 f32 caption's time in the kernel's
         // page clearing. `vec![0; n]` of a number type is `calloc`, whose
         // fresh pages the kernel zeroes when the read first touches them.
-        let shape = e.shape.as_slice();
-        match dtype {
-            DType::F32 => Tensor::from_vec(read_values::<f32>(len, read)?, shape, &Device::Cpu),
-            DType::F64 => Tensor::from_vec(read_values::<f64>(len, read)?, shape, &Device::Cpu),
-            DType::F16 => {
+        let (shape, cpu) = (e.shape.as_slice(), &Device::Cpu);
+        match e.dtype {
+            Dtype::F32 => Tensor::from_vec(read_values::<f32>(len, read)?, shape, cpu),
+            Dtype::F64 => Tensor::from_vec(read_values::<f64>(len, read)?, shape, cpu),
+            Dtype::F16 => {
                 let bits = read_values::<u16>(len, read)?;
-                Tensor::from_vec(bits.reinterpret_into::<half::f16>(), shape, &Device::Cpu)
+                Tensor::from_vec(bits.reinterpret_into::<half::f16>(), shape, cpu)
             }
-            _ => {
+            Dtype::BF16 => {
                 let bits = read_values::<u16>(len, read)?;
-                Tensor::from_vec(bits.reinterpret_into::<half::bf16>(), shape, &Device::Cpu)
+                Tensor::from_vec(bits.reinterpret_into::<half::bf16>(), shape, cpu)
             }
+            other => Err(self.err(format!(
+                "tensor `{name}` has dtype {other:?}, expected a float (f32, f16, bf16)"
+            ))),
         }
     }
 }

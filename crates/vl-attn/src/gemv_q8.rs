@@ -133,18 +133,14 @@ impl PackedQ8 {
                 w.device()
             );
         }
-        let w = w.to_dtype(DType::F32)?;
-        let (storage, layout) = w.storage_and_layout();
-        let copied;
-        let values: &[f32] = match (&*storage, layout.contiguous_offsets()) {
-            (candle_core::Storage::Cpu(cpu), Some((start, end))) => {
-                &cpu.as_slice::<f32>()?[start..end]
-            }
-            _ => {
-                copied = w.flatten_all()?.to_vec1::<f32>()?;
-                &copied
-            }
-        };
+        crate::kernel::with_values(&w.to_dtype(DType::F32)?, |values: &[f32]| {
+            Self::pack(values, n, k)
+        })
+    }
+
+    /// The packing of [`PackedQ8::quantize`], from `(n, k)` row-major
+    /// values.
+    fn pack(values: &[f32], n: usize, k: usize) -> Self {
         let blocks = k / BLOCK_VALUES;
         let tiles = n.div_ceil(TILE_ROWS);
         let mut qs = vec![128u8; tiles * blocks * TILE_BYTES];
@@ -159,13 +155,13 @@ impl PackedQ8 {
                     pack_tile_on(crate::gemv::isa(), values, k, qs, d);
                 });
         }
-        Ok(Self {
+        Self {
             n,
             k,
             qs,
             d,
             bias: None,
-        })
+        }
     }
 
     /// Packs candle's q8_0 blocks (the weight of a GGUF file, say).

@@ -944,6 +944,28 @@ pub(crate) fn contiguous<'a, T>(
     }
 }
 
+/// `f` applied to a tensor's values in row-major order: read in place
+/// when the tensor is a contiguous CPU one (a weight just loaded), from a
+/// copy otherwise. How vl's packers and loaders read a whole weight
+/// without copying it first.
+///
+/// # Errors
+/// A tensor not of element type `T`.
+pub fn with_values<T: candle_core::WithDType, R>(
+    t: &Tensor,
+    f: impl FnOnce(&[T]) -> R,
+) -> candle_core::Result<R> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(cpu), Some((start, end))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            return Ok(f(&cpu.as_slice::<T>()?[start..end]));
+        }
+    }
+    Ok(f(&t.flatten_all()?.to_vec1::<T>()?))
+}
+
 /// What one query row of the per-row kernels reads: its query
 /// (`head_dim`), its key head's keys and values (`k_len` rows of
 /// `head_dim`) and its mask row (one byte per key, `1` = may attend).

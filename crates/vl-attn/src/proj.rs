@@ -262,21 +262,14 @@ impl Proj {
         // that buffer, cut off after the product.
         let padded = out_dim.next_multiple_of(QUANTIZED_ROWS);
         let dense = weight.to_dtype(DType::F32)?.contiguous()?;
-        let mut values = Vec::with_capacity(padded * in_dim);
-        {
-            let (storage, layout) = dense.storage_and_layout();
-            match (&*storage, layout.contiguous_offsets()) {
-                (candle_core::Storage::Cpu(cpu), Some((start, end))) => {
-                    values.extend_from_slice(&cpu.as_slice::<f32>()?[start..end])
-                }
-                _ => values.extend(dense.flatten_all()?.to_vec1::<f32>()?),
-            }
-        }
-        drop(dense);
-        values.resize(padded * in_dim, 0.0);
         let q = if weight.device().is_cpu() {
-            quantize_rows(&values, in_dim, format)?
+            crate::kernel::with_values(&dense, |values: &[f32]| {
+                quantize_rows(values, in_dim, padded, format)
+            })??
         } else {
+            let mut values = dense.flatten_all()?.to_vec1::<f32>()?;
+            drop(dense);
+            values.resize(padded * in_dim, 0.0);
             QTensor::quantize(
                 &Tensor::from_vec(values, (padded, in_dim), weight.device())?,
                 format,
@@ -297,24 +290,43 @@ impl Proj {
 }
 
 /// candle's `QTensor::quantize` of a CPU weight `(rows, in_dim)` (row-major
-/// `values`, `in_dim` a multiple of the format's block), its rows split
-/// across the rayon pool: candle quantizes on the calling thread, and a
-/// k-quant's search for each block's scales is most of a `--quantize q4k`
-/// load. Every row is whole blocks, so the quantized rows of the parts,
-/// concatenated, are the bytes of the whole.
-fn quantize_rows(values: &[f32], in_dim: usize, format: GgmlDType) -> Result<QTensor> {
+/// `values`, `in_dim` a multiple of the format's block) followed by zero
+/// rows up to `padded` rows, its rows split across the rayon pool: candle
+/// quantizes on the calling thread, and a k-quant's search for each
+/// block's scales is most of a `--quantize q4k` load. Every row is whole
+/// blocks, so the quantized rows of the parts, concatenated, are the bytes
+/// of the whole; each part is copied once, into the tensor candle takes.
+fn quantize_rows(
+    values: &[f32],
+    in_dim: usize,
+    padded: usize,
+    format: GgmlDType,
+) -> Result<QTensor> {
     use rayon::prelude::*;
     let rows = values.len() / in_dim.max(1);
     let per_task = rows
         .div_ceil(rayon::current_num_threads().max(1) * 4)
         .max(QUANTIZED_ROWS);
-    let parts = values
+    let quantize = |part: Tensor| -> candle_core::Result<Vec<u8>> {
+        Ok(QTensor::quantize(&part, format)?.data()?.into_owned())
+    };
+    let mut parts = values
         .par_chunks(per_task * in_dim)
-        .map(|part| -> candle_core::Result<Vec<u8>> {
-            let part = Tensor::from_slice(part, (part.len() / in_dim, in_dim), &Device::Cpu)?;
-            Ok(QTensor::quantize(&part, format)?.data()?.into_owned())
+        .map(|part| {
+            quantize(Tensor::from_slice(
+                part,
+                (part.len() / in_dim, in_dim),
+                &Device::Cpu,
+            )?)
         })
         .collect::<candle_core::Result<Vec<_>>>()?;
+    if padded > rows {
+        parts.push(quantize(Tensor::zeros(
+            (padded - rows, in_dim),
+            DType::F32,
+            &Device::Cpu,
+        )?)?);
+    }
     let bytes = parts.concat();
     drop(parts);
     let storage = candle_core::quantized::QStorage::from_data(
@@ -322,7 +334,7 @@ fn quantize_rows(values: &[f32], in_dim: usize, format: GgmlDType) -> Result<QTe
         &Device::Cpu,
         format,
     )?;
-    Ok(QTensor::new(storage, (rows, in_dim))?)
+    Ok(QTensor::new(storage, (padded.max(rows), in_dim))?)
 }
 
 /// `x W^T` on vl's CPU kernels when one takes these operands — decode
@@ -346,9 +358,10 @@ impl Proj {
     /// On CPU every kind of weight takes the activations widened to f32
     /// and accumulates in f32 (dense and 16-bit weights on vl's kernels
     /// where [`crate::gemv`] or [`crate::gemm_bf16`] takes them; q8_0 and
-    /// the quantized kernels as always), so nothing is rounded to 16 bits
-    /// on the way. Elsewhere (other devices, training, f16 prefill) the
-    /// product runs in the activation dtype and is widened after.
+    /// candle's quantized kernels, on every device, as always), so nothing
+    /// is rounded to 16 bits on the way. Otherwise (dense weights on other
+    /// devices, training, f16 prefill) the product runs in the activation
+    /// dtype and is widened after.
     ///
     /// # Shapes
     /// `x: (..., in)` → `(..., out)` f32.
@@ -358,12 +371,8 @@ impl Proj {
             Inner::Half { weight, bias, .. } => (weight, bias.as_ref()),
             Inner::Packed { weight, .. } => return weight.matmul(&x.to_dtype(DType::F32)?),
             Inner::Q8 { weight, .. } => return weight.matmul(&x.to_dtype(DType::F32)?),
-            Inner::Quantized { .. } if x.device().is_cpu() => {
-                return self.forward(&x.to_dtype(DType::F32)?)
-            }
-            Inner::Quantized { dtype, .. } => {
-                return self.forward(&x.to_dtype(*dtype)?)?.to_dtype(DType::F32)
-            }
+            // The quantized kernels take f32 activations on every device.
+            Inner::Quantized { .. } => return self.forward(&x.to_dtype(DType::F32)?),
         };
         let wide = x.to_dtype(DType::F32)?;
         match vl_product(&wide, weight) {
@@ -456,7 +465,7 @@ mod tests {
         ] {
             let w = Tensor::randn(0f32, 1., (rows, 256), &dev)?;
             let values = w.flatten_all()?.to_vec1::<f32>()?;
-            let parts = quantize_rows(&values, 256, format)?;
+            let parts = quantize_rows(&values, 256, rows, format)?;
             let whole = QTensor::quantize(&w, format)?;
             assert_eq!(parts.shape().dims(), &[rows, 256]);
             assert_eq!(parts.dtype(), format);

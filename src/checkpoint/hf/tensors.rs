@@ -35,35 +35,26 @@ pub(super) fn transposed(w: &candle_core::Tensor) -> Result<candle_core::Tensor>
     ) -> candle_core::Result<candle_core::Tensor> {
         use rayon::prelude::*;
         const B: usize = 32;
-        // Read in place when contiguous (the usual case: a weight just
-        // read), copied otherwise.
-        let (storage, layout) = w.storage_and_layout();
-        let copied;
-        let src: &[T] = match (&*storage, layout.contiguous_offsets()) {
-            (candle_core::Storage::Cpu(cpu), Some((start, end))) => {
-                &cpu.as_slice::<T>()?[start..end]
-            }
-            _ => {
-                copied = w.flatten_all()?.to_vec1::<T>()?;
-                &copied
-            }
-        };
-        let mut dst = vec![T::from_f64(0.0); rows * cols];
-        if rows > 0 {
-            dst.par_chunks_mut(B * rows)
-                .enumerate()
-                .for_each(|(block, out)| {
-                    let j0 = block * B;
-                    let width = out.len() / rows;
-                    for i0 in (0..rows).step_by(B) {
-                        for j in 0..width {
-                            for i in i0..(i0 + B).min(rows) {
-                                out[j * rows + i] = src[i * cols + j0 + j];
+        // Read in place (a weight just read), copied if not contiguous.
+        let dst = vl_attn::kernel::with_values(w, |src: &[T]| {
+            let mut dst = vec![T::from_f64(0.0); rows * cols];
+            if rows > 0 {
+                dst.par_chunks_mut(B * rows)
+                    .enumerate()
+                    .for_each(|(block, out)| {
+                        let j0 = block * B;
+                        let width = out.len() / rows;
+                        for i0 in (0..rows).step_by(B) {
+                            for j in 0..width {
+                                for i in i0..(i0 + B).min(rows) {
+                                    out[j * rows + i] = src[i * cols + j0 + j];
+                                }
                             }
                         }
-                    }
-                });
-        }
+                    });
+            }
+            dst
+        })?;
         candle_core::Tensor::from_vec(dst, (cols, rows), w.device())
     }
     let (rows, cols) = w.dims2()?;
