@@ -486,6 +486,7 @@ mod avx512 {
     use half::bf16;
 
     use super::{Out, MR, NR};
+    use crate::gemv::{prefetch, PREFETCH_AHEAD};
 
     /// Rows `x (rows, k)` times panels `first .. last` (given as
     /// `packed`, from panel `first` on) into `y`, which points at the
@@ -590,6 +591,8 @@ mod avx512 {
                     // SAFETY: the panel holds `pairs * NR` u32, `p < pairs`.
                     let (b0, b1) = unsafe {
                         let ptr = panel.as_ptr().add(p * NR) as *const __m512i;
+                        prefetch(ptr, PREFETCH_AHEAD);
+                        prefetch(ptr, PREFETCH_AHEAD + 64);
                         (_mm512_loadu_si512(ptr), _mm512_loadu_si512(ptr.add(1)))
                     };
                     let (xa, xb) = (_mm512_set1_ps(xp[0]), _mm512_set1_ps(xp[1]));

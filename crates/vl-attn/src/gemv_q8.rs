@@ -35,7 +35,7 @@ use candle_core::{DType, Device, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
-use crate::gemv::Isa;
+use crate::gemv::{prefetch, Isa, PREFETCH_AHEAD};
 use crate::micro::{madd, Kernel};
 
 /// Values per q8_0 block.
@@ -675,6 +675,14 @@ unsafe fn tile_vnni<const R: usize>(
         let ds = p.d.as_ptr().add(t * blocks * TILE_ROWS);
         for b in 0..blocks {
             let tile = qs.add(b * TILE_BYTES);
+            // The tiles `PREFETCH_AHEAD` bytes on, and the scales as far
+            // ahead in blocks (a line holds two blocks' scales).
+            for line in 0..TILE_BYTES / 64 {
+                prefetch(tile, PREFETCH_AHEAD + 64 * line);
+            }
+            if b % 2 == 0 {
+                prefetch(ds.add(b * TILE_ROWS), PREFETCH_AHEAD / 16);
+            }
             let w: [__m512i; 8] =
                 std::array::from_fn(|g| _mm512_loadu_si512(tile.add(g * 64) as *const _));
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(ds.add(b * TILE_ROWS) as *const _));
