@@ -52,6 +52,15 @@ Variants, each against the f32 model (same checkpoint, pixels, ids):
   activation also goes through the q8_0 round trip along its last
   dimension (ggml quantizes the activation row to q8_0, with an f16 scale,
   before the integer dot product): a forward pre-hook.
+- `q8_0-best-scale-weights`: still the q8_0 format, but each block's
+  scale chosen to minimise the block's squared error (d = s * max|w| /
+  127 for 31 values of s in [0.85, 1], rounded to f16, values rounded to
+  nearest within ±127) instead of ggml's max|w| / 127: whether a smarter
+  q8_0 quantizer than ggml's and candle's would agree more.
+- `q8_0-weights-vision`, `q8_0-weights-decoder`, `q8_0-weights-head`: the
+  q8_0 round trip on one part of the model alone (the vision encoder's
+  linear layers; the text decoder's, LM head excluded; the LM head),
+  the rest f32: where the flips come from.
 - `f64-dense`, `f64-q8_0-weights` (unless --skip-f64): the model in
   float64, dense and with the q8_0 weights: the first shows the f32
   rounding noise alone, the second that the q8_0 figure does not come from
@@ -117,6 +126,43 @@ def q8_0(x: torch.Tensor) -> torch.Tensor:
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     q = roundf(b * inv)
     return (q * d.half().float()).reshape(x.shape).to(x.dtype)
+
+
+def q8_0_best_scale(x: torch.Tensor) -> torch.Tensor:
+    """The q8_0 round trip with each block's scale the one of 31
+    candidates s * max|w| / 127, s in [0.85, 1], whose f16-rounded value
+    gives the least squared error (values rounded to nearest, within
+    ±127); returned in x's dtype."""
+    b = x.float().reshape(-1, BLOCK)
+    amax = b.abs().amax(dim=1, keepdim=True)
+    best, best_err = None, None
+    for s in torch.linspace(0.85, 1.0, 31):
+        d = (amax / 127 * s).half().float()
+        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        w = torch.clamp(roundf(b * inv), -127, 127) * d
+        err = (w - b).pow(2).sum(dim=1, keepdim=True)
+        if best is None:
+            best, best_err = w, err
+        else:
+            better = err < best_err
+            best = torch.where(better, w, best)
+            best_err = torch.where(better, err, best_err)
+    return best.reshape(x.shape).to(x.dtype)
+
+
+def model_parts(model, layers: list, blip: bool) -> dict:
+    """The linear layers split into the vision encoder's, the text
+    decoder's (LM head excluded) and the LM head."""
+    head = model.get_output_embeddings()
+    if head is None:  # BLIP
+        head = model.text_decoder.get_output_embeddings()
+    vision = "vision_model." if blip else "encoder."
+    parts = {"vision": [], "decoder": [], "head": []}
+    for layer in layers:
+        name, m, _ = layer
+        key = "head" if m is head else "vision" if name.startswith(vision) else "decoder"
+        parts[key].append(layer)
+    return parts
 
 
 def bf16(x: torch.Tensor) -> torch.Tensor:
@@ -300,6 +346,11 @@ def measure(d: Path, args) -> dict:
         run("q8_0-weights")
         with rounded_inputs(layers, q8_0, blocked=True):
             run("q8_0-weights+acts")
+    with transformed_weights(layers, q8_0_best_scale, blocked=True):
+        run("q8_0-best-scale-weights")
+    for part, part_layers in model_parts(model, layers, blip).items():
+        with transformed_weights(part_layers, q8_0, blocked=True):
+            run(f"q8_0-weights-{part}")
     if not args.skip_f64:
         model.double()
         cast_sinusoids(model, torch.float64)
@@ -316,6 +367,7 @@ def measure(d: Path, args) -> dict:
         run("torch-bf16-f32-logits", torch.bfloat16)
     # the table's order
     order = ["torch-bf16", "torch-bf16-f32-logits", "bf16-weights", "bf16-weights+acts", "q8_0-weights", "q8_0-weights+acts",
+             "q8_0-best-scale-weights", "q8_0-weights-vision", "q8_0-weights-decoder", "q8_0-weights-head",
              "f64-dense", "f64-q8_0-weights"]
     rows = {k: rows[k] for k in order if k in rows}
     del model
