@@ -944,6 +944,32 @@ pub(crate) fn contiguous<'a, T>(
     }
 }
 
+/// Runs `f` on a worker of the rayon pool (the process's pool, sized by
+/// `RAYON_NUM_THREADS` or the application's `ThreadPoolBuilder`), and
+/// returns its result: on the calling thread when that is already a
+/// worker of a pool, else on a worker of the global pool while the
+/// caller waits.
+///
+/// vl's kernels split each product across the pool. Started from a
+/// worker, a product runs its first part on that worker and the rest on
+/// the others; started from any other thread, every product sends its
+/// work to the pool and puts the caller to sleep until it is done. On the
+/// 2-core machine of BENCHMARKS.md a one-row q8_0 product of a
+/// 32 × 768 weight (the dispatch alone) took 7.8–11.1 µs from the main
+/// thread and 0.79 µs from a worker, and 72 distinct 768 × 768 products
+/// 15.4 against 9.9 µs each: a decode step runs ~100 of them. The
+/// decoder's and the vision encoder's entry points run their work through
+/// this, so that a caller's own thread pays one hand-over per call.
+pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        f()
+    } else {
+        // `scope` runs its closure on a worker of the global pool when
+        // called from outside every pool (`in_place_scope` would not).
+        rayon::scope(|_| f())
+    }
+}
+
 /// `f` applied to a tensor's values in row-major order: read in place
 /// when the tensor is a contiguous CPU one (a weight just loaded), from a
 /// copy otherwise. How vl's packers and loaders read a whole weight
@@ -1263,6 +1289,21 @@ mod tests {
     /// element: nothing is allocated) have 2^66 scores: an error naming the
     /// inputs on every backend, not an overflow panic (in debug) or a
     /// wrapped size (in release).
+    /// Outside every pool, `on_pool` runs its closure on a worker of the
+    /// global pool; on a worker, on that worker; and returns its result.
+    #[test]
+    fn on_pool_runs_on_a_worker() {
+        // The test harness runs tests on threads of its own, not rayon's.
+        assert_eq!(rayon::current_thread_index(), None);
+        let (inside, nested) = on_pool(|| {
+            let here = rayon::current_thread_index();
+            (here, on_pool(rayon::current_thread_index) == here)
+        });
+        assert!(inside.is_some());
+        assert!(nested);
+        assert_eq!(on_pool(|| 6 * 7), 42);
+    }
+
     #[test]
     fn score_count_overflow_is_an_error() -> Result<()> {
         let dev = Device::Cpu;

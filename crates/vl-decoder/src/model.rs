@@ -723,21 +723,24 @@ impl VisionLanguageDecoder {
         memory: Option<&Tensor>,
         masks: ForwardMasks<'_>,
     ) -> Result<Tensor> {
-        self.check_tokens(tokens, 0)?;
-        if let Some(m) = memory {
-            self.check_memory(m)?;
-        }
-        let mut x = self.embed(tokens, 0)?;
-        let image = memory.map_or(ImageInput::None, ImageInput::Memory);
-        let inputs = BlockInputs {
-            text_mask: masks.text,
-            image_mask: masks.image,
-            want_weights: false,
-        };
-        for block in &self.blocks {
-            x = block.forward(&x, image, None, inputs)?.0;
-        }
-        self.logits(&x)
+        // On the pool (see `vl_attn::kernel::on_pool`).
+        vl_attn::kernel::on_pool(|| {
+            self.check_tokens(tokens, 0)?;
+            if let Some(m) = memory {
+                self.check_memory(m)?;
+            }
+            let mut x = self.embed(tokens, 0)?;
+            let image = memory.map_or(ImageInput::None, ImageInput::Memory);
+            let inputs = BlockInputs {
+                text_mask: masks.text,
+                image_mask: masks.image,
+                want_weights: false,
+            };
+            for block in &self.blocks {
+                x = block.forward(&x, image, None, inputs)?.0;
+            }
+            self.logits(&x)
+        })
     }
 
     /// LM-head logits of hidden states, in f32 whatever the decoder's
@@ -779,6 +782,12 @@ impl VisionLanguageDecoder {
     /// - `memory: (images, image_len, memory_dim)`
     /// - `mask: (images | 1, 1, image_len)`, for images of unequal token counts
     pub fn image_context(&self, memory: &Tensor, mask: Option<Mask>) -> Result<ImageContext> {
+        // On the pool (see `vl_attn::kernel::on_pool`).
+        vl_attn::kernel::on_pool(|| self.image_context_on_pool(memory, mask))
+    }
+
+    /// [`VisionLanguageDecoder::image_context`], on the calling thread.
+    fn image_context_on_pool(&self, memory: &Tensor, mask: Option<Mask>) -> Result<ImageContext> {
         self.check_memory(memory)?;
         let images = memory.dims()[0];
         if let Some(m) = &mask {
@@ -1014,6 +1023,18 @@ impl VisionLanguageDecoder {
     /// size; [`DecoderError::MaxPositions`] past the last position. The
     /// state is unchanged on error.
     pub fn step_hidden(
+        &self,
+        state: &mut DecodeState,
+        tokens: &Tensor,
+        weights_of: Option<usize>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        // On the pool, so that the step's ~100 products do not each wake
+        // it from the caller's thread (see `vl_attn::kernel::on_pool`).
+        vl_attn::kernel::on_pool(|| self.step_hidden_on_pool(state, tokens, weights_of))
+    }
+
+    /// [`VisionLanguageDecoder::step_hidden`], on the calling thread.
+    fn step_hidden_on_pool(
         &self,
         state: &mut DecodeState,
         tokens: &Tensor,

@@ -457,11 +457,15 @@ impl Vit {
     /// `pixels: (batch, channels, image_size, image_size)`, normalised →
     /// `(batch, prefix + patches, output_width)`, `prefix` 1 or 2 (DeiT).
     pub fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
-        let x = self.last_hidden_state(pixels)?;
-        match &self.output_proj {
-            Some(proj) => Ok(proj.forward(&x)?),
-            None => Ok(x),
-        }
+        // On the pool, so that each product does not wake it from the
+        // caller's thread (see `vl_attn::kernel::on_pool`).
+        vl_attn::kernel::on_pool(|| {
+            let x = self.last_hidden_state(pixels)?;
+            match &self.output_proj {
+                Some(proj) => Ok(proj.forward(&x)?),
+                None => Ok(x),
+            }
+        })
     }
 
     /// The encoder's tokens after the final norm, before `output_proj`
@@ -471,6 +475,11 @@ impl Vit {
     /// `pixels: (batch, channels, image_size, image_size)`, normalised →
     /// `(batch, prefix + patches, hidden)`.
     pub fn last_hidden_state(&self, pixels: &Tensor) -> Result<Tensor> {
+        vl_attn::kernel::on_pool(|| self.last_hidden_state_on_pool(pixels))
+    }
+
+    /// [`Vit::last_hidden_state`], on the calling thread.
+    fn last_hidden_state_on_pool(&self, pixels: &Tensor) -> Result<Tensor> {
         let c = &self.cfg;
         let dims = pixels.dims();
         if dims.len() != 4 || dims[1..] != [c.num_channels, c.image_size, c.image_size] {
