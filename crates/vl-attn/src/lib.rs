@@ -28,6 +28,11 @@
 //!   for decode shapes (1–8 rows, f32/f16/bf16 weights, across the thread
 //!   pool), for many bf16 rows (AVX512_BF16), and for q8_0 weights packed
 //!   once (AVX-512 VNNI, any number of rows), behind [`Proj`].
+//!   The products split across the rayon pool. Called from a thread
+//!   outside it, each one hands its work over and waits (about 10 µs on a
+//!   2-core machine); run a model's whole forward pass or decode step
+//!   through [`kernel::on_pool`] to pay that once (vl's decoder and ViT
+//!   do).
 //! - [`Proj`]: the projections, dense or quantized (`q8_0`, `q4k`) through
 //!   `quantize` on every attention and on [`FeedForward`].
 //! - [`LayerNorm`] (trainable; vl's kernel for f32 and bf16 rows on
