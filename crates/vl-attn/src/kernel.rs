@@ -1285,10 +1285,6 @@ mod tests {
         Ok(())
     }
 
-    /// Queries and keys of 2^33 tokens each (broadcast views of one
-    /// element: nothing is allocated) have 2^66 scores: an error naming the
-    /// inputs on every backend, not an overflow panic (in debug) or a
-    /// wrapped size (in release).
     /// Outside every pool, `on_pool` runs its closure on a worker of the
     /// global pool; on a worker, on that worker; and returns its result.
     #[test]
@@ -1304,6 +1300,10 @@ mod tests {
         assert_eq!(on_pool(|| 6 * 7), 42);
     }
 
+    /// Queries and keys of 2^33 tokens each (broadcast views of one
+    /// element: nothing is allocated) have 2^66 scores: an error naming the
+    /// inputs on every backend, not an overflow panic (in debug) or a
+    /// wrapped size (in release).
     #[test]
     fn score_count_overflow_is_an_error() -> Result<()> {
         let dev = Device::Cpu;

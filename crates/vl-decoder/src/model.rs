@@ -783,11 +783,12 @@ impl VisionLanguageDecoder {
     /// - `mask: (images | 1, 1, image_len)`, for images of unequal token counts
     pub fn image_context(&self, memory: &Tensor, mask: Option<Mask>) -> Result<ImageContext> {
         // On the pool (see `vl_attn::kernel::on_pool`).
-        vl_attn::kernel::on_pool(|| self.image_context_on_pool(memory, mask))
+        vl_attn::kernel::on_pool(|| self.image_context_inline(memory, mask))
     }
 
-    /// [`VisionLanguageDecoder::image_context`], on the calling thread.
-    fn image_context_on_pool(&self, memory: &Tensor, mask: Option<Mask>) -> Result<ImageContext> {
+    /// [`VisionLanguageDecoder::image_context`]'s work, on the calling
+    /// thread; `image_context` calls it on a worker of the pool.
+    fn image_context_inline(&self, memory: &Tensor, mask: Option<Mask>) -> Result<ImageContext> {
         self.check_memory(memory)?;
         let images = memory.dims()[0];
         if let Some(m) = &mask {
@@ -1030,11 +1031,12 @@ impl VisionLanguageDecoder {
     ) -> Result<(Tensor, Option<Tensor>)> {
         // On the pool, so that the step's ~100 products do not each wake
         // it from the caller's thread (see `vl_attn::kernel::on_pool`).
-        vl_attn::kernel::on_pool(|| self.step_hidden_on_pool(state, tokens, weights_of))
+        vl_attn::kernel::on_pool(|| self.step_hidden_inline(state, tokens, weights_of))
     }
 
-    /// [`VisionLanguageDecoder::step_hidden`], on the calling thread.
-    fn step_hidden_on_pool(
+    /// [`VisionLanguageDecoder::step_hidden`]'s work, on the calling
+    /// thread; `step_hidden` calls it on a worker of the pool.
+    fn step_hidden_inline(
         &self,
         state: &mut DecodeState,
         tokens: &Tensor,

@@ -475,11 +475,12 @@ impl Vit {
     /// `pixels: (batch, channels, image_size, image_size)`, normalised →
     /// `(batch, prefix + patches, hidden)`.
     pub fn last_hidden_state(&self, pixels: &Tensor) -> Result<Tensor> {
-        vl_attn::kernel::on_pool(|| self.last_hidden_state_on_pool(pixels))
+        vl_attn::kernel::on_pool(|| self.last_hidden_state_inline(pixels))
     }
 
-    /// [`Vit::last_hidden_state`], on the calling thread.
-    fn last_hidden_state_on_pool(&self, pixels: &Tensor) -> Result<Tensor> {
+    /// [`Vit::last_hidden_state`]'s work, on the calling thread;
+    /// `last_hidden_state` calls it on a worker of the pool.
+    fn last_hidden_state_inline(&self, pixels: &Tensor) -> Result<Tensor> {
         let c = &self.cfg;
         let dims = pixels.dims();
         if dims.len() != 4 || dims[1..] != [c.num_channels, c.image_size, c.image_size] {
