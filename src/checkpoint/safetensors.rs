@@ -125,18 +125,17 @@ impl CheckedSafetensors {
         // little-endian, as every target vl builds for): a byte buffer
         // copied into a typed one afterwards zeroed and wrote every page
         // twice, a third of a vit-gpt2 f32 caption's time in the kernel's
-        // page clearing. `vec![0; n]` of a number type is `calloc`, whose
-        // fresh pages the kernel zeroes when the read first touches them.
+        // page clearing.
         let (shape, cpu) = (e.shape.as_slice(), &Device::Cpu);
         match e.dtype {
-            Dtype::F32 => Tensor::from_vec(read_values::<f32>(len, read)?, shape, cpu),
-            Dtype::F64 => Tensor::from_vec(read_values::<f64>(len, read)?, shape, cpu),
+            Dtype::F32 => Tensor::from_vec(read_values::<f32>(name, len, read)?, shape, cpu),
+            Dtype::F64 => Tensor::from_vec(read_values::<f64>(name, len, read)?, shape, cpu),
             Dtype::F16 => {
-                let bits = read_values::<u16>(len, read)?;
+                let bits = read_values::<u16>(name, len, read)?;
                 Tensor::from_vec(bits.reinterpret_into::<half::f16>(), shape, cpu)
             }
             Dtype::BF16 => {
-                let bits = read_values::<u16>(len, read)?;
+                let bits = read_values::<u16>(name, len, read)?;
                 Tensor::from_vec(bits.reinterpret_into::<half::bf16>(), shape, cpu)
             }
             other => Err(self.err(format!(
@@ -148,41 +147,24 @@ impl CheckedSafetensors {
 
 /// A zeroed `Vec<T>` of `len` bytes (a multiple of `T`'s size: the
 /// header's offsets were checked against its shape and dtype) filled by
-/// `read` through a byte view.
-fn read_values<T: Plain>(
+/// `read` through a byte view; errors name tensor `name`. Zeroed by the allocator (`calloc`), whose
+/// fresh pages the kernel clears as the read first touches them.
+fn read_values<T: bytemuck::Pod>(
+    name: &str,
     len: usize,
     read: impl FnOnce(&mut [u8]) -> candle_core::Result<()>,
 ) -> candle_core::Result<Vec<T>> {
     let size = std::mem::size_of::<T>();
     if !len.is_multiple_of(size) {
-        candle_core::bail!("{len} bytes are not a whole number of {size}-byte values");
+        candle_core::bail!(
+            "tensor `{name}`: {len} bytes are not a whole number of {size}-byte values"
+        );
     }
-    let mut values = vec![T::ZERO; len / size];
-    // SAFETY: `values` is initialised, `len` bytes long and outlives the
-    // view; every byte pattern is a valid `T` (`Plain`) and `u8` has no
-    // alignment requirement.
-    let bytes = unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<u8>(), len) };
-    read(bytes)?;
+    let Ok(mut values) = bytemuck::try_zeroed_vec::<T>(len / size) else {
+        candle_core::bail!("tensor `{name}`: cannot allocate {len} bytes");
+    };
+    read(bytemuck::cast_slice_mut(&mut values))?;
     Ok(values)
-}
-
-/// The number types [`read_values`] fills from bytes: every bit pattern
-/// is a value, and `ZERO` is all zero bits (so `vec![ZERO; n]` is a
-/// `calloc`).
-trait Plain: Copy {
-    const ZERO: Self;
-}
-
-impl Plain for f32 {
-    const ZERO: Self = 0.0;
-}
-
-impl Plain for f64 {
-    const ZERO: Self = 0.0;
-}
-
-impl Plain for u16 {
-    const ZERO: Self = 0;
 }
 
 impl SimpleBackend for CheckedSafetensors {

@@ -255,13 +255,13 @@ impl Proj {
         // candle's `QTensor::quantize` reads the whole storage from its start
         // and ignores the view's layout: a weight narrowed out of a larger
         // one (a split fused projection) would quantize the wrong rows — only
-        // a debug assertion catches it. Quantize from a buffer of its own
-        // (one copy per layer, at load time). candle's fastest x86 kernels
+        // a debug assertion catches it. Quantize from the view's own values
+        // (read in place on the CPU, a copy elsewhere). candle's fastest x86 kernels
         // (VNNI tiles) take weights of a multiple of 16 rows: a layer of
         // another height (an LM head over 50257 tokens) gets zero rows in
         // that buffer, cut off after the product.
         let padded = out_dim.next_multiple_of(QUANTIZED_ROWS);
-        let dense = weight.to_dtype(DType::F32)?.contiguous()?;
+        let dense = weight.to_dtype(DType::F32)?;
         let q = if weight.device().is_cpu() {
             crate::kernel::with_values(&dense, |values: &[f32]| {
                 quantize_rows(values, in_dim, padded, format)
@@ -334,7 +334,7 @@ fn quantize_rows(
         &Device::Cpu,
         format,
     )?;
-    Ok(QTensor::new(storage, (padded.max(rows), in_dim))?)
+    Ok(QTensor::new(storage, (padded, in_dim))?)
 }
 
 /// `x W^T` on vl's CPU kernels when one takes these operands — decode

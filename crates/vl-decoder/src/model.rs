@@ -232,9 +232,6 @@ pub struct VisionLanguageDecoder {
     embedding_norm: Option<LayerNorm>,
     blocks: Vec<DecoderBlock>,
     final_norm: Option<LayerNorm>,
-    /// `final_norm` in f32, for the last hidden state of a 16-bit decoder
-    /// (widened before the norm: see [`VisionLanguageDecoder::logits`]).
-    final_norm_f32: Option<LayerNorm>,
     output_transform: Option<OutputTransform>,
     /// Dense, or quantized by [`VisionLanguageDecoder::quantize`].
     lm_head: Proj,
@@ -417,10 +414,6 @@ impl VisionLanguageDecoder {
         let dtype = embed_tokens.embeddings().dtype();
         let positions = Positions::for_config(cfg, embed_positions, dtype, &device)?;
         let dropouts = cfg.dropouts()?;
-        let final_norm_f32 = match &final_norm {
-            Some(norm) if dtype != DType::F32 => Some(norm.to_dtype(DType::F32)?),
-            _ => None,
-        };
         let blocks = blocks
             .into_iter()
             .map(|b| {
@@ -435,7 +428,6 @@ impl VisionLanguageDecoder {
             embedding_norm,
             blocks,
             final_norm,
-            final_norm_f32,
             output_transform,
             lm_head: lm_head.into(),
             embd_dropout: dropouts.embedding,
@@ -739,7 +731,7 @@ impl VisionLanguageDecoder {
             for block in &self.blocks {
                 x = block.forward(&x, image, None, inputs)?.0;
             }
-            self.logits(&x)
+            self.logits_inline(&x)
         })
     }
 
@@ -760,11 +752,22 @@ impl VisionLanguageDecoder {
     /// # Shapes
     /// `hidden: (batch, len, hidden)` → `(batch, len, vocab)` f32.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        // On the pool (see `vl_attn::kernel::on_pool`).
+        vl_attn::kernel::on_pool(|| self.logits_inline(hidden))
+    }
+
+    /// [`VisionLanguageDecoder::logits`]'s work, on the calling thread.
+    fn logits_inline(&self, hidden: &Tensor) -> Result<Tensor> {
         let tracked = hidden.track_op();
-        let x = match (&self.final_norm, &self.final_norm_f32) {
-            (Some(_), Some(wide)) if !tracked => wide.forward(&hidden.to_dtype(DType::F32)?)?,
-            (Some(norm), _) => norm.forward(hidden)?,
-            (None, _) => hidden.clone(),
+        let wide = !tracked && hidden.dtype() != DType::F32;
+        let x = match &self.final_norm {
+            // The norm's weights widened on each call (a vector each): a
+            // copy kept beside them would go stale if they were trained.
+            Some(norm) if wide => norm
+                .to_dtype(DType::F32)?
+                .forward(&hidden.to_dtype(DType::F32)?)?,
+            Some(norm) => norm.forward(hidden)?,
+            None => hidden.clone(),
         };
         let x = match &self.output_transform {
             Some(t) => t.forward(&x.to_dtype(hidden.dtype())?)?,
@@ -1035,7 +1038,7 @@ impl VisionLanguageDecoder {
     }
 
     /// [`VisionLanguageDecoder::step_hidden`]'s work, on the calling
-    /// thread; `step_hidden` calls it on a worker of the pool.
+    /// thread (the public steps call it on a worker of the pool).
     fn step_hidden_inline(
         &self,
         state: &mut DecodeState,
@@ -1093,8 +1096,11 @@ impl VisionLanguageDecoder {
     /// # Errors
     /// As [`VisionLanguageDecoder::step_hidden`].
     pub fn step(&self, state: &mut DecodeState, tokens: &Tensor) -> Result<Tensor> {
-        let (h, _) = self.step_hidden(state, tokens, None)?;
-        self.logits(&h)
+        // The blocks and the LM head in one hand-over to the pool.
+        vl_attn::kernel::on_pool(|| {
+            let (h, _) = self.step_hidden_inline(state, tokens, None)?;
+            self.logits_inline(&h)
+        })
     }
 
     /// Feeds the next tokens and returns the logits of the last position
@@ -1127,11 +1133,23 @@ impl VisionLanguageDecoder {
         tokens: &Tensor,
         weights_of: Option<usize>,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let (h, weights) = self.step_hidden(state, tokens, weights_of)?;
+        // The blocks and the LM head in one hand-over to the pool.
+        vl_attn::kernel::on_pool(|| self.step_last_weights_inline(state, tokens, weights_of))
+    }
+
+    /// [`VisionLanguageDecoder::step_last_weights`]'s work, on the
+    /// calling thread.
+    fn step_last_weights_inline(
+        &self,
+        state: &mut DecodeState,
+        tokens: &Tensor,
+        weights_of: Option<usize>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (h, weights) = self.step_hidden_inline(state, tokens, weights_of)?;
         // (rows, len, hidden), len >= 1 (checked by step_hidden)
         let (_, t, _) = h.dims3()?;
         let last = t.saturating_sub(1);
-        let logits = self.logits(&h.narrow(1, last, 1)?)?.squeeze(1)?;
+        let logits = self.logits_inline(&h.narrow(1, last, 1)?)?.squeeze(1)?;
         let weights = match weights {
             // (rows, heads, len, image_len) -> (rows, image_len)
             Some(w) => Some(
