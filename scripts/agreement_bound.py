@@ -61,6 +61,15 @@ Variants, each against the f32 model (same checkpoint, pixels, ids):
   q8_0 round trip on one part of the model alone (the vision encoder's
   linear layers; the text decoder's, LM head excluded; the LM head),
   the rest f32: where the flips come from.
+- `q4k-weights` (unless --skip-q4k): the linear weights (input widths a
+  multiple of 256) through candle's own q4_K round trip, exactly the
+  weights `vl --quantize q4k` multiplies by: `examples/ggml_roundtrip.rs`
+  (built first: `cargo build --release --example ggml_roundtrip`) quantizes
+  them with `QTensor::quantize` and dequantizes them.
+- `q4k-weights+acts`: as `q4k-weights`, and each such layer's input
+  activation through the q8_0 round trip (candle multiplies q4_K weights
+  by activations rounded to q8_K, 8 bits per block of 256 with an f32
+  scale: finer than q8_0's, so this row rounds them at least as much).
 - `f64-dense`, `f64-q8_0-weights` (unless --skip-f64): the model in
   float64, dense and with the q8_0 weights: the first shows the f32
   rounding noise alone, the second that the q8_0 figure does not come from
@@ -88,7 +97,9 @@ scripts/hf_fixtures.py, trocr_fixtures.py, blip_fixtures.py `--base DIR`.
 import argparse
 import contextlib
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -195,6 +206,42 @@ def transformed_weights(layers: list, f, blocked: bool):
             new = f(w.t()).t() if isinstance(m, Conv1D) else f(w)
             saved.append((m, m.weight))
             m.weight = torch.nn.Parameter(new.contiguous(), requires_grad=False)
+        yield
+    finally:
+        for m, p in saved:
+            m.weight = p
+
+
+def ggml_round_trip(layers: list, fmt: str, block: int) -> dict:
+    """{layer name: its weight (in its own layout) rounded by candle's
+    `fmt` round trip along the input dimension}, by examples/ggml_roundtrip
+    (release build); layers whose input width is not a multiple of `block`
+    are left out."""
+    from safetensors.torch import load_file, save_file
+    exe = ROOT / "target" / "release" / "examples" / "ggml_roundtrip"
+    if not exe.exists():
+        sys.exit(f"{exe} is missing: cargo build --release --example ggml_roundtrip")
+    rows = {name: (m.weight.data.t() if isinstance(m, Conv1D) else m.weight.data).contiguous().clone()
+            for name, m, width in layers if width % block == 0}
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "in.safetensors", Path(tmp) / "out.safetensors"
+        save_file(rows, str(src))
+        subprocess.run([str(exe), str(src), str(dst), fmt], check=True)
+        out = load_file(str(dst))
+    return {name: (out[name].t() if isinstance(m, Conv1D) else out[name])
+            for name, m, width in layers if name in out}
+
+
+@contextlib.contextmanager
+def weights_from(layers: list, new: dict):
+    """Replaces the weight of each layer named in `new` by a Parameter of
+    new[name]; restores the originals (ties included) on exit."""
+    saved = []
+    try:
+        for name, m, _ in layers:
+            if name in new:
+                saved.append((m, m.weight))
+                m.weight = torch.nn.Parameter(new[name].contiguous(), requires_grad=False)
         yield
     finally:
         for m, p in saved:
@@ -351,6 +398,11 @@ def measure(d: Path, args) -> dict:
     for part, part_layers in model_parts(model, layers, blip).items():
         with transformed_weights(part_layers, q8_0, blocked=True):
             run(f"q8_0-weights-{part}")
+    if not args.skip_q4k:
+        with weights_from(layers, ggml_round_trip(layers, "q4k", 256)):
+            run("q4k-weights")
+            with rounded_inputs([l for l in layers if l[2] % 256 == 0], q8_0, blocked=True):
+                run("q4k-weights+acts")
     if not args.skip_f64:
         model.double()
         cast_sinusoids(model, torch.float64)
@@ -368,7 +420,7 @@ def measure(d: Path, args) -> dict:
     # the table's order
     order = ["torch-bf16", "torch-bf16-f32-logits", "bf16-weights", "bf16-weights+acts", "q8_0-weights", "q8_0-weights+acts",
              "q8_0-best-scale-weights", "q8_0-weights-vision", "q8_0-weights-decoder", "q8_0-weights-head",
-             "f64-dense", "f64-q8_0-weights"]
+             "q4k-weights", "q4k-weights+acts", "f64-dense", "f64-q8_0-weights"]
     rows = {k: rows[k] for k in order if k in rows}
     del model
     return dict(
@@ -404,6 +456,8 @@ def main():
     ap.add_argument("--pixels", choices=["image", "synthetic"], default="image",
                     help="DIR/image.png through the checkpoint's processor (default), or vl bench's image")
     ap.add_argument("--skip-f64", action="store_true", help="skip the float64 rows")
+    ap.add_argument("--skip-q4k", action="store_true",
+                    help="skip the q4k rows (which need examples/ggml_roundtrip built)")
     ap.add_argument("--out", type=Path, default=ROOT / "scripts" / "out" / "agreement_bound.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
