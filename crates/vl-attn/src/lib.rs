@@ -96,6 +96,7 @@ mod micro;
 pub mod norm;
 pub mod pool;
 pub mod proj;
+mod q4k;
 pub mod resampler;
 pub mod self_attn;
 mod tiled;

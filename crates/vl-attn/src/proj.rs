@@ -27,6 +27,7 @@ use candle_nn::Linear;
 use crate::error::{AttnError, Result};
 use crate::gemm_bf16::PackedBf16;
 use crate::gemv_q8::PackedQ8;
+use crate::q4k;
 
 /// The row multiple quantized weights are padded to (candle's x86 tiles).
 const QUANTIZED_ROWS: usize = 16;
@@ -307,25 +308,22 @@ fn quantize_rows(
     let per_task = rows
         .div_ceil(rayon::current_num_threads().max(1) * 4)
         .max(QUANTIZED_ROWS);
-    let quantize = |part: Tensor| -> candle_core::Result<Vec<u8>> {
+    let quantize = |part: &[f32]| -> candle_core::Result<Vec<u8>> {
+        if format == GgmlDType::Q4K {
+            // candle's bytes, from vl's faster quantizer.
+            let mut out = vec![0u8; part.len() / q4k::BLOCK_VALUES * q4k::BLOCK_BYTES];
+            q4k::quantize(part, &mut out);
+            return Ok(out);
+        }
+        let part = Tensor::from_slice(part, (part.len() / in_dim, in_dim), &Device::Cpu)?;
         Ok(QTensor::quantize(&part, format)?.data()?.into_owned())
     };
     let mut parts = values
         .par_chunks(per_task * in_dim)
-        .map(|part| {
-            quantize(Tensor::from_slice(
-                part,
-                (part.len() / in_dim, in_dim),
-                &Device::Cpu,
-            )?)
-        })
+        .map(quantize)
         .collect::<candle_core::Result<Vec<_>>>()?;
     if padded > rows {
-        parts.push(quantize(Tensor::zeros(
-            (padded - rows, in_dim),
-            DType::F32,
-            &Device::Cpu,
-        )?)?);
+        parts.push(quantize(&vec![0f32; (padded - rows) * in_dim])?);
     }
     let bytes = parts.concat();
     drop(parts);
