@@ -43,7 +43,7 @@ pub const BLOCK_VALUES: usize = 32;
 /// Bytes per q8_0 block in candle's format: an f16 scale and 32 `i8`.
 const BLOCK_BYTES: usize = 34;
 /// Rows per tile (the lanes of an AVX-512 register of i32).
-const TILE_ROWS: usize = 16;
+pub(crate) const TILE_ROWS: usize = 16;
 /// Bytes per tile and block.
 const TILE_BYTES: usize = TILE_ROWS * BLOCK_VALUES;
 /// Rows of `x` per block of a many-row product (64 rows of 3072 values
@@ -92,7 +92,7 @@ pub fn supported(isa: Q8Isa) -> bool {
 
 /// The f32 kernels' instruction set for the parts of `isa` written in
 /// plain Rust (the rounding of `x`, the non-VNNI products).
-fn plain_isa(isa: Q8Isa) -> Isa {
+pub(crate) fn plain_isa(isa: Q8Isa) -> Isa {
     match isa {
         Q8Isa::Vnni => Isa::Avx512,
         Q8Isa::Avx2 => Isa::Avx2,
@@ -293,127 +293,189 @@ impl PackedQ8 {
     /// # Errors
     /// As [`PackedQ8::matmul`], and an `isa` this CPU does not support.
     pub fn matmul_with(&self, isa: Q8Isa, x: &Tensor) -> candle_core::Result<Tensor> {
-        if !supported(isa) {
-            candle_core::bail!("vl-q8_0: this CPU cannot run {isa:?}");
-        }
-        let dims = x.dims();
-        if dims.last() != Some(&self.k)
-            || !x.device().is_cpu()
-            || !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
-        {
-            candle_core::bail!(
-                "vl-q8_0: takes x (..., {}) f32, f16 or bf16 on the CPU for a weight ({}, {}); got x {dims:?} {:?} on {:?}",
-                self.k,
-                self.n,
-                self.k,
-                x.dtype(),
-                x.device()
-            );
-        }
-        let rows = x.elem_count() / self.k.max(1);
-        let mut shape = dims[..dims.len() - 1].to_vec();
-        shape.push(self.n);
-        if rows == 0 || self.n == 0 {
-            return Tensor::zeros(shape, DType::F32, x.device());
-        }
-        let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let a = Activations::new(plain_isa(isa), &xs, rows, self.k);
-        let y = self.product(isa, &a);
-        Tensor::from_vec(y, shape, x.device())
+        matmul_tiled(self, isa, x)
+    }
+}
+
+impl Tiled for PackedQ8 {
+    const NAME: &'static str = "vl-q8_0";
+
+    fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
     }
 
-    /// `y (rows, n)`: tile columns split across the pool, each task
-    /// writing its own columns of every row.
-    fn product(&self, isa: Q8Isa, a: &Activations) -> Vec<f32> {
-        let tiles = self.n.div_ceil(TILE_ROWS);
-        let threads = rayon::current_num_threads().max(1);
-        let per_task = tiles.div_ceil(threads * 4).max(1);
-        // Not zeroed first (a memset and, for a fresh buffer, its page
-        // faults, before the tasks overwrite it): the tasks write every
-        // element (below).
-        let mut y: Vec<f32> = Vec::with_capacity(a.rows * self.n);
-        let out = OutPtr(y.as_mut_ptr());
-        (0..tiles.div_ceil(per_task))
-            .into_par_iter()
-            .for_each(|task| {
-                let t0 = task * per_task;
-                let t1 = (t0 + per_task).min(tiles);
-                for r0 in (0..a.rows).step_by(ROW_BLOCK) {
-                    let r1 = (r0 + ROW_BLOCK).min(a.rows);
-                    for t in t0..t1 {
-                        let mut r = r0;
-                        while r < r1 {
-                            // Up to 8 rows share each tile's loads.
-                            let step = (r1 - r).min(8);
-                            // SAFETY: tasks write disjoint tile columns
-                            // `t0..t1`; rows `r..r + step` exist; `y` outlives
-                            // the parallel loop.
-                            unsafe {
-                                match step {
-                                    8 => self.tile::<8>(isa, a, t, r, &out),
-                                    7 => self.tile::<7>(isa, a, t, r, &out),
-                                    6 => self.tile::<6>(isa, a, t, r, &out),
-                                    5 => self.tile::<5>(isa, a, t, r, &out),
-                                    4 => self.tile::<4>(isa, a, t, r, &out),
-                                    3 => self.tile::<3>(isa, a, t, r, &out),
-                                    2 => self.tile::<2>(isa, a, t, r, &out),
-                                    _ => self.tile::<1>(isa, a, t, r, &out),
-                                }
-                            }
-                            r += step;
-                        }
-                    }
-                }
-            });
-        // SAFETY: the tasks cover every tile column, and `tile` writes
-        // each column below `n` of every row: all `rows * n` elements are
-        // initialised.
-        unsafe { y.set_len(a.rows * self.n) };
-        y
+    fn bias_values(&self) -> Option<&[f32]> {
+        self.bias.as_deref()
     }
 
-    /// Rows `r0..r0 + R` of `x` against tile `t`, written to `out`.
-    ///
-    /// # Safety
-    /// `out` is `(a.rows, n)`; no other thread writes tile `t`'s columns
-    /// of these rows meanwhile; `isa` runs on this CPU.
-    #[inline(always)]
-    unsafe fn tile<const R: usize>(
+    unsafe fn accumulate<const R: usize>(
         &self,
         isa: Q8Isa,
         a: &Activations,
         t: usize,
         r0: usize,
-        out: &OutPtr,
+        acc: &mut [[f32; TILE_ROWS]; R],
     ) {
-        let mut acc = [[0f32; TILE_ROWS]; R];
         match isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the caller's contract: the CPU has VNNI.
-            Q8Isa::Vnni => unsafe { tile_vnni(self, a, t, r0, &mut acc) },
-            other => tile_plain(plain_isa(other), self, a, t, r0, &mut acc),
+            Q8Isa::Vnni => unsafe { tile_vnni(self, a, t, r0, acc) },
+            other => tile_plain(plain_isa(other), self, a, t, r0, acc),
         }
-        let cols = (self.n - t * TILE_ROWS).min(TILE_ROWS);
-        if let Some(b) = &self.bias {
-            let b = &b[t * TILE_ROWS..][..cols];
-            for acc in acc.iter_mut() {
-                for (a, b) in acc.iter_mut().zip(b) {
-                    *a += b;
+    }
+}
+
+/// A weight `(n, k)` packed in tiles of [`TILE_ROWS`] rows whose products
+/// take `x` rounded to q8_0 ([`Activations`]): [`PackedQ8`], and
+/// [`crate::gemv_q4k::PackedQ4K`]. [`matmul_tiled`] does the rest: the
+/// checks, the rounding, the split across the pool, the bias, the stores.
+pub(crate) trait Tiled: Sync {
+    /// The kernel's name in errors.
+    const NAME: &'static str;
+    /// `(n, k)`.
+    fn dims(&self) -> (usize, usize);
+    /// The layer's bias, `(n)`.
+    fn bias_values(&self) -> Option<&[f32]>;
+    /// `acc[i][j] = Σ` over `k` of row `r0 + i` of `x` times row
+    /// `16 t + j` of the weight (the padding rows' lanes are unused).
+    ///
+    /// # Safety
+    /// `isa` runs on this CPU; `t` is a tile of the weight and rows
+    /// `r0..r0 + R` exist in `a`, whose width is the weight's.
+    unsafe fn accumulate<const R: usize>(
+        &self,
+        isa: Q8Isa,
+        a: &Activations,
+        t: usize,
+        r0: usize,
+        acc: &mut [[f32; TILE_ROWS]; R],
+    );
+}
+
+/// `x W^T` (plus the bias, if any) for `x: (..., k)` f32, f16 or bf16 on
+/// the CPU, any number of rows → `(..., n)` f32, on `isa`.
+///
+/// # Errors
+/// An `x` of another width, not on the CPU or of an integer dtype, and an
+/// `isa` this CPU does not support, named.
+pub(crate) fn matmul_tiled<P: Tiled>(p: &P, isa: Q8Isa, x: &Tensor) -> candle_core::Result<Tensor> {
+    let name = P::NAME;
+    if !supported(isa) {
+        candle_core::bail!("{name}: this CPU cannot run {isa:?}");
+    }
+    let (n, k) = p.dims();
+    let dims = x.dims();
+    if dims.last() != Some(&k)
+        || !x.device().is_cpu()
+        || !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+    {
+        candle_core::bail!(
+            "{name}: takes x (..., {k}) f32, f16 or bf16 on the CPU for a weight ({n}, {k}); got x {dims:?} {:?} on {:?}",
+            x.dtype(),
+            x.device()
+        );
+    }
+    let rows = x.elem_count() / k.max(1);
+    let mut shape = dims[..dims.len() - 1].to_vec();
+    shape.push(n);
+    if rows == 0 || n == 0 {
+        return Tensor::zeros(shape, DType::F32, x.device());
+    }
+    let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let a = Activations::new(plain_isa(isa), &xs, rows, k);
+    let y = product(p, isa, &a);
+    Tensor::from_vec(y, shape, x.device())
+}
+
+/// `y (rows, n)`: tile columns split across the pool, each task writing
+/// its own columns of every row.
+fn product<P: Tiled>(p: &P, isa: Q8Isa, a: &Activations) -> Vec<f32> {
+    let n = p.dims().0;
+    let tiles = n.div_ceil(TILE_ROWS);
+    let threads = rayon::current_num_threads().max(1);
+    let per_task = tiles.div_ceil(threads * 4).max(1);
+    // Not zeroed first (a memset and, for a fresh buffer, its page
+    // faults, before the tasks overwrite it): the tasks write every
+    // element (below).
+    let mut y: Vec<f32> = Vec::with_capacity(a.rows * n);
+    let out = OutPtr(y.as_mut_ptr());
+    (0..tiles.div_ceil(per_task))
+        .into_par_iter()
+        .for_each(|task| {
+            let t0 = task * per_task;
+            let t1 = (t0 + per_task).min(tiles);
+            for r0 in (0..a.rows).step_by(ROW_BLOCK) {
+                let r1 = (r0 + ROW_BLOCK).min(a.rows);
+                for t in t0..t1 {
+                    let mut r = r0;
+                    while r < r1 {
+                        // Up to 8 rows share each tile's loads.
+                        let step = (r1 - r).min(8);
+                        // SAFETY: tasks write disjoint tile columns
+                        // `t0..t1`; rows `r..r + step` exist; `y` outlives
+                        // the parallel loop; `isa` was checked.
+                        unsafe {
+                            match step {
+                                8 => tile::<P, 8>(p, isa, a, t, r, &out),
+                                7 => tile::<P, 7>(p, isa, a, t, r, &out),
+                                6 => tile::<P, 6>(p, isa, a, t, r, &out),
+                                5 => tile::<P, 5>(p, isa, a, t, r, &out),
+                                4 => tile::<P, 4>(p, isa, a, t, r, &out),
+                                3 => tile::<P, 3>(p, isa, a, t, r, &out),
+                                2 => tile::<P, 2>(p, isa, a, t, r, &out),
+                                _ => tile::<P, 1>(p, isa, a, t, r, &out),
+                            }
+                        }
+                        r += step;
+                    }
                 }
             }
+        });
+    // SAFETY: the tasks cover every tile column, and `tile` writes each
+    // column below `n` of every row: all `rows * n` elements are
+    // initialised.
+    unsafe { y.set_len(a.rows * n) };
+    y
+}
+
+/// Rows `r0..r0 + R` of `x` against tile `t`, written to `out`.
+///
+/// # Safety
+/// `out` is `(a.rows, n)`; no other thread writes tile `t`'s columns of
+/// these rows meanwhile; `isa` runs on this CPU.
+#[inline(always)]
+unsafe fn tile<P: Tiled, const R: usize>(
+    p: &P,
+    isa: Q8Isa,
+    a: &Activations,
+    t: usize,
+    r0: usize,
+    out: &OutPtr,
+) {
+    let n = p.dims().0;
+    let mut acc = [[0f32; TILE_ROWS]; R];
+    // SAFETY: the caller's contract.
+    unsafe { p.accumulate(isa, a, t, r0, &mut acc) };
+    let cols = (n - t * TILE_ROWS).min(TILE_ROWS);
+    if let Some(b) = p.bias_values() {
+        let b = &b[t * TILE_ROWS..][..cols];
+        for acc in acc.iter_mut() {
+            for (a, b) in acc.iter_mut().zip(b) {
+                *a += b;
+            }
         }
-        for (i, acc) in acc.iter().enumerate() {
-            // SAFETY: row `r0 + i` exists and columns `t * 16 ..` of it
-            // are this call's alone (the caller's contract); written
-            // through the pointer (the buffer is not initialised before).
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    acc.as_ptr(),
-                    out.0.add((r0 + i) * self.n + t * TILE_ROWS),
-                    cols,
-                )
-            };
-        }
+    }
+    for (i, acc) in acc.iter().enumerate() {
+        // SAFETY: row `r0 + i` exists and columns `t * 16 ..` of it are
+        // this call's alone (the caller's contract); written through the
+        // pointer (the buffer is not initialised before).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                acc.as_ptr(),
+                out.0.add((r0 + i) * n + t * TILE_ROWS),
+                cols,
+            )
+        };
     }
 }
 
@@ -425,16 +487,16 @@ unsafe impl Sync for OutPtr {}
 
 /// Rows of `x` rounded to q8_0, with what the kernels read besides.
 pub(crate) struct Activations {
-    rows: usize,
+    pub(crate) rows: usize,
     /// Values per row, a multiple of [`BLOCK_VALUES`].
-    k: usize,
+    pub(crate) k: usize,
     /// `(rows, k)` rounded values.
-    q: Vec<i8>,
+    pub(crate) q: Vec<i8>,
     /// `(rows, k / 32)` scales.
-    d: Vec<f32>,
+    pub(crate) d: Vec<f32>,
     /// `(rows, k / 32)`: `-128 ×` each block's sum (what the weights'
     /// +128 offset adds to each lane).
-    offset: Vec<i32>,
+    pub(crate) offset: Vec<i32>,
 }
 
 /// Quantizes the rows of one tile (`values`: up to [`TILE_ROWS`] rows of

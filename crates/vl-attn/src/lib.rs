@@ -24,10 +24,11 @@
 //!   kernels — tiled (query blocks × key blocks, online softmax) for
 //!   prefill and encoders, one row at a time for decode steps; a query
 //!   row with nothing to attend to yields zeros, never NaN.
-//! - [`gemv`], [`gemm_bf16`] and [`gemv_q8`]: vl's CPU matrix products
-//!   for decode shapes (1–8 rows, f32/f16/bf16 weights, across the thread
-//!   pool), for many bf16 rows (AVX512_BF16), and for q8_0 weights packed
-//!   once (AVX-512 VNNI, any number of rows), behind [`Proj`].
+//! - [`gemv`], [`gemm_bf16`], [`gemv_q8`] and [`gemv_q4k`]: vl's CPU
+//!   matrix products for decode shapes (1–8 rows, f32/f16/bf16 weights,
+//!   across the thread pool), for many bf16 rows (AVX512_BF16), and for
+//!   q8_0 and q4_K weights packed once (AVX-512 VNNI, any number of
+//!   rows), behind [`Proj`].
 //!   The products split across the rayon pool. Called from a thread
 //!   outside it, each one hands its work over and waits (about 10 µs on a
 //!   2-core machine); run a model's whole forward pass or decode step
@@ -88,6 +89,7 @@ pub mod gate;
 mod gelu;
 pub mod gemm_bf16;
 pub mod gemv;
+pub mod gemv_q4k;
 pub mod gemv_q8;
 mod heads;
 pub mod kernel;

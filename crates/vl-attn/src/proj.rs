@@ -7,10 +7,11 @@
 //! weight quantized to bf16 there is packed once for it, at load time);
 //! everything else (f32 prefill and encoders, training, other devices) on
 //! candle's matmul. A `q8_0` weight on the CPU is packed once for vl's
-//! own q8_0 kernels ([`crate::gemv_q8::PackedQ8`], any number of rows);
-//! `q4k` (and `q8_0` off the CPU) run on candle's quantized kernels —
-//! both much faster than a dense bf16 or f32 weight while holding 4 to 7
-//! times fewer bytes.
+//! own q8_0 kernels ([`crate::gemv_q8::PackedQ8`], any number of rows),
+//! a `q4k` one for vl's q4_K kernels ([`crate::gemv_q4k::PackedQ4K`]);
+//! other formats, and every format off the CPU, run on candle's quantized
+//! kernels — all much faster than a dense bf16 or f32 weight while
+//! holding 4 to 7 times fewer bytes.
 //!
 //! Quantizing a weight `(out, in)` needs `in` to be a multiple of the
 //! format's block size (32 for `q8_0`, 256 for `q4k`); otherwise
@@ -26,8 +27,8 @@ use candle_nn::Linear;
 
 use crate::error::{AttnError, Result};
 use crate::gemm_bf16::PackedBf16;
+use crate::gemv_q4k::PackedQ4K;
 use crate::gemv_q8::PackedQ8;
-use crate::q4k;
 
 /// The row multiple quantized weights are padded to (candle's x86 tiles).
 const QUANTIZED_ROWS: usize = 16;
@@ -81,6 +82,13 @@ enum Inner {
         /// The activation dtype (the dense weight's dtype).
         dtype: DType,
     },
+    /// A q4_K weight packed once for vl's q4_K kernels (on the CPU).
+    Q4K {
+        /// The bias inside, added as the outputs are stored.
+        weight: Arc<PackedQ4K>,
+        /// The activation dtype (the dense weight's dtype).
+        dtype: DType,
+    },
 }
 
 impl From<Linear> for Proj {
@@ -110,6 +118,7 @@ impl Proj {
             Inner::Half { weight, .. } => weight.dims2().unwrap_or((0, 0)),
             Inner::Packed { weight, .. } => weight.dims(),
             Inner::Q8 { weight, .. } => weight.dims(),
+            Inner::Q4K { weight, .. } => weight.dims(),
         }
     }
 
@@ -120,7 +129,8 @@ impl Proj {
             Inner::Quantized { dtype, .. }
             | Inner::Half { dtype, .. }
             | Inner::Packed { dtype, .. }
-            | Inner::Q8 { dtype, .. } => *dtype,
+            | Inner::Q8 { dtype, .. }
+            | Inner::Q4K { dtype, .. } => *dtype,
         }
     }
 
@@ -130,7 +140,7 @@ impl Proj {
             Inner::Dense(l) => l.weight().device(),
             Inner::Quantized { device, .. } => device,
             Inner::Half { weight, .. } => weight.device(),
-            Inner::Packed { .. } | Inner::Q8 { .. } => &Device::Cpu,
+            Inner::Packed { .. } | Inner::Q8 { .. } | Inner::Q4K { .. } => &Device::Cpu,
         }
     }
 
@@ -141,6 +151,7 @@ impl Proj {
             Inner::Quantized { format, .. } | Inner::Half { format, .. } => Some(*format),
             Inner::Packed { .. } => Some(GgmlDType::BF16),
             Inner::Q8 { .. } => Some(GgmlDType::Q8_0),
+            Inner::Q4K { .. } => Some(GgmlDType::Q4K),
         }
     }
 
@@ -151,7 +162,8 @@ impl Proj {
             Inner::Quantized { .. }
             | Inner::Half { .. }
             | Inner::Packed { .. }
-            | Inner::Q8 { .. } => None,
+            | Inner::Q8 { .. }
+            | Inner::Q4K { .. } => None,
         }
     }
 
@@ -215,6 +227,7 @@ impl Proj {
                 (weight.unpack()?.to_dtype(DType::F32)?, weight.bias()?)
             }
             Inner::Q8 { weight, .. } => (weight.dequantize()?, weight.bias()?),
+            Inner::Q4K { weight, .. } => (weight.dequantize()?, weight.bias()?),
         };
         if let Some(half) = match format {
             GgmlDType::BF16 => Some(DType::BF16),
@@ -249,6 +262,15 @@ impl Proj {
             return Ok(Self {
                 inner: Inner::Q8 {
                     weight: Arc::new(PackedQ8::quantize(&weight)?.with_bias(bias.as_ref())?),
+                    dtype: self.dtype(),
+                },
+            });
+        }
+        if format == GgmlDType::Q4K && self.device().is_cpu() {
+            // vl's q4_K kernels: likewise.
+            return Ok(Self {
+                inner: Inner::Q4K {
+                    weight: Arc::new(PackedQ4K::quantize(&weight)?.with_bias(bias.as_ref())?),
                     dtype: self.dtype(),
                 },
             });
@@ -294,7 +316,7 @@ impl Proj {
 /// `values`, `in_dim` a multiple of the format's block) followed by zero
 /// rows up to `padded` rows, its rows split across the rayon pool: candle
 /// quantizes on the calling thread, and a k-quant's search for each
-/// block's scales is most of a `--quantize q4k` load. Every row is whole
+/// block's scales is slow (q4k has vl's own, [`crate::q4k`]). Every row is whole
 /// blocks, so the quantized rows of the parts, concatenated, are the bytes
 /// of the whole; each part is copied once, into the tensor candle takes.
 fn quantize_rows(
@@ -309,12 +331,6 @@ fn quantize_rows(
         .div_ceil(rayon::current_num_threads().max(1) * 4)
         .max(QUANTIZED_ROWS);
     let quantize = |part: &[f32]| -> candle_core::Result<Vec<u8>> {
-        if format == GgmlDType::Q4K {
-            // candle's bytes, from vl's faster quantizer.
-            let mut out = vec![0u8; part.len() / q4k::BLOCK_VALUES * q4k::BLOCK_BYTES];
-            q4k::quantize(part, &mut out);
-            return Ok(out);
-        }
         let part = Tensor::from_slice(part, (part.len() / in_dim, in_dim), &Device::Cpu)?;
         Ok(QTensor::quantize(&part, format)?.data()?.into_owned())
     };
@@ -369,6 +385,7 @@ impl Proj {
             Inner::Half { weight, bias, .. } => (weight, bias.as_ref()),
             Inner::Packed { weight, .. } => return weight.matmul(&x.to_dtype(DType::F32)?),
             Inner::Q8 { weight, .. } => return weight.matmul(&x.to_dtype(DType::F32)?),
+            Inner::Q4K { weight, .. } => return weight.matmul(&x.to_dtype(DType::F32)?),
             // The quantized kernels take f32 activations on every device.
             Inner::Quantized { .. } => return self.forward(&x.to_dtype(DType::F32)?),
         };
@@ -415,6 +432,7 @@ impl Module for Proj {
             }
             Inner::Packed { weight, .. } => weight.matmul(x),
             Inner::Q8 { weight, .. } => weight.matmul(x)?.to_dtype(x.dtype()),
+            Inner::Q4K { weight, .. } => weight.matmul(x)?.to_dtype(x.dtype()),
             Inner::Quantized {
                 weight,
                 bias,

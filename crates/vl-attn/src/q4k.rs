@@ -262,7 +262,7 @@ fn finish(x: &[f32], scales: [f32; 8], mins: [f32; 8], out: &mut [u8]) {
 
 /// Sub-block `j`'s 6-bit scale and minimum from the 12 packed bytes.
 #[inline(always)]
-fn scale_min(j: usize, q: &[u8; 12]) -> (u8, u8) {
+pub(crate) fn scale_min(j: usize, q: &[u8; 12]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
