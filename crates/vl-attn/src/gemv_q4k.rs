@@ -16,13 +16,13 @@
 //! A tile's blocks follow each other as records of 2368 bytes (37 cache
 //! lines): the 16 rows' `d` and `dmin` (f16), their 8 sub-blocks' `sc`
 //! and `m` (a byte each), then the 8 sub-blocks' nibbles; a tile's
-//! product reads one stream. Per sub-block a kernel
-//! loads 4 vectors, splits the nibbles, and 8 AVX-512 VNNI `vpdpbusd`
-//! give the 16 rows' integer dot products with `x` rounded to q8_0
-//! (per 32 values, as [`crate::gemv_q8`] rounds it); then
+//! product reads one stream. Per sub-block a kernel loads 4 vectors,
+//! splits the nibbles, and 8 AVX-512 VNNI `vpdpbusd` give the 16 rows'
+//! integer dot products with `x` rounded to q8_0 (per 32 values, as
+//! [`crate::gemv_q8`] rounds it; candle rounds per 256); then
 //! `acc += (d·sc)·dx·Σ q·xq − (dmin·m)·dx·Σ xq`. The bytes held are
-//! 4.625 bits per weight (candle's 4.5, plus the 16 rows' scales and
-//! minimums as whole bytes).
+//! 4.625 bits per weight (candle's blocks 4.5: the scales and minimums
+//! are whole bytes here).
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
@@ -288,6 +288,7 @@ impl Tiled for PackedQ4K {
         self.bias.as_deref()
     }
 
+    #[inline(always)]
     unsafe fn accumulate<const R: usize>(
         &self,
         isa: Q8Isa,

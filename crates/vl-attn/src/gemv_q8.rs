@@ -308,6 +308,7 @@ impl Tiled for PackedQ8 {
         self.bias.as_deref()
     }
 
+    #[inline(always)]
     unsafe fn accumulate<const R: usize>(
         &self,
         isa: Q8Isa,
