@@ -30,7 +30,9 @@ use half::f16;
 use rayon::prelude::*;
 
 use crate::gemv::{prefetch, PREFETCH_AHEAD};
-use crate::gemv_q8::{matmul_tiled, plain_isa, Activations, Q8Isa, Tiled, TILE_ROWS};
+use crate::gemv_q8::{
+    bias_tensor, checked_bias, matmul_tiled, plain_isa, Activations, Q8Isa, Tiled, TILE_ROWS,
+};
 use crate::micro::{madd, Kernel};
 use crate::q4k::{self, scale_min, BLOCK_BYTES, BLOCK_VALUES};
 
@@ -149,29 +151,13 @@ impl PackedQ4K {
     /// # Errors
     /// A bias of another length or not on the CPU, named.
     pub fn with_bias(mut self, bias: Option<&Tensor>) -> candle_core::Result<Self> {
-        self.bias = match bias {
-            None => None,
-            Some(b) if b.dims() == [self.n] && b.device().is_cpu() => {
-                Some(b.to_dtype(DType::F32)?.to_vec1::<f32>()?)
-            }
-            Some(b) => candle_core::bail!(
-                "vl-q4k: a bias ({}) on the CPU for a weight ({}, {}); got {:?} on {:?}",
-                self.n,
-                self.n,
-                self.k,
-                b.dims(),
-                b.device()
-            ),
-        };
+        self.bias = checked_bias::<Self>((self.n, self.k), bias)?;
         Ok(self)
     }
 
     /// The bias, `(n)` f32, if any.
     pub fn bias(&self) -> candle_core::Result<Option<Tensor>> {
-        self.bias
-            .as_ref()
-            .map(|b| Tensor::from_slice(b, self.n, &Device::Cpu))
-            .transpose()
+        bias_tensor(self.bias.as_deref())
     }
 
     /// `(n, k)`.
@@ -581,6 +567,11 @@ mod tests {
             e.contains("vl-q4k") && e.contains("(..., 256)") && e.contains("[1, 512]"),
             "{e}"
         );
+        let e = p
+            .with_bias(Some(&Tensor::zeros(5, DType::F32, &Device::Cpu)?))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("vl-q4k: a bias (4)") && e.contains("[5]"), "{e}");
         Ok(())
     }
 }

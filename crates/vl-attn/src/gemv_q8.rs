@@ -216,29 +216,13 @@ impl PackedQ8 {
     /// # Errors
     /// A bias of another length or not on the CPU, named.
     pub fn with_bias(mut self, bias: Option<&Tensor>) -> candle_core::Result<Self> {
-        self.bias = match bias {
-            None => None,
-            Some(b) if b.dims() == [self.n] && b.device().is_cpu() => {
-                Some(b.to_dtype(DType::F32)?.to_vec1::<f32>()?)
-            }
-            Some(b) => candle_core::bail!(
-                "vl-q8_0: a bias ({}) on the CPU for a weight ({}, {}); got {:?} on {:?}",
-                self.n,
-                self.n,
-                self.k,
-                b.dims(),
-                b.device()
-            ),
-        };
+        self.bias = checked_bias::<Self>((self.n, self.k), bias)?;
         Ok(self)
     }
 
     /// The bias, `(n)` f32, if any.
     pub fn bias(&self) -> candle_core::Result<Option<Tensor>> {
-        self.bias
-            .as_ref()
-            .map(|b| Tensor::from_slice(b, self.n, &Device::Cpu))
-            .transpose()
+        bias_tensor(self.bias.as_deref())
     }
 
     /// `(n, k)`.
@@ -351,6 +335,33 @@ pub(crate) trait Tiled: Sync {
         r0: usize,
         acc: &mut [[f32; TILE_ROWS]; R],
     );
+}
+
+/// A layer's bias `(n)` (any float dtype, on the CPU) for a [`Tiled`]
+/// weight of `dims` `(n, k)`, as the f32 values its kernels add when they
+/// store; any other bias is named in the error.
+pub(crate) fn checked_bias<P: Tiled>(
+    (n, k): (usize, usize),
+    bias: Option<&Tensor>,
+) -> candle_core::Result<Option<Vec<f32>>> {
+    match bias {
+        None => Ok(None),
+        Some(b) if b.dims() == [n] && b.device().is_cpu() => {
+            Ok(Some(b.to_dtype(DType::F32)?.to_vec1::<f32>()?))
+        }
+        Some(b) => candle_core::bail!(
+            "{}: a bias ({n}) on the CPU for a weight ({n}, {k}); got {:?} on {:?}",
+            P::NAME,
+            b.dims(),
+            b.device()
+        ),
+    }
+}
+
+/// A bias held as f32 values, as a tensor `(n)`.
+pub(crate) fn bias_tensor(bias: Option<&[f32]>) -> candle_core::Result<Option<Tensor>> {
+    bias.map(|b| Tensor::from_slice(b, b.len(), &Device::Cpu))
+        .transpose()
 }
 
 /// `x W^T` (plus the bias, if any) for `x: (..., k)` f32, f16 or bf16 on
