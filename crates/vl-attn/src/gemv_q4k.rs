@@ -66,6 +66,9 @@ pub struct PackedQ4K {
 }
 
 impl PackedQ4K {
+    /// Bytes held per weight: 4.625 bits (candle's q4_K blocks: 4.5).
+    pub const BYTES_PER_WEIGHT: f64 = REC as f64 / (TILE_ROWS * BLOCK_VALUES) as f64;
+
     /// Quantizes `w (n, k)` (on the CPU, `k` a multiple of 256) to q4_K
     /// exactly as candle's `QTensor::quantize` does (with vl's faster
     /// quantizer, which writes candle's bytes) and packs it, tiles on the
@@ -572,6 +575,18 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("vl-q4k: a bias (4)") && e.contains("[5]"), "{e}");
+        Ok(())
+    }
+
+    /// The bytes held are [`PackedQ4K::BYTES_PER_WEIGHT`] per weight.
+    #[test]
+    fn bytes_per_weight_is_what_is_held() -> candle_core::Result<()> {
+        let p = PackedQ4K::quantize(&weight(48, 512, 1))?;
+        assert_eq!(
+            p.size_in_bytes() as f64,
+            48.0 * 512.0 * PackedQ4K::BYTES_PER_WEIGHT
+        );
+        assert_eq!(PackedQ4K::BYTES_PER_WEIGHT, 4.625 / 8.0);
         Ok(())
     }
 }

@@ -15,6 +15,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor, D};
 use vl::vl_decoder::{ImageContext, Quantization, VisionLanguageDecoder};
 use vl::VlModel;
@@ -173,10 +174,13 @@ fn decode_step_bytes(dec: &VisionLanguageDecoder, ctx: &ImageContext) -> f64 {
     let (h, inter) = (c.hidden_size as f64, c.intermediate_size as f64);
     let kv = h * c.num_key_value_heads.unwrap_or(c.num_attention_heads) as f64
         / c.num_attention_heads.max(1) as f64;
-    // Bytes per block over weights per block: q8_0 34/32, q4k 144/256,
-    // bf16 2.
+    // Bytes per block over weights per block: q8_0 34/32, q4k 144/256
+    // (148/256 as vl's CPU kernels pack it), bf16 2.
     let per_weight = match dec.quantization() {
         None => dec.dtype().size_in_bytes() as f64,
+        Some(GgmlDType::Q4K) if dec.device().is_cpu() => {
+            vl::vl_attn::gemv_q4k::PackedQ4K::BYTES_PER_WEIGHT
+        }
         Some(format) => format.type_size() as f64 / format.block_size() as f64,
     };
     let mut weights = c.vocab_size as f64 * h;
