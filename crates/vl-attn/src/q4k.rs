@@ -1,13 +1,15 @@
 //! vl's q4_K quantizer: the blocks candle's `QTensor::quantize(_,
-//! GgmlDType::Q4K)` writes, byte for byte, three to four times faster.
+//! GgmlDType::Q4K)` writes, byte for byte, about eight times faster
+//! (vit-gpt2's linear layers: ~4.5 s of CPU in candle, ~0.6 s here).
 //!
 //! candle's `BlockQ4K::from_float` searches each 32-value sub-block's
 //! scale and minimum (`make_qkx1_quants`, five rounds), allocating a
 //! buffer per sub-block and rounding every value through libm's `roundf`
 //! (x86-64's baseline has no rounding instruction): 80% of a `--quantize
 //! q4k` load. This is the same arithmetic in the same order, with the
-//! buffers on the stack and compiled per instruction set, where rounding
-//! is inline; the tests check the bytes against candle's.
+//! buffers on the stack, sixteen sub-blocks searched side by side, and
+//! rounding from `trunc`, compiled per instruction set so that it
+//! vectorises; the tests check the bytes against candle's.
 
 use half::f16;
 
