@@ -192,44 +192,11 @@ def linear_layers(model: torch.nn.Module) -> list:
     return out
 
 
-@contextlib.contextmanager
-def transformed_weights(layers: list, f, blocked: bool):
-    """Replaces each layer's weight by a new Parameter f(weight), f applied
-    along the input dimension; restores the originals (ties included) on
-    exit. `blocked`: skip layers whose input width is not a multiple of 32."""
-    saved = []
-    try:
-        for name, m, width in layers:
-            if blocked and width % BLOCK:
-                continue
-            w = m.weight.data
-            new = f(w.t()).t() if isinstance(m, Conv1D) else f(w)
-            saved.append((m, m.weight))
-            m.weight = torch.nn.Parameter(new.contiguous(), requires_grad=False)
-        yield
-    finally:
-        for m, p in saved:
-            m.weight = p
-
-
-def ggml_round_trip(layers: list, fmt: str, block: int) -> dict:
-    """{layer name: its weight (in its own layout) rounded by candle's
-    `fmt` round trip along the input dimension}, by examples/ggml_roundtrip
-    (release build); layers whose input width is not a multiple of `block`
-    are left out."""
-    from safetensors.torch import load_file, save_file
-    exe = ROOT / "target" / "release" / "examples" / "ggml_roundtrip"
-    if not exe.exists():
-        sys.exit(f"{exe} is missing: cargo build --release --example ggml_roundtrip")
-    rows = {name: (m.weight.data.t() if isinstance(m, Conv1D) else m.weight.data).contiguous().clone()
-            for name, m, width in layers if width % block == 0}
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp) / "in.safetensors", Path(tmp) / "out.safetensors"
-        save_file(rows, str(src))
-        subprocess.run([str(exe), str(src), str(dst), fmt], check=True)
-        out = load_file(str(dst))
-    return {name: (out[name].t() if isinstance(m, Conv1D) else out[name])
-            for name, m, width in layers if name in out}
+def input_last(m, w: torch.Tensor) -> torch.Tensor:
+    """A layer's weight with the input dimension last (GPT-2's Conv1D
+    stores [in, out], nn.Linear [out, in]), or such a weight back in the
+    layer's own layout: the same transpose either way."""
+    return w.t() if isinstance(m, Conv1D) else w
 
 
 @contextlib.contextmanager
@@ -246,6 +213,36 @@ def weights_from(layers: list, new: dict):
     finally:
         for m, p in saved:
             m.weight = p
+
+
+@contextlib.contextmanager
+def transformed_weights(layers: list, f, blocked: bool):
+    """Replaces each layer's weight by f(weight), f applied along the input
+    dimension, for the time of the `with` (see `weights_from`). `blocked`:
+    skip layers whose input width is not a multiple of 32."""
+    new = {name: input_last(m, f(input_last(m, m.weight.data)))
+           for name, m, width in layers if not (blocked and width % BLOCK)}
+    with weights_from(layers, new):
+        yield
+
+
+def ggml_round_trip(layers: list, fmt: str, block: int) -> dict:
+    """{layer name: its weight (in its own layout) rounded by candle's
+    `fmt` round trip along the input dimension}, by examples/ggml_roundtrip
+    (release build); layers whose input width is not a multiple of `block`
+    are left out."""
+    from safetensors.torch import load_file, save_file
+    exe = ROOT / "target" / "release" / "examples" / "ggml_roundtrip"
+    if not exe.exists():
+        sys.exit(f"{exe} is missing: cargo build --release --example ggml_roundtrip")
+    rows = {name: input_last(m, m.weight.data).contiguous().clone()
+            for name, m, width in layers if width % block == 0}
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "in.safetensors", Path(tmp) / "out.safetensors"
+        save_file(rows, str(src))
+        subprocess.run([str(exe), str(src), str(dst), fmt], check=True)
+        out = load_file(str(dst))
+    return {name: input_last(m, out[name]) for name, m, width in layers if name in out}
 
 
 @contextlib.contextmanager

@@ -268,6 +268,7 @@ fn place(tile: &mut [u8], bytes: &[u8], blocks: usize) {
 
 impl Tiled for PackedQ4K {
     const NAME: &'static str = "vl-q4k";
+    const BLOCK_SUMS: bool = true;
 
     fn dims(&self) -> (usize, usize) {
         (self.n, self.k)
@@ -293,13 +294,6 @@ impl Tiled for PackedQ4K {
             other => tile_plain(plain_isa(other), self, a, t, r0, acc),
         }
     }
-}
-
-/// `Σ xq` of each activation block times its scale, from the block's
-/// offset (`-128 Σ xq`, exact in f32: below 2^20).
-#[inline(always)]
-fn block_sum(a: &Activations, blk: usize) -> f32 {
-    a.offset[blk] as f32 * (-1.0 / 128.0) * a.d[blk]
 }
 
 /// One tile against rows `r0..r0 + R`, in plain Rust (vectorised by the
@@ -334,7 +328,7 @@ fn tile_generic<K: Kernel, const R: usize>(
             }
             let blk = r * subs + s;
             let dx = a.d[blk];
-            let sx = block_sum(a, blk);
+            let sx = a.sums[blk];
             for j in 0..TILE_ROWS {
                 acc[j] = madd(K::FMA, sum[j] as f32, scale[j] * dx, acc[j]);
                 acc[j] = madd(K::FMA, -min[j], sx, acc[j]);
@@ -360,7 +354,8 @@ crate::micro::per_isa! {
 ///
 /// # Safety
 /// The CPU has AVX-512F, BW and VNNI; `t` is a tile of `p` and rows
-/// `r0..r0 + R` exist in `a`, whose width is `p`'s.
+/// `r0..r0 + R` exist in `a`, whose width is `p`'s and which has its
+/// [`Activations::sums`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn tile_vnni<const R: usize>(
@@ -374,6 +369,7 @@ unsafe fn tile_vnni<const R: usize>(
     let (blocks, subs) = (p.k / BLOCK_VALUES, p.k / SUB);
     debug_assert!((t + 1) * blocks * REC <= p.data.len());
     debug_assert!((r0 + R) * a.k <= a.q.len());
+    debug_assert_eq!(a.sums.len(), a.d.len());
     // SAFETY: every offset below is within the tile `t` of `p` and the rows
     // `r0..r0 + R` of `a` (the caller's contract, checked in debug builds).
     unsafe {
@@ -422,7 +418,8 @@ unsafe fn tile_vnni<const R: usize>(
                     let dx = _mm512_set1_ps(*a.d.get_unchecked(blk));
                     let q = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
                     *sum = _mm512_fmadd_ps(q, _mm512_mul_ps(scale, dx), *sum);
-                    *sum = _mm512_fnmadd_ps(min, _mm512_set1_ps(block_sum(a, blk)), *sum);
+                    let sx = _mm512_set1_ps(*a.sums.get_unchecked(blk));
+                    *sum = _mm512_fnmadd_ps(min, sx, *sum);
                 }
             }
         }

@@ -317,6 +317,8 @@ impl Tiled for PackedQ8 {
 pub(crate) trait Tiled: Sync {
     /// The kernel's name in errors.
     const NAME: &'static str;
+    /// Whether [`Tiled::accumulate`] reads [`Activations::sums`].
+    const BLOCK_SUMS: bool = false;
     /// `(n, k)`.
     fn dims(&self) -> (usize, usize);
     /// The layer's bias, `(n)`.
@@ -326,7 +328,8 @@ pub(crate) trait Tiled: Sync {
     ///
     /// # Safety
     /// `isa` runs on this CPU; `t` is a tile of the weight and rows
-    /// `r0..r0 + R` exist in `a`, whose width is the weight's.
+    /// `r0..r0 + R` exist in `a`, whose width is the weight's (and which
+    /// has its sums when [`Tiled::BLOCK_SUMS`]).
     unsafe fn accumulate<const R: usize>(
         &self,
         isa: Q8Isa,
@@ -394,7 +397,10 @@ pub(crate) fn matmul_tiled<P: Tiled>(p: &P, isa: Q8Isa, x: &Tensor) -> candle_co
         return Tensor::zeros(shape, DType::F32, x.device());
     }
     let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let a = Activations::new(plain_isa(isa), &xs, rows, k);
+    let mut a = Activations::new(plain_isa(isa), &xs, rows, k);
+    if P::BLOCK_SUMS {
+        a = a.with_sums();
+    }
     let y = product(p, isa, &a);
     Tensor::from_vec(y, shape, x.device())
 }
@@ -509,6 +515,10 @@ pub(crate) struct Activations {
     /// `(rows, k / 32)`: `-128 ×` each block's sum (what the weights'
     /// +128 offset adds to each lane).
     pub(crate) offset: Vec<i32>,
+    /// `(rows, k / 32)`: each block's scale times its sum, `dx · Σ xq`
+    /// (the q4_K kernels' minimum term); empty unless
+    /// [`Activations::with_sums`] made it.
+    pub(crate) sums: Vec<f32>,
 }
 
 /// Quantizes the rows of one tile (`values`: up to [`TILE_ROWS`] rows of
@@ -660,7 +670,21 @@ impl Activations {
             q,
             d,
             offset,
+            sums: Vec::new(),
         }
+    }
+
+    /// With [`Activations::sums`], once per product rather than once per
+    /// tile: the sum from the offset (`-128 Σ xq`, exact in f32: below
+    /// 2^20) times the scale.
+    pub(crate) fn with_sums(mut self) -> Self {
+        self.sums = self
+            .offset
+            .iter()
+            .zip(&self.d)
+            .map(|(&o, &d)| o as f32 * (-1.0 / 128.0) * d)
+            .collect();
+        self
     }
 
     /// Row `r`'s rounded values and block scales.

@@ -155,6 +155,23 @@ impl Proj {
         }
     }
 
+    /// The bytes the weight holds per weight, as this projection stores
+    /// it: its dtype's size when dense or 16-bit; for `q8_0` and candle's
+    /// quantized formats a block's bytes over its values (34/32 for
+    /// `q8_0`, 144/256 for `q4k`); for `q4k` in vl's CPU tiles
+    /// [`PackedQ4K::BYTES_PER_WEIGHT`] (148/256).
+    pub fn bytes_per_weight(&self) -> f64 {
+        let per_block = |f: GgmlDType| f.type_size() as f64 / f.block_size() as f64;
+        match &self.inner {
+            Inner::Dense(l) => l.weight().dtype().size_in_bytes() as f64,
+            Inner::Half { weight, .. } => weight.dtype().size_in_bytes() as f64,
+            Inner::Packed { .. } => DType::BF16.size_in_bytes() as f64,
+            Inner::Q8 { .. } => per_block(GgmlDType::Q8_0),
+            Inner::Q4K { .. } => PackedQ4K::BYTES_PER_WEIGHT,
+            Inner::Quantized { format, .. } => per_block(*format),
+        }
+    }
+
     /// The dense layer, `None` when quantized.
     pub fn as_linear(&self) -> Option<&Linear> {
         match &self.inner {
@@ -599,6 +616,29 @@ mod tests {
             assert_eq!(got.dims(), &[2, 3, 48]);
             let err = rel_err(&got, &want)?;
             assert!(err < tol, "{format:?}: relative error {err} >= {tol}");
+        }
+        Ok(())
+    }
+
+    /// `bytes_per_weight` is what each kind of weight holds: 4 dense f32,
+    /// 2 for bf16 and f16 weights, q8_0 34/32, q4k 148/256 on the CPU
+    /// (`gemv_q4k`'s tests check that against the packed weight's size).
+    #[test]
+    fn bytes_per_weight_per_kind() -> Result<()> {
+        let dev = Device::Cpu;
+        let dense = Proj::from(layer(48, 256, &dev)?);
+        assert_eq!(dense.bytes_per_weight(), 4.0);
+        for (format, want) in [
+            (GgmlDType::BF16, 2.0),
+            (GgmlDType::F16, 2.0),
+            (GgmlDType::Q8_0, 34.0 / 32.0),
+            (GgmlDType::Q4K, 148.0 / 256.0),
+        ] {
+            assert_eq!(
+                dense.quantize("p", format)?.bytes_per_weight(),
+                want,
+                "{format:?}"
+            );
         }
         Ok(())
     }

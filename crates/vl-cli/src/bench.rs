@@ -15,7 +15,6 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
-use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor, D};
 use vl::vl_decoder::{ImageContext, Quantization, VisionLanguageDecoder};
 use vl::VlModel;
@@ -174,15 +173,9 @@ fn decode_step_bytes(dec: &VisionLanguageDecoder, ctx: &ImageContext) -> f64 {
     let (h, inter) = (c.hidden_size as f64, c.intermediate_size as f64);
     let kv = h * c.num_key_value_heads.unwrap_or(c.num_attention_heads) as f64
         / c.num_attention_heads.max(1) as f64;
-    // Bytes per block over weights per block: q8_0 34/32, q4k 144/256
-    // (148/256 as vl's CPU kernels pack it), bf16 2.
-    let per_weight = match dec.quantization() {
-        None => dec.dtype().size_in_bytes() as f64,
-        Some(GgmlDType::Q4K) if dec.device().is_cpu() => {
-            vl::vl_attn::gemv_q4k::PackedQ4K::BYTES_PER_WEIGHT
-        }
-        Some(format) => format.type_size() as f64 / format.block_size() as f64,
-    };
+    // As the layers hold them (the LM head's format is every linear
+    // layer's): q8_0 34/32, q4k 148/256 in vl's CPU tiles, bf16 2.
+    let per_weight = dec.lm_head().bytes_per_weight();
     let mut weights = c.vocab_size as f64 * h;
     let mut image = 0f64;
     for layer in 0..c.num_hidden_layers {

@@ -490,6 +490,11 @@ impl VisionLanguageDecoder {
         self.lm_head.quantization()
     }
 
+    /// The LM head (dense or quantized as the blocks' linear layers are).
+    pub fn lm_head(&self) -> &Proj {
+        &self.lm_head
+    }
+
     /// The configuration.
     pub fn config(&self) -> &DecoderConfig {
         &self.cfg

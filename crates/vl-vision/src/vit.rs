@@ -460,7 +460,7 @@ impl Vit {
         // On the pool, so that each product does not wake it from the
         // caller's thread (see `vl_attn::kernel::on_pool`).
         vl_attn::kernel::on_pool(|| {
-            let x = self.last_hidden_state(pixels)?;
+            let x = self.last_hidden_state_inline(pixels)?;
             match &self.output_proj {
                 Some(proj) => Ok(proj.forward(&x)?),
                 None => Ok(x),
@@ -479,7 +479,7 @@ impl Vit {
     }
 
     /// [`Vit::last_hidden_state`]'s work, on the calling thread;
-    /// `last_hidden_state` calls it on a worker of the pool.
+    /// `last_hidden_state` and `forward` call it on a worker of the pool.
     fn last_hidden_state_inline(&self, pixels: &Tensor) -> Result<Tensor> {
         let c = &self.cfg;
         let dims = pixels.dims();
