@@ -15,7 +15,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::Linear;
 use clap::Parser;
-use vl::vl_attn::kernel::{attention, Backend, Weights};
+use vl::vl_attn::attention::{attention, Backend, Weights};
 use vl::vl_attn::{CrossAttention, CrossAttentionConfig};
 
 /// Time the attention kernel.

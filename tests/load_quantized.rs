@@ -85,7 +85,7 @@ fn a_bf16_load_packs_its_weights_where_the_kernels_run() -> anyhow::Result<()> {
     ] {
         let dir = fixture(family, kind);
         let packed = VlModel::load(&dir, DType::BF16, &Device::Cpu)?;
-        let want = vl::vl_attn::gemm_bf16::available().then_some(Quantization::Bf16);
+        let want = vl::vl_attn::kernels::gemm_bf16::accelerated().then_some(Quantization::Bf16);
         assert_eq!(
             packed.decoder.quantization(),
             want.and_then(|q| q.ggml_dtype()),

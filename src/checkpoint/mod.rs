@@ -211,7 +211,7 @@ impl VlModel {
         let q = if q == vl_decoder::Quantization::None
             && dtype == DType::BF16
             && device.is_cpu()
-            && vl_attn::gemm_bf16::available()
+            && vl_attn::kernels::gemm_bf16::accelerated()
         {
             vl_decoder::Quantization::Bf16
         } else {

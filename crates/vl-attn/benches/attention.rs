@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::attention::{flash_attn, AttnMask};
 use candle_nn::{VarBuilder, VarMap};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use vl_attn::kernel::{attention, Backend, Weights};
+use vl_attn::attention::{attention, Backend, Weights};
 use vl_attn::{CausalSelfAttention, CrossAttention, CrossAttentionConfig, SelfAttentionConfig};
 
 const HEADS: usize = 12;

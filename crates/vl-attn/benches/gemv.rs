@@ -2,11 +2,11 @@
 //! of a GPT-2-base decode step (width 768): `(rows, 768) x (2304, 768)^T`
 //! (fused QKV), `x (3072, 768)^T` (FFN up), `(rows, 3072) x (768, 3072)^T`
 //! (FFN down) and the LM head `x (50257, 768)^T`, for 1 and 4 rows: dense
-//! f32 and bf16 (candle's matmul vs `vl_attn::gemv::gemv`), q8_0 (candle's
-//! `QMatMul` vs `vl_attn::gemv_q8::PackedQ8`).
+//! f32 and bf16 (candle's matmul vs `vl_attn::kernels::gemv::gemv`), q8_0 (candle's
+//! `QMatMul` vs `vl_attn::kernels::gemv_q8::PackedQ8`).
 //!
 //! And the encoder's many-row products: candle's f32 and bf16 matmul next
-//! to `vl_attn::gemm_bf16` (FLOP/s as elements/s).
+//! to `vl_attn::kernels::gemm_bf16` (FLOP/s as elements/s).
 //!
 //! `cargo bench -p vl-attn --bench gemv`
 //!
@@ -18,8 +18,8 @@
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use vl_attn::gemv::gemv;
-use vl_attn::gemv_q8::PackedQ8;
+use vl_attn::kernels::gemv::gemv;
+use vl_attn::kernels::gemv_q8::PackedQ8;
 
 const SHAPES: [(&str, usize, usize); 4] = [
     ("qkv", 2304, 768),
@@ -91,13 +91,13 @@ fn encoder(c: &mut Criterion) {
         group.bench_function(BenchmarkId::new("candle bf16", name), |b| {
             b.iter(|| x.matmul(&wt).expect("matmul"))
         });
-        if vl_attn::gemm_bf16::available() {
+        if vl_attn::kernels::gemm_bf16::accelerated() {
             group.bench_function(BenchmarkId::new("vl bf16", name), |b| {
-                b.iter(|| vl_attn::gemm_bf16::matmul(&x, &w).expect("gemm"))
+                b.iter(|| vl_attn::kernels::gemm_bf16::matmul(&x, &w).expect("gemm"))
             });
             // As the encoder runs it: the weight packed once, at load.
             let packed = std::sync::Arc::new(
-                vl_attn::gemm_bf16::PackedBf16::new(&w, None)
+                vl_attn::kernels::gemm_bf16::PackedBf16::new(&w, None)
                     .expect("pack")
                     .expect("packable"),
             );

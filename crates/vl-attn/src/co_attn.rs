@@ -16,10 +16,10 @@ use candle_core::quantized::GgmlDType;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
+use crate::attention::{Backend, Weights};
 use crate::cross::{CrossAttention, CrossAttentionConfig};
 use crate::dropout::{Dropout, Mode};
 use crate::error::{AttnError, Result};
-use crate::kernel::{Backend, Weights};
 use crate::mask::Mask;
 
 /// The sizes of a [`CoAttention`].

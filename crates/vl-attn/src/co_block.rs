@@ -10,11 +10,11 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
+use crate::attention::{Backend, Weights};
 use crate::co_attn::{check_stream, CoAttention, CoAttentionConfig};
 use crate::dropout::{Dropout, Mode};
 use crate::error::{check_dtype_device, AttnError, Result};
 use crate::ffn::{Activation, FeedForward};
-use crate::kernel::{Backend, Weights};
 use crate::mask::Mask;
 use crate::norm::LayerNorm;
 

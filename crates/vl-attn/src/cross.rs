@@ -8,10 +8,10 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Tensor};
 use candle_nn::{Linear, VarBuilder};
 
+use crate::attention::{AttnOutput, Backend, Weights};
 use crate::dropout::{Dropout, Mode};
 use crate::error::{AttnError, Result};
 use crate::heads::{AttnCore, CoreDims};
-use crate::kernel::{AttnOutput, Backend, Weights};
 use crate::mask::Mask;
 use crate::proj::Proj;
 
@@ -281,7 +281,7 @@ impl CrossAttention {
     /// Sets the dropout on the attention probabilities (default
     /// [`Dropout::NONE`]); it acts only in [`Mode::Training`], where
     /// [`Backend::Auto`] takes the reference path and [`Backend::Fused`]
-    /// is refused (see [`crate::kernel::attention_with_dropout`]).
+    /// is refused (see [`crate::attention::attention_with_dropout`]).
     pub fn with_attention_dropout(mut self, dropout: Dropout) -> Self {
         self.core.set_attn_dropout(dropout);
         self

@@ -14,7 +14,7 @@
 //!   drawn on the CPU (in parallel) and copied to the tensor's device.
 //!
 //! Attention modules apply their [`Dropout`] to the attention probabilities
-//! (see [`crate::kernel::attention_with_dropout`] for the backends);
+//! (see [`crate::attention::attention_with_dropout`] for the backends);
 //! decoders apply theirs to residual branches and embeddings.
 
 use std::sync::atomic::{AtomicU64, Ordering};

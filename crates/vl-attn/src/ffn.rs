@@ -38,8 +38,8 @@ impl Activation {
         match self {
             // vl's vectorised kernel for f32 on the CPU, candle's ops
             // otherwise.
-            Self::Gelu => crate::gelu::forward(x, true),
-            Self::GeluTanh => crate::gelu::forward(x, false),
+            Self::Gelu => crate::kernels::gelu::forward(x, true),
+            Self::GeluTanh => crate::kernels::gelu::forward(x, false),
             Self::Relu => x.relu(),
             Self::Silu => x.silu(),
         }

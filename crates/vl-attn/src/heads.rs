@@ -8,9 +8,9 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 
+use crate::attention::{self, AttnOutput, Backend, Weights};
 use crate::dropout::{Dropout, Mode};
 use crate::error::{check_dtype_device, AttnError, Result};
-use crate::kernel::{self, AttnOutput, Backend, Weights};
 use crate::mask::Mask;
 use crate::proj::Proj;
 
@@ -252,7 +252,7 @@ impl AttnCore {
         b: usize,
         t: usize,
     ) -> Result<AttnOutput> {
-        let AttnOutput { output, weights } = kernel::attention_with_dropout(
+        let AttnOutput { output, weights } = attention::attention_with_dropout(
             q,
             k,
             v,

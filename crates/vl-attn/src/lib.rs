@@ -19,25 +19,25 @@
 //!   audio ↔ video), returning both updates and, when asked, both weight
 //!   tensors; [`CoAttentionBlock`] is the pre-LN block built from it.
 //! - [`mask`]: every mask, with one polarity — `1` = may attend.
-//! - [`kernel`]: the reference and the fused attention paths behind one
-//!   entry point, [`kernel::attention`]; on CPU the fused path is vl's own
-//!   kernels — tiled (query blocks × key blocks, online softmax) for
-//!   prefill and encoders, one row at a time for decode steps; a query
-//!   row with nothing to attend to yields zeros, never NaN.
-//! - [`gemv`], [`gemm_bf16`], [`gemv_q8`] and [`gemv_q4k`]: vl's CPU
+//! - [`attention`]: the reference and the fused attention paths behind
+//!   one entry point, [`attention::attention`]; on CPU the fused path is
+//!   vl's own kernels — tiled (query blocks × key blocks, online softmax)
+//!   for prefill and encoders, one row at a time for decode steps; a
+//!   query row with nothing to attend to yields zeros, never NaN.
+//! - [`kernels`]: vl's CPU kernels, the crate's only `unsafe` code — the
 //!   matrix products for decode shapes (1–8 rows, f32/f16/bf16 weights,
-//!   across the thread pool), for many bf16 rows (AVX512_BF16), and for
-//!   q8_0 and q4_K weights packed once (AVX-512 VNNI, any number of
-//!   rows), behind [`Proj`].
-//!   The products split across the rayon pool. Called from a thread
-//!   outside it, each one hands its work over and waits (about 10 µs on a
-//!   2-core machine); run a model's whole forward pass or decode step
-//!   through [`kernel::on_pool`] to pay that once (vl's decoder and ViT
-//!   do).
+//!   across the thread pool), for many bf16 rows, and for q8_0 and q4_K
+//!   weights packed once (any number of rows), behind [`Proj`]; the
+//!   attention, LayerNorm, addition and GELU loops. [`kernels::CpuFeatures`]
+//!   detects the CPU once, and each operation has one entry point and a
+//!   portable implementation that is its fallback and test oracle. The
+//!   products split across the rayon pool: run a model's whole forward
+//!   pass or decode step through [`kernels::on_pool`] to hand it over once
+//!   (vl's decoder and ViT do).
 //! - [`Proj`]: the projections, dense or quantized (`q8_0`, `q4k`) through
 //!   `quantize` on every attention and on [`FeedForward`].
 //! - [`LayerNorm`] (trainable; vl's kernel for f32 and bf16 rows on
-//!   AVX-512 CPUs in inference) and [`add::add`] (residual additions of
+//!   AVX-512 CPUs in inference) and [`kernels::add::add`] (residual additions of
 //!   bf16 activations, vectorised where candle's are not): the element-wise
 //!   work of a block besides GELU.
 //! - [`dropout`]: inverted [`Dropout`] with seeded, reproducible masks and
@@ -77,7 +77,7 @@
 //! # }
 //! ```
 
-pub mod add;
+pub mod attention;
 pub mod cache;
 pub mod co_attn;
 pub mod co_block;
@@ -86,23 +86,16 @@ pub mod dropout;
 pub mod error;
 pub mod ffn;
 pub mod gate;
-mod gelu;
-pub mod gemm_bf16;
-pub mod gemv;
-pub mod gemv_q4k;
-pub mod gemv_q8;
 mod heads;
-pub mod kernel;
+pub mod kernels;
 pub mod mask;
-mod micro;
 pub mod norm;
 pub mod pool;
 pub mod proj;
-mod q4k;
 pub mod resampler;
 pub mod self_attn;
-mod tiled;
 
+pub use attention::{AttnOutput, Backend, Weights};
 pub use cache::KvCache;
 pub use co_attn::{CoAttention, CoAttentionConfig, CoAttentionOutput};
 pub use co_block::{CoAttentionBlock, CoAttentionBlockConfig, CoAttentionBlockOutput};
@@ -111,7 +104,6 @@ pub use dropout::{Dropout, DropoutRng, Mode};
 pub use error::{AttnError, Result};
 pub use ffn::{Activation, FeedForward};
 pub use gate::TanhGate;
-pub use kernel::{AttnOutput, Backend, Weights};
 pub use mask::Mask;
 pub use norm::LayerNorm;
 pub use pool::QueryPool;

@@ -1,14 +1,14 @@
 //! A linear projection whose weight is either dense or quantized.
 //!
 //! On CPU a decode step is one matrix-vector product per projection: a
-//! dense weight runs it on vl's parallel kernel ([`crate::gemv`]) for 1 to
-//! [`crate::gemv::MAX_ROWS`] untracked rows; more bf16 rows run on vl's
-//! bf16 GEMM ([`crate::gemm_bf16`]) where the CPU has AVX512_BF16 (a
+//! dense weight runs it on vl's parallel kernel ([`crate::kernels::gemv`]) for 1 to
+//! [`crate::kernels::gemv::MAX_ROWS`] untracked rows; more bf16 rows run on vl's
+//! bf16 GEMM ([`crate::kernels::gemm_bf16`]) where the CPU has AVX512_BF16 (a
 //! weight quantized to bf16 there is packed once for it, at load time);
 //! everything else (f32 prefill and encoders, training, other devices) on
 //! candle's matmul. A `q8_0` weight on the CPU is packed once for vl's
-//! own q8_0 kernels ([`crate::gemv_q8::PackedQ8`], any number of rows),
-//! a `q4k` one for vl's q4_K kernels ([`crate::gemv_q4k::PackedQ4K`]);
+//! own q8_0 kernels ([`crate::kernels::gemv_q8::PackedQ8`], any number of rows),
+//! a `q4k` one for vl's q4_K kernels ([`crate::kernels::gemv_q4k::PackedQ4K`]);
 //! other formats, and every format off the CPU, run on candle's quantized
 //! kernels — all much faster than a dense bf16 or f32 weight while
 //! holding 4 to 7 times fewer bytes.
@@ -26,9 +26,9 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Linear;
 
 use crate::error::{AttnError, Result};
-use crate::gemm_bf16::PackedBf16;
-use crate::gemv_q4k::PackedQ4K;
-use crate::gemv_q8::PackedQ8;
+use crate::kernels::gemm_bf16::PackedBf16;
+use crate::kernels::gemv_q4k::PackedQ4K;
+use crate::kernels::gemv_q8::PackedQ8;
 
 /// The row multiple quantized weights are padded to (candle's x86 tiles).
 const QUANTIZED_ROWS: usize = 16;
@@ -202,7 +202,7 @@ impl Proj {
     ///
     /// [`GgmlDType::BF16`] and [`GgmlDType::F16`] keep the weight dense in
     /// that 16-bit type while the activations keep their dtype (f32): on
-    /// CPU, [`crate::gemv`] and [`crate::gemm_bf16`] read the 16-bit weight
+    /// CPU, [`crate::kernels::gemv`] and [`crate::kernels::gemm_bf16`] read the 16-bit weight
     /// with f32 activations and accumulate in f32; elsewhere the
     /// activations are cast to the weight's type around candle's matmul.
     ///
@@ -303,7 +303,7 @@ impl Proj {
         let padded = out_dim.next_multiple_of(QUANTIZED_ROWS);
         let dense = weight.to_dtype(DType::F32)?;
         let q = if weight.device().is_cpu() {
-            crate::kernel::with_values(&dense, |values: &[f32]| {
+            crate::kernels::with_values(&dense, |values: &[f32]| {
                 quantize_rows(values, in_dim, padded, format)
             })??
         } else {
@@ -333,7 +333,7 @@ impl Proj {
 /// `values`, `in_dim` a multiple of the format's block) followed by zero
 /// rows up to `padded` rows, its rows split across the rayon pool: candle
 /// quantizes on the calling thread, and a k-quant's search for each
-/// block's scales is slow (q4k has vl's own, [`crate::q4k`]). Every row is whole
+/// block's scales is slow (q4k has vl's own, [`crate::kernels::q4k`]). Every row is whole
 /// blocks, so the quantized rows of the parts, concatenated, are the bytes
 /// of the whole; each part is copied once, into the tensor candle takes.
 fn quantize_rows(
@@ -369,13 +369,13 @@ fn quantize_rows(
 }
 
 /// `x W^T` on vl's CPU kernels when one takes these operands — decode
-/// shapes on [`crate::gemv`], many bf16 rows on [`crate::gemm_bf16`] —
+/// shapes on [`crate::kernels::gemv`], many bf16 rows on [`crate::kernels::gemm_bf16`] —
 /// `None` when neither does (training, other devices, f32 prefill).
 fn vl_product(x: &Tensor, w: &Tensor) -> Option<candle_core::Result<Tensor>> {
-    if crate::gemv::applies(x, w) {
-        Some(crate::gemv::apply(x, w))
-    } else if crate::gemm_bf16::applies(x, w) {
-        Some(crate::gemm_bf16::apply(x, w))
+    if crate::kernels::gemv::applies(x, w) {
+        Some(crate::kernels::gemv::apply(x, w))
+    } else if crate::kernels::gemm_bf16::applies(x, w) {
+        Some(crate::kernels::gemm_bf16::apply(x, w))
     } else {
         None
     }
@@ -388,7 +388,7 @@ impl Proj {
     ///
     /// On CPU every kind of weight takes the activations widened to f32
     /// and accumulates in f32 (dense and 16-bit weights on vl's kernels
-    /// where [`crate::gemv`] or [`crate::gemm_bf16`] takes them; q8_0 and
+    /// where [`crate::kernels::gemv`] or [`crate::kernels::gemm_bf16`] takes them; q8_0 and
     /// candle's quantized kernels, on every device, as always), so nothing
     /// is rounded to 16 bits on the way. Otherwise (dense weights on other
     /// devices, training, f16 prefill) the product runs in the activation
@@ -587,7 +587,7 @@ mod tests {
             let proj = Proj::from(l.clone());
             for rows in [1, 3, 8, 9, 70] {
                 let x = Tensor::randn(0f32, 1., (rows, 1, 70), &dev)?.to_dtype(dtype)?;
-                assert_eq!(crate::gemv::applies(&x, l.weight()), rows <= 8);
+                assert_eq!(crate::kernels::gemv::applies(&x, l.weight()), rows <= 8);
                 let err = rel_err(&proj.forward(&x)?, &l.forward(&x)?)?;
                 assert!(err < tol, "{dtype:?} rows {rows}: {err}");
             }

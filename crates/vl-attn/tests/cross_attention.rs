@@ -7,7 +7,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::VarMap;
 use common::*;
-use vl_attn::kernel::{self, Backend, Weights};
+use vl_attn::attention::{self, Backend, Weights};
 use vl_attn::{mask, AttnError, CrossAttention, CrossAttentionConfig, CrossKv, Mask};
 
 /// A module over plain tensors (initialised through a `VarMap`, then
@@ -128,7 +128,7 @@ fn a_16_bit_memory_attends_as_its_widening() -> anyhow::Result<()> {
     // of another kind, are refused naming them.
     let kv = attn.project_memory(&m)?;
     let bf16_q = q.to_dtype(DType::BF16)?;
-    let err = kernel::attention(
+    let err = attention::attention(
         &bf16_q.reshape((2, 5, 4, 8))?.transpose(1, 2)?,
         &kv.k().to_dtype(DType::F16)?,
         &kv.v().to_dtype(DType::F16)?,
@@ -315,7 +315,8 @@ fn construction_rejects_impossible_heads() {
 fn kernel_rejects_bad_shapes() {
     let q = randn(&[2, 4, 3, 8]);
     let k = randn(&[2, 3, 5, 8]);
-    let err = kernel::attention(&q, &k, &k, None, 1.0, Backend::Fused, Weights::Skip).unwrap_err();
+    let err =
+        attention::attention(&q, &k, &k, None, 1.0, Backend::Fused, Weights::Skip).unwrap_err();
     assert!(matches!(err, AttnError::Shape { arg: "k", .. }), "{err}");
 }
 

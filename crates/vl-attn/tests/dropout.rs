@@ -8,7 +8,7 @@ mod common;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 use common::*;
-use vl_attn::kernel::{attention, attention_with_dropout};
+use vl_attn::attention::{attention, attention_with_dropout};
 use vl_attn::{
     Backend, CausalSelfAttention, CrossAttention, CrossAttentionConfig, Dropout, DropoutRng, Mode,
     SelfAttentionConfig, Weights,

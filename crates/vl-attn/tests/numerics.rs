@@ -10,7 +10,7 @@ use candle_core::{DType, Device, IndexOp, Tensor, D};
 use candle_nn::VarMap;
 use common::*;
 use proptest::prelude::*;
-use vl_attn::kernel::{attention, Weights, AUTO_FUSED_MAX_Q_LEN};
+use vl_attn::attention::{attention, Weights, AUTO_FUSED_MAX_Q_LEN};
 use vl_attn::mask::{self, PaddingSide};
 use vl_attn::{
     Backend, CausalSelfAttention, CrossAttention, CrossAttentionConfig, KvCache, Mask,

@@ -10,7 +10,7 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::VarMap;
 use common::*;
 use proptest::prelude::*;
-use vl_attn::kernel::{attention, Backend, Weights};
+use vl_attn::attention::{attention, Backend, Weights};
 use vl_attn::{CrossAttention, CrossAttentionConfig, Mask};
 
 #[derive(Debug, Clone)]

@@ -241,7 +241,7 @@ impl DecoderBlock {
     /// `x + dropout(update)`, then `norm` of that post-LN.
     fn add_branch(&self, norm: &LayerNorm, x: &Tensor, update: &Tensor) -> Result<Tensor> {
         // vl's addition for bf16 on CPU (candle's otherwise): the same sums.
-        let y = vl_attn::add::add(x, &self.residual(update)?)?;
+        let y = vl_attn::kernels::add::add(x, &self.residual(update)?)?;
         match self.placement {
             NormPlacement::Pre => Ok(y),
             NormPlacement::Post => Ok(norm.forward(&y)?),

@@ -720,8 +720,8 @@ impl VisionLanguageDecoder {
         memory: Option<&Tensor>,
         masks: ForwardMasks<'_>,
     ) -> Result<Tensor> {
-        // On the pool (see `vl_attn::kernel::on_pool`).
-        vl_attn::kernel::on_pool(|| {
+        // On the pool (see `vl_attn::kernels::on_pool`).
+        vl_attn::kernels::on_pool(|| {
             self.check_tokens(tokens, 0)?;
             if let Some(m) = memory {
                 self.check_memory(m)?;
@@ -757,8 +757,8 @@ impl VisionLanguageDecoder {
     /// # Shapes
     /// `hidden: (batch, len, hidden)` → `(batch, len, vocab)` f32.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        // On the pool (see `vl_attn::kernel::on_pool`).
-        vl_attn::kernel::on_pool(|| self.logits_inline(hidden))
+        // On the pool (see `vl_attn::kernels::on_pool`).
+        vl_attn::kernels::on_pool(|| self.logits_inline(hidden))
     }
 
     /// [`VisionLanguageDecoder::logits`]'s work, on the calling thread.
@@ -790,8 +790,8 @@ impl VisionLanguageDecoder {
     /// - `memory: (images, image_len, memory_dim)`
     /// - `mask: (images | 1, 1, image_len)`, for images of unequal token counts
     pub fn image_context(&self, memory: &Tensor, mask: Option<Mask>) -> Result<ImageContext> {
-        // On the pool (see `vl_attn::kernel::on_pool`).
-        vl_attn::kernel::on_pool(|| self.image_context_inline(memory, mask))
+        // On the pool (see `vl_attn::kernels::on_pool`).
+        vl_attn::kernels::on_pool(|| self.image_context_inline(memory, mask))
     }
 
     /// [`VisionLanguageDecoder::image_context`]'s work, on the calling
@@ -1038,8 +1038,8 @@ impl VisionLanguageDecoder {
         weights_of: Option<usize>,
     ) -> Result<(Tensor, Option<Tensor>)> {
         // On the pool, so that the step's ~100 products do not each wake
-        // it from the caller's thread (see `vl_attn::kernel::on_pool`).
-        vl_attn::kernel::on_pool(|| self.step_hidden_inline(state, tokens, weights_of))
+        // it from the caller's thread (see `vl_attn::kernels::on_pool`).
+        vl_attn::kernels::on_pool(|| self.step_hidden_inline(state, tokens, weights_of))
     }
 
     /// [`VisionLanguageDecoder::step_hidden`]'s work, on the calling
@@ -1102,7 +1102,7 @@ impl VisionLanguageDecoder {
     /// As [`VisionLanguageDecoder::step_hidden`].
     pub fn step(&self, state: &mut DecodeState, tokens: &Tensor) -> Result<Tensor> {
         // The blocks and the LM head in one hand-over to the pool.
-        vl_attn::kernel::on_pool(|| {
+        vl_attn::kernels::on_pool(|| {
             let (h, _) = self.step_hidden_inline(state, tokens, None)?;
             self.logits_inline(&h)
         })
@@ -1139,7 +1139,7 @@ impl VisionLanguageDecoder {
         weights_of: Option<usize>,
     ) -> Result<(Tensor, Option<Tensor>)> {
         // The blocks and the LM head in one hand-over to the pool.
-        vl_attn::kernel::on_pool(|| self.step_last_weights_inline(state, tokens, weights_of))
+        vl_attn::kernels::on_pool(|| self.step_last_weights_inline(state, tokens, weights_of))
     }
 
     /// [`VisionLanguageDecoder::step_last_weights`]'s work, on the

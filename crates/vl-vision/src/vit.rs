@@ -253,9 +253,9 @@ impl VitBlock {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.attn.forward(&self.attn_norm.forward(x)?, None)?;
         // vl's addition for bf16 on CPU (candle's otherwise): the same sums.
-        let x = vl_attn::add::add(x, &self.resid_dropout.forward(&h, &self.mode)?)?;
+        let x = vl_attn::kernels::add::add(x, &self.resid_dropout.forward(&h, &self.mode)?)?;
         let h = self.ffn.forward(&self.ffn_norm.forward(&x)?)?;
-        Ok(vl_attn::add::add(
+        Ok(vl_attn::kernels::add::add(
             &x,
             &self.resid_dropout.forward(&h, &self.mode)?,
         )?)
@@ -458,8 +458,8 @@ impl Vit {
     /// `(batch, prefix + patches, output_width)`, `prefix` 1 or 2 (DeiT).
     pub fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
         // On the pool, so that each product does not wake it from the
-        // caller's thread (see `vl_attn::kernel::on_pool`).
-        vl_attn::kernel::on_pool(|| {
+        // caller's thread (see `vl_attn::kernels::on_pool`).
+        vl_attn::kernels::on_pool(|| {
             let x = self.last_hidden_state_inline(pixels)?;
             match &self.output_proj {
                 Some(proj) => Ok(proj.forward(&x)?),
@@ -475,7 +475,7 @@ impl Vit {
     /// `pixels: (batch, channels, image_size, image_size)`, normalised →
     /// `(batch, prefix + patches, hidden)`.
     pub fn last_hidden_state(&self, pixels: &Tensor) -> Result<Tensor> {
-        vl_attn::kernel::on_pool(|| self.last_hidden_state_inline(pixels))
+        vl_attn::kernels::on_pool(|| self.last_hidden_state_inline(pixels))
     }
 
     /// [`Vit::last_hidden_state`]'s work, on the calling thread;

@@ -36,7 +36,7 @@ pub(super) fn transposed(w: &candle_core::Tensor) -> Result<candle_core::Tensor>
         use rayon::prelude::*;
         const B: usize = 32;
         // Read in place (a weight just read), copied if not contiguous.
-        let dst = vl_attn::kernel::with_values(w, |src: &[T]| {
+        let dst = vl_attn::kernels::with_values(w, |src: &[T]| {
             let mut dst = vec![T::from_f64(0.0); rows * cols];
             if rows > 0 {
                 dst.par_chunks_mut(B * rows)

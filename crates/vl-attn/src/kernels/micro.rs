@@ -7,7 +7,8 @@
 //! intrinsics (16 accumulators of 16 lanes, a broadcast and two FMAs per
 //! row and step), and plain Rust compiled for AVX2+FMA or for the target's
 //! baseline. Callers compile their loops once per instruction set with
-//! `#[target_feature]` and pick one with [`crate::gemv::isa`].
+//! `#[target_feature]` ([`per_isa`]) and run the one an
+//! [`crate::kernels::Isa`] token names.
 
 /// Rows per micro-tile (keys in the score product, query rows in the
 /// value product).
@@ -166,15 +167,15 @@ pub(crate) fn micro<K: Kernel>(
 /// `fn $name(isa, args…)`: `$generic::<K>(args…)` compiled once per
 /// instruction set — for AVX-512F with `K = $k512`, for AVX2+FMA with
 /// [`Fma`], for the target's baseline with [`Plain`] — and run with the one
-/// `isa` names, which the CPU must support (callers pass
-/// [`crate::gemv::isa`], or an ISA checked with [`crate::gemv::supported`]).
+/// the token `isa` names (which [`crate::kernels::CpuFeatures`] hands out
+/// only for instruction sets the CPU runs).
 /// `$generic` is `#[inline(always)]`, so each copy is vectorised for its
 /// instruction set.
 macro_rules! per_isa {
     ($(#[$doc:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),* $(,)?) $(-> $r:ty)?
         = $generic:ident::<$k512:ty>) => {
         $(#[$doc])*
-        $vis fn $name(isa: crate::gemv::Isa, $($a: $t),*) $(-> $r)? {
+        $vis fn $name(isa: crate::kernels::features::Isa, $($a: $t),*) $(-> $r)? {
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f")]
             fn avx512($($a: $t),*) $(-> $r)? {
@@ -183,35 +184,34 @@ macro_rules! per_isa {
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2,fma")]
             fn avx2($($a: $t),*) $(-> $r)? {
-                $generic::<crate::micro::Fma>($($a),*)
+                $generic::<crate::kernels::micro::Fma>($($a),*)
             }
-            match isa {
+            match isa.simd() {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: `Avx512` only for CPUs with AVX-512F (the
-                // caller's contract, above).
-                crate::gemv::Isa::Avx512 => unsafe { avx512($($a),*) },
+                // SAFETY: the token proves the CPU has AVX-512F.
+                crate::kernels::features::Simd::Avx512 => unsafe { avx512($($a),*) },
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: `Avx2` only for CPUs with AVX2 and FMA (likewise).
-                crate::gemv::Isa::Avx2 => unsafe { avx2($($a),*) },
-                _ => $generic::<crate::micro::Plain>($($a),*),
+                // SAFETY: the token proves the CPU has AVX2 and FMA.
+                crate::kernels::features::Simd::Avx2 => unsafe { avx2($($a),*) },
+                _ => $generic::<crate::kernels::micro::Plain>($($a),*),
             }
         }
     };
     // The same with one type or const parameter, passed on after `K`.
     ($(#[$doc:meta])* $vis:vis fn $name:ident<$g:ident: $bound:path>($($a:ident: $t:ty),* $(,)?)
         $(-> $r:ty)? = $generic:ident::<$k512:ty>) => {
-        crate::micro::per_isa!(@one [$g: $bound] $g $(#[$doc])* $vis fn $name($($a: $t),*)
+        crate::kernels::micro::per_isa!(@one [$g: $bound] $g $(#[$doc])* $vis fn $name($($a: $t),*)
             $(-> $r)? = $generic::<$k512>);
     };
     ($(#[$doc:meta])* $vis:vis fn $name:ident<const $g:ident: usize>($($a:ident: $t:ty),* $(,)?)
         $(-> $r:ty)? = $generic:ident::<$k512:ty>) => {
-        crate::micro::per_isa!(@one [const $g: usize] $g $(#[$doc])* $vis fn $name($($a: $t),*)
+        crate::kernels::micro::per_isa!(@one [const $g: usize] $g $(#[$doc])* $vis fn $name($($a: $t),*)
             $(-> $r)? = $generic::<$k512>);
     };
     (@one [$($decl:tt)*] $g:ident $(#[$doc:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),*)
         $(-> $r:ty)? = $generic:ident::<$k512:ty>) => {
         $(#[$doc])*
-        $vis fn $name<$($decl)*>(isa: crate::gemv::Isa, $($a: $t),*) $(-> $r)? {
+        $vis fn $name<$($decl)*>(isa: crate::kernels::features::Isa, $($a: $t),*) $(-> $r)? {
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f")]
             fn avx512<$($decl)*>($($a: $t),*) $(-> $r)? {
@@ -220,16 +220,16 @@ macro_rules! per_isa {
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2,fma")]
             fn avx2<$($decl)*>($($a: $t),*) $(-> $r)? {
-                $generic::<crate::micro::Fma, $g>($($a),*)
+                $generic::<crate::kernels::micro::Fma, $g>($($a),*)
             }
-            match isa {
+            match isa.simd() {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as in the first form.
-                crate::gemv::Isa::Avx512 => unsafe { avx512($($a),*) },
+                crate::kernels::features::Simd::Avx512 => unsafe { avx512($($a),*) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as in the first form.
-                crate::gemv::Isa::Avx2 => unsafe { avx2($($a),*) },
-                _ => $generic::<crate::micro::Plain, $g>($($a),*),
+                crate::kernels::features::Simd::Avx2 => unsafe { avx2($($a),*) },
+                _ => $generic::<crate::kernels::micro::Plain, $g>($($a),*),
             }
         }
     };

@@ -10,26 +10,25 @@
 //! sized by `--threads`), streams each weight row once for all the rows of
 //! `x`, converts f16/bf16 weights to f32 on the fly and accumulates in f32.
 //!
-//! The SIMD is chosen once per process ([`isa`]): the same Rust loop
+//! The SIMD is chosen once per process ([`CpuFeatures::isa`]): the same Rust loop
 //! compiled for AVX-512F, for AVX2+FMA, or as plain code (NEON is the
 //! baseline on aarch64, so the plain build vectorises there). Every path
 //! is tested against a plain f64 reference on odd shapes.
 //!
-//! q8_0 weights have a kernel of their own, [`crate::gemv_q8`].
+//! q8_0 weights have a kernel of their own, [`crate::kernels::gemv_q8`].
 //!
 //! [`gemv`] is a candle `CustomOp2`, so models stay candle modules; it runs
 //! on CPU only and takes no part in autograd: [`crate::Proj`] routes to it
 //! only for plain (untracked) CPU tensors of a supported shape, and to
 //! candle's matmul otherwise (training, CUDA, Metal, prefill).
 
-use std::sync::OnceLock;
-
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::kernel::contiguous;
+use super::features::{CpuFeatures, Isa, Simd};
+use crate::kernels::host::contiguous;
 
 /// The most rows of `x` the kernel takes; more go to candle's matmul.
 pub const MAX_ROWS: usize = 8;
@@ -40,47 +39,6 @@ const LANES: usize = 16;
 /// Output rows per parallel task, at least; fewer tasks than threads
 /// would leave cores idle, many tiny ones cost scheduling.
 const MIN_TASK_ROWS: usize = 16;
-
-/// The instruction set the kernel runs with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Isa {
-    /// x86-64 with AVX-512F.
-    Avx512,
-    /// x86-64 with AVX2 and FMA.
-    Avx2,
-    /// Whatever the target's baseline is (SSE2 on x86-64, NEON on aarch64).
-    Portable,
-}
-
-/// The best [`Isa`] of this CPU, detected once.
-pub fn isa() -> Isa {
-    static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx512f") {
-                return Isa::Avx512;
-            }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Portable
-    })
-}
-
-/// Whether this CPU can run `isa`.
-pub fn supported(isa: Isa) -> bool {
-    match isa {
-        Isa::Portable => true,
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => is_x86_feature_detected!("avx512f"),
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
-        #[cfg(not(target_arch = "x86_64"))]
-        _ => false,
-    }
-}
 
 /// How far ahead of the weight bytes they are multiplying vl's
 /// weight-streaming kernels (this module's rows, the q8_0 tiles, the
@@ -113,7 +71,7 @@ pub(crate) fn prefetch<T>(p: *const T, ahead: usize) {
 }
 
 /// An element vl's kernels read and widen to f32: a weight here, keys
-/// and values in [`crate::kernel`]'s per-row attention.
+/// and values in [`crate::attention`]'s per-row attention.
 pub(crate) trait Weight: Copy + Send + Sync {
     fn to_f32(self) -> f32;
 }
@@ -253,20 +211,18 @@ pub(crate) fn parallel(
 }
 
 /// The product of `x (rows, inp)` (f32, row-major) and `w (out, inp)`:
-/// returns `y (rows, out)`, computed with `isa`, which the CPU must
-/// support (callers check with [`supported`]).
+/// returns `y (rows, out)`, computed with `isa`.
 fn product<W: Weight>(isa: Isa, x: &[f32], rows: usize, w: &[W], out: usize) -> Vec<f32> {
     let inp = x.len() / rows.max(1);
     parallel(out, rows, |o, yt| {
         let w = &w[o.start * inp..o.end * inp];
-        match isa {
+        match isa.simd() {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `isa` is AVX-512 only when the CPU supports it
-            // (`isa()` and `supported` check; `gemv_with` refuses others).
-            Isa::Avx512 => unsafe { task_avx512(x, rows, inp, w, yt) },
+            // SAFETY: the token proves the CPU has AVX-512F.
+            Simd::Avx512 => unsafe { task_avx512(x, rows, inp, w, yt) },
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above, for AVX2 and FMA.
-            Isa::Avx2 => unsafe { task_avx2(x, rows, inp, w, yt) },
+            // SAFETY: the token proves the CPU has AVX2 and FMA.
+            Simd::Avx2 => unsafe { task_avx2(x, rows, inp, w, yt) },
             _ => task(x, rows, inp, w, yt),
         }
     })
@@ -357,7 +313,7 @@ pub fn applies(x: &Tensor, w: &Tensor) -> bool {
         && (1..=MAX_ROWS).contains(&rows)
 }
 
-/// `x W^T` with the kernel, on this CPU's best [`isa`].
+/// `x W^T` with the kernel, on this CPU's best [`Isa`].
 ///
 /// # Shapes
 /// `x: (..., inp)` (1 to [`MAX_ROWS`] rows, made contiguous), `w: (out,
@@ -366,17 +322,15 @@ pub fn applies(x: &Tensor, w: &Tensor) -> bool {
 /// # Errors
 /// When [`applies`] is false, with the reason.
 pub fn gemv(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    gemv_with(isa(), x, w)
+    gemv_with(CpuFeatures::get().isa(), x, w)
 }
 
-/// [`gemv`] with a given instruction set (tests compare them).
+/// [`gemv`] on a given implementation (tests compare them; the token
+/// proves the CPU runs it).
 ///
 /// # Errors
-/// As [`gemv`], and an `isa` this CPU does not support.
+/// As [`gemv`].
 pub fn gemv_with(isa: Isa, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    if !supported(isa) {
-        candle_core::bail!("vl-gemv: this CPU cannot run {isa:?}");
-    }
     if !applies(x, w) {
         candle_core::bail!(
             "vl-gemv: takes untracked CPU x (1..={MAX_ROWS} rows, ..., inp) and a contiguous w (out, inp) of one dtype (f32, f16, bf16); got x {:?} {:?}, w {:?} {:?}",
@@ -392,7 +346,7 @@ pub fn gemv_with(isa: Isa, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor
 /// [`gemv`] for operands the caller has checked with [`applies`] (the op
 /// itself still refuses what it cannot compute).
 pub(crate) fn apply(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    apply_with(isa(), x, w)
+    apply_with(CpuFeatures::get().isa(), x, w)
 }
 
 fn apply_with(isa: Isa, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
@@ -427,10 +381,7 @@ mod tests {
     }
 
     fn isas() -> Vec<Isa> {
-        [Isa::Avx512, Isa::Avx2, Isa::Portable]
-            .into_iter()
-            .filter(|i| supported(*i))
-            .collect()
+        CpuFeatures::get().isas()
     }
 
     /// Every supported path equals the f64 reference on odd shapes (widths

@@ -8,12 +8,15 @@
 //! instruction): the weight is packed into panels of 32 columns × k/2
 //! pairs, and a micro-kernel of up to 8 rows × 32 columns keeps 16
 //! accumulators in registers; blocks of rows × groups of panels are split
-//! across the rayon pool. Elsewhere ([`available`] false) callers use
-//! candle's product.
+//! across the rayon pool. A portable implementation in plain Rust (the
+//! same panels, `x` widened pair by pair) runs anywhere and is the oracle
+//! the AVX512_BF16 one is tested against; [`crate::Proj`] routes products
+//! here only where the CPU has AVX512_BF16 ([`accelerated`]), and to
+//! candle's product elsewhere.
 //!
-//! Like [`crate::gemv`], a candle `CustomOp2` on the CPU, outside autograd:
+//! Like [`crate::kernels::gemv`], a candle `CustomOp2` on the CPU, outside autograd:
 //! [`crate::Proj`] routes plain bf16 CPU products of more than
-//! [`crate::gemv::MAX_ROWS`] rows here, packing the weight per call; a
+//! [`crate::kernels::gemv::MAX_ROWS`] rows here, packing the weight per call; a
 //! weight quantized to bf16 ([`crate::Proj::quantize`]) is packed once, at
 //! load time, as a [`PackedBf16`], which also runs the decode steps.
 
@@ -22,7 +25,8 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use half::bf16;
 use rayon::prelude::*;
 
-use crate::kernel::contiguous;
+use super::features::{Bf16Isa, Bf16Simd, CpuFeatures};
+use crate::kernels::host::contiguous;
 
 /// Columns of a packed panel: two AVX-512 registers of f32.
 const NR: usize = 32;
@@ -31,30 +35,24 @@ const MR: usize = 8;
 /// Rows per parallel task (a multiple of [`MR`]).
 const TASK_ROWS: usize = 8 * MR;
 
-/// Whether this CPU runs the kernel (x86-64 with AVX512F and AVX512_BF16),
-/// detected once.
-pub fn available() -> bool {
-    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVAILABLE.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512bf16")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    })
+/// Whether this CPU runs the kernels on AVX512_BF16 (x86-64 with AVX512F
+/// and AVX512_BF16), where they beat candle's bf16 product: what callers
+/// ask before routing products here.
+pub fn accelerated() -> bool {
+    CpuFeatures::get().bf16_isa().simd() == Bf16Simd::Avx512Bf16
 }
 
-/// Whether [`matmul`] takes `x` and `w`: the kernel [`available`], both
+/// Whether [`matmul`] takes `x` and `w`: the kernels [`accelerated`], both
 /// on the CPU and untracked, `w (n, k)` bf16 and contiguous with `k` even,
 /// `x (..., k)` bf16 or f32 (rounded to bf16 for the products: the
 /// weights-only bf16 of [`crate::Proj::quantize`]).
 pub fn applies(x: &Tensor, w: &Tensor) -> bool {
-    available()
-        && x.device().is_cpu()
+    accelerated() && takes(x, w)
+}
+
+/// Whether the kernels take `x` and `w` at all, on any implementation.
+fn takes(x: &Tensor, w: &Tensor) -> bool {
+    x.device().is_cpu()
         && w.device().is_cpu()
         && !x.track_op()
         && !w.track_op()
@@ -76,26 +74,40 @@ pub fn applies(x: &Tensor, w: &Tensor) -> bool {
 /// # Errors
 /// When [`applies`] is false, with the reason.
 pub fn matmul(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    if !applies(x, w) {
+    if !accelerated() {
+        candle_core::bail!("vl-gemm-bf16: this CPU has no AVX512_BF16 (use matmul_with)");
+    }
+    matmul_with(CpuFeatures::get().bf16_isa(), x, w)
+}
+
+/// [`matmul`] on a given implementation, on any CPU that runs it (the
+/// token proves it): the portable one anywhere.
+///
+/// # Errors
+/// Operands the kernels do not take, with the reason.
+pub fn matmul_with(isa: Bf16Isa, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    if !takes(x, w) {
         candle_core::bail!(
-            "vl-gemm-bf16: takes untracked bf16 or f32 CPU x (..., k) and a contiguous bf16 w (n, k), k even, on a CPU with AVX512_BF16 ({}); got x {:?} {:?}, w {:?} {:?}",
-            available(),
+            "vl-gemm-bf16: takes untracked bf16 or f32 CPU x (..., k) and a contiguous bf16 w (n, k), k even; got x {:?} {:?}, w {:?} {:?}",
             x.dims(),
             x.dtype(),
             w.dims(),
             w.dtype()
         );
     }
-    apply(x, w)
+    x.contiguous()?.apply_op2_no_bwd(w, &GemmBf16 { isa })
 }
 
 /// [`matmul`] for operands the caller has checked with [`applies`] (the op
 /// itself still refuses what it cannot compute).
 pub(crate) fn apply(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    x.contiguous()?.apply_op2_no_bwd(w, &GemmBf16)
+    let isa = CpuFeatures::get().bf16_isa();
+    x.contiguous()?.apply_op2_no_bwd(w, &GemmBf16 { isa })
 }
 
-struct GemmBf16;
+struct GemmBf16 {
+    isa: Bf16Isa,
+}
 
 fn slice<'a>(s: &'a CpuStorage, l: &Layout, arg: &str) -> candle_core::Result<&'a [bf16]> {
     let CpuStorage::BF16(d) = s else {
@@ -118,7 +130,7 @@ impl CustomOp2 for GemmBf16 {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (n, k) = l2.shape().dims2()?;
         let dims = l1.shape().dims();
-        if dims.last() != Some(&k) || k % 2 != 0 || !available() {
+        if dims.last() != Some(&k) || k % 2 != 0 {
             candle_core::bail!("vl-gemm-bf16: x {dims:?}, w ({n}, {k})");
         }
         let m = l1.shape().elem_count() / k;
@@ -127,9 +139,9 @@ impl CustomOp2 for GemmBf16 {
             CpuStorage::F32(x) => {
                 let x = contiguous(x, l1, "vl-gemm-bf16", "x")?;
                 let x: Vec<bf16> = x.par_iter().map(|&v| bf16::from_f32(v)).collect();
-                CpuStorage::F32(product(&x, w, m, n, k))
+                CpuStorage::F32(product(self.isa, &x, w, m, n, k))
             }
-            _ => CpuStorage::BF16(product(slice(s1, l1, "x")?, w, m, n, k)),
+            _ => CpuStorage::BF16(product(self.isa, slice(s1, l1, "x")?, w, m, n, k)),
         };
         let mut shape = dims[..dims.len() - 1].to_vec();
         shape.push(n);
@@ -161,13 +173,14 @@ fn pack(w: &[bf16], n: usize, k: usize) -> Vec<u32> {
 
 /// A bf16 weight `W (n, k)` packed once, at load time, into the panels the
 /// kernels read: what [`crate::Proj`] keeps for `--quantize bf16` on CPUs
-/// with AVX512_BF16, so that no product packs its weight per call and the
-/// weight is held once.
+/// with AVX512_BF16 ([`PackedBf16::new`]), so that no product packs its
+/// weight per call and the weight is held once. [`PackedBf16::pack`]
+/// packs on any CPU; the products then run the portable implementation.
 ///
 /// [`Self::matmul`] takes f32 or bf16 activations: up to
-/// [`crate::gemv::MAX_ROWS`] rows (decode steps) run a matrix-vector
+/// [`crate::kernels::gemv::MAX_ROWS`] rows (decode steps) run a matrix-vector
 /// kernel that widens the weight to f32 and keeps `x` in f32 (as
-/// [`crate::gemv`] does); more rows run the `vdpbf16ps` GEMM, `x` rounded
+/// [`crate::kernels::gemv`] does); more rows run the `vdpbf16ps` GEMM, `x` rounded
 /// to bf16.
 #[derive(Debug)]
 pub struct PackedBf16 {
@@ -181,20 +194,28 @@ pub struct PackedBf16 {
 impl PackedBf16 {
     /// Packs `w (n, k)`, bf16 on the CPU, `k` even, with an optional bias
     /// `(n)` (any float dtype, kept in f32 and added in the kernels'
-    /// epilogue); `None` when this CPU has no AVX512_BF16 ([`available`])
+    /// epilogue); `None` when this CPU has no AVX512_BF16 ([`accelerated`])
     /// and the weight should stay a plain tensor.
     ///
     /// # Errors
-    /// A weight of another dtype, rank, device, or an odd `k`, or a bias
-    /// of another length, named.
+    /// As [`PackedBf16::pack`].
     pub fn new(w: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Option<Self>> {
-        if !available() {
+        if !accelerated() {
             return Ok(None);
         }
+        Self::pack(w, bias).map(Some)
+    }
+
+    /// Packs `w (n, k)` as [`PackedBf16::new`] does, on any CPU.
+    ///
+    /// # Errors
+    /// A weight of another dtype, rank or device, `k` odd or 0, `n` 0, or
+    /// a bias of another length, named.
+    pub fn pack(w: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Self> {
         let (n, k) = w.dims2()?;
-        if w.dtype() != DType::BF16 || !w.device().is_cpu() || k % 2 != 0 {
+        if w.dtype() != DType::BF16 || !w.device().is_cpu() || k % 2 != 0 || k == 0 || n == 0 {
             candle_core::bail!(
-                "vl-gemm-bf16: packs a bf16 CPU weight (n, k), k even; got {:?} {:?} on {:?}",
+                "vl-gemm-bf16: packs a bf16 CPU weight (n, k), n > 0, k even and > 0; got {:?} {:?} on {:?}",
                 w.dims(),
                 w.dtype(),
                 w.device()
@@ -208,12 +229,12 @@ impl PackedBf16 {
             None => None,
         };
         let values = w.flatten_all()?.to_vec1::<bf16>()?;
-        Ok(Some(Self {
+        Ok(Self {
             panels: pack(&values, n, k),
             bias,
             n,
             k,
-        }))
+        })
     }
 
     /// The weight's shape `(n, k)`.
@@ -260,12 +281,26 @@ impl PackedBf16 {
     /// # Errors
     /// Another dtype, device or width of `x`, named.
     pub fn matmul(self: &std::sync::Arc<Self>, x: &Tensor) -> candle_core::Result<Tensor> {
-        x.contiguous()?.apply_op1_no_bwd(&PackedOp(self.clone()))
+        self.matmul_with(CpuFeatures::get().bf16_isa(), x)
+    }
+
+    /// [`PackedBf16::matmul`] on a given implementation (tests compare
+    /// them; the token proves the CPU runs it).
+    ///
+    /// # Errors
+    /// As [`PackedBf16::matmul`].
+    pub fn matmul_with(
+        self: &std::sync::Arc<Self>,
+        isa: Bf16Isa,
+        x: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        x.contiguous()?
+            .apply_op1_no_bwd(&PackedOp(self.clone(), isa))
     }
 }
 
 /// The op of [`PackedBf16::matmul`].
-struct PackedOp(std::sync::Arc<PackedBf16>);
+struct PackedOp(std::sync::Arc<PackedBf16>, Bf16Isa);
 
 impl candle_core::CustomOp1 for PackedOp {
     fn name(&self) -> &'static str {
@@ -273,31 +308,31 @@ impl candle_core::CustomOp1 for PackedOp {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let w = &*self.0;
+        let (w, isa) = (&*self.0, self.1);
         let dims = l.shape().dims();
         if dims.last() != Some(&w.k) {
             candle_core::bail!("vl-gemm-bf16: x {dims:?} for a weight ({}, {})", w.n, w.k);
         }
         let m = l.shape().elem_count() / w.k.max(1);
-        let decode = m <= crate::gemv::MAX_ROWS;
+        let decode = m <= crate::kernels::gemv::MAX_ROWS;
         let y = match s {
             CpuStorage::F32(x) => {
                 let x = contiguous(x, l, "vl-gemm-bf16", "x")?;
                 if decode {
-                    CpuStorage::F32(gemv_packed(x, w, m))
+                    CpuStorage::F32(gemv_packed(isa, x, w, m))
                 } else {
                     let x: Vec<bf16> = x.par_iter().map(|&v| bf16::from_f32(v)).collect();
-                    CpuStorage::F32(product_packed(&x, w, m))
+                    CpuStorage::F32(product_packed(isa, &x, w, m))
                 }
             }
             CpuStorage::BF16(x) => {
                 let x = contiguous(x, l, "vl-gemm-bf16", "x")?;
                 if decode {
                     let x: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
-                    let y = gemv_packed(&x, w, m);
+                    let y = gemv_packed(isa, &x, w, m);
                     CpuStorage::BF16(y.into_iter().map(bf16::from_f32).collect())
                 } else {
-                    CpuStorage::BF16(product_packed(x, w, m))
+                    CpuStorage::BF16(product_packed(isa, x, w, m))
                 }
             }
             _ => candle_core::bail!("vl-gemm-bf16: x must be f32 or bf16, got {:?}", s.dtype()),
@@ -310,7 +345,7 @@ impl candle_core::CustomOp1 for PackedOp {
 
 /// `y (m, n) = x (m, k) W^T` for a few rows of f32 `x`, the packed weight
 /// widened to f32: the panels split across the rayon pool.
-fn gemv_packed(x: &[f32], w: &PackedBf16, m: usize) -> Vec<f32> {
+fn gemv_packed(isa: Bf16Isa, x: &[f32], w: &PackedBf16, m: usize) -> Vec<f32> {
     let (n, k) = (w.n, w.k);
     let panel_len = (k / 2) * NR;
     let panels = n.div_ceil(NR);
@@ -321,15 +356,18 @@ fn gemv_packed(x: &[f32], w: &PackedBf16, m: usize) -> Vec<f32> {
     (0..panels.div_ceil(group)).into_par_iter().for_each(|g| {
         let (first, last) = (g * group, ((g + 1) * group).min(panels));
         let range = &w.panels[first * panel_len..last * panel_len];
-        // SAFETY: packed weights exist only where `available()` (AVX512F);
-        // group `g` writes columns `first * NR .. min(last * NR, n)` of
-        // every row, which no other group writes; `y` outlives the loop.
-        #[cfg(target_arch = "x86_64")]
-        unsafe {
-            avx512::gemv_task(x, range, out, m, (first, last), (n, k), w.bias.as_deref())
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = (range, &out, first, last);
+        let bias = w.bias.as_deref();
+        // SAFETY: group `g` writes columns `first * NR .. min(last * NR, n)`
+        // of every row, which no other group writes; `y` outlives the
+        // loop; the token proves the instruction set (AVX512_BF16 comes
+        // with AVX512F, all `gemv_task` needs).
+        match isa.simd() {
+            #[cfg(target_arch = "x86_64")]
+            Bf16Simd::Avx512Bf16 => unsafe {
+                avx512::gemv_task(x, range, out, m, (first, last), (n, k), bias)
+            },
+            _ => unsafe { portable::gemv_task(x, range, out, m, (first, last), (n, k), bias) },
+        }
     });
     y
 }
@@ -364,17 +402,18 @@ impl Out for f32 {
 /// many and of nearly equal size whatever `m` (197 rows in 64-row tasks
 /// alone would leave one of two threads idle a quarter of the time), and
 /// each task's rows and panels stay in the core's L2 while it runs.
-fn product<O: Out>(x: &[bf16], w: &[bf16], m: usize, n: usize, k: usize) -> Vec<O> {
-    panels_product(x, &pack(w, n, k), None, m, (n, k))
+fn product<O: Out>(isa: Bf16Isa, x: &[bf16], w: &[bf16], m: usize, n: usize, k: usize) -> Vec<O> {
+    panels_product(isa, x, &pack(w, n, k), None, m, (n, k))
 }
 
 /// [`product`] with a packed weight, plus its bias.
-fn product_packed<O: Out>(x: &[bf16], w: &PackedBf16, m: usize) -> Vec<O> {
-    panels_product(x, &w.panels, w.bias.as_deref(), m, (w.n, w.k))
+fn product_packed<O: Out>(isa: Bf16Isa, x: &[bf16], w: &PackedBf16, m: usize) -> Vec<O> {
+    panels_product(isa, x, &w.panels, w.bias.as_deref(), m, (w.n, w.k))
 }
 
 /// [`product`] over panels ([`pack`]), plus `bias` (`n`) if any.
 fn panels_product<O: Out>(
+    isa: Bf16Isa,
     x: &[bf16],
     packed: &[u32],
     bias: Option<&[f32]>,
@@ -402,37 +441,25 @@ fn panels_product<O: Out>(
         let first = g * group;
         let last = (first + group).min(panels);
         let panel_range = &packed[first * panel_len..last * panel_len];
-        // SAFETY: `product` runs only when `available()` (checked by
-        // `cpu_fwd`), i.e. the CPU has AVX512F and AVX512_BF16. Task `t`
-        // writes only rows `b * TASK_ROWS ..` (`rows` of them), columns
-        // `first * NR .. min(last * NR, n)` of `y`: no two tasks overlap,
-        // and `y` outlives the parallel loop.
-        #[cfg(target_arch = "x86_64")]
+        // SAFETY: task `t` writes only rows `b * TASK_ROWS ..` (`rows` of
+        // them), columns `first * NR .. min(last * NR, n)` of `y`: no two
+        // tasks overlap, and `y` outlives the parallel loop; the token
+        // proves the instruction set.
         unsafe {
-            avx512::task(
-                xt,
-                panel_range,
-                out.at(b * TASK_ROWS * n),
-                rows,
-                (first, last),
-                (n, k),
-                bias,
-            )
+            let y = out.at(b * TASK_ROWS * n);
+            let shape = (rows, (first, last), (n, k));
+            match isa.simd() {
+                #[cfg(target_arch = "x86_64")]
+                Bf16Simd::Avx512Bf16 => avx512::task(xt, panel_range, y, shape, bias),
+                _ => portable::task(xt, panel_range, y, shape, bias),
+            }
         };
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = (xt, rows, panel_range, &out);
     });
     // SAFETY: the tasks cover every row block × panel group, and each
     // writes every row and column of its block and group (`task`'s tiles
     // span all its rows and the group's columns up to `n`): all `m * n`
-    // elements are initialised. Elsewhere than x86-64 nothing ran (the
-    // kernel is never `available()` there): zeros.
-    #[cfg(target_arch = "x86_64")]
-    unsafe {
-        y.set_len(m * n)
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    y.resize(m * n, O::default());
+    // elements are initialised.
+    unsafe { y.set_len(m * n) };
     y
 }
 
@@ -479,6 +506,100 @@ pub(crate) unsafe fn store_bf16x16(p: *mut half::bf16, v: std::arch::x86_64::__m
     }
 }
 
+/// A task's rows, its panels `first..last` and the product's `(n, k)`.
+type TaskShape = (usize, (usize, usize), (usize, usize));
+
+/// The kernels in plain Rust over the same panels: the fallback and the
+/// oracle. A pair of bf16 weights is widened to f32 (the top halves of
+/// two f32) and multiplied by the pair of `x`, summed in f32 per column;
+/// `vdpbf16ps` sums the same products, so the two differ by rounding only.
+mod portable {
+    use half::bf16;
+
+    use super::{Out, SyncPtr, NR};
+
+    /// The low and high bf16 of a packed pair, as f32.
+    #[inline(always)]
+    fn widen(pair: u32) -> (f32, f32) {
+        (
+            f32::from_bits(pair << 16),
+            f32::from_bits(pair & 0xFFFF_0000),
+        )
+    }
+
+    /// One row (`k` values, widened to f32 by `xv`) times one panel into
+    /// `acc`.
+    #[inline(always)]
+    fn row_panel(xv: impl Fn(usize) -> f32, panel: &[u32], pairs: usize, acc: &mut [f32; NR]) {
+        for (p, cols) in panel.chunks_exact(NR).take(pairs).enumerate() {
+            let (xa, xb) = (xv(2 * p), xv(2 * p + 1));
+            for (a, &pair) in acc.iter_mut().zip(cols) {
+                let (lo, hi) = widen(pair);
+                *a += lo * xa + hi * xb;
+            }
+        }
+    }
+
+    /// [`super::avx512::task`] in plain Rust.
+    ///
+    /// # Safety
+    /// `y` is valid for writes of `rows` rows of `n`, columns
+    /// `first * NR .. min(last * NR, n)`, which no one else accesses
+    /// meanwhile.
+    pub(super) unsafe fn task<O: Out>(
+        x: &[bf16],
+        packed: &[u32],
+        y: *mut O,
+        (rows, (first, last), (n, k)): super::TaskShape,
+        bias: Option<&[f32]>,
+    ) {
+        let pairs = k / 2;
+        for (j, panel) in (first..last).zip(packed.chunks_exact(pairs * NR)) {
+            let cols = NR.min(n - j * NR);
+            for (r, xr) in x.chunks_exact(k).take(rows).enumerate() {
+                let mut acc = [0f32; NR];
+                row_panel(|i| xr[i].to_f32(), panel, pairs, &mut acc);
+                for (c, v) in acc.iter().take(cols).enumerate() {
+                    let v = v + bias.map_or(0.0, |b| b[j * NR + c]);
+                    // SAFETY: row `r < rows`, column `j * NR + c` of this
+                    // task's columns (the contract).
+                    unsafe { y.add(r * n + j * NR + c).write(O::from_acc(v)) };
+                }
+            }
+        }
+    }
+
+    /// [`super::avx512::gemv_task`] in plain Rust.
+    ///
+    /// # Safety
+    /// `y` is valid for `m` rows of `n`, columns `first * NR .. min(last *
+    /// NR, n)` written by no one else meanwhile.
+    pub(super) unsafe fn gemv_task(
+        x: &[f32],
+        packed: &[u32],
+        y: SyncPtr<f32>,
+        m: usize,
+        (first, last): (usize, usize),
+        (n, k): (usize, usize),
+        bias: Option<&[f32]>,
+    ) {
+        let pairs = k / 2;
+        for (j, panel) in (first..last).zip(packed.chunks_exact(pairs * NR)) {
+            let cols = NR.min(n - j * NR);
+            for (r, xr) in x.chunks_exact(k).take(m).enumerate() {
+                let mut acc = [0f32; NR];
+                row_panel(|i| xr[i], panel, pairs, &mut acc);
+                for (c, v) in acc.iter().take(cols).enumerate() {
+                    let v = v + bias.map_or(0.0, |b| b[j * NR + c]);
+                    // SAFETY: row `r < m`, column `j * NR + c` of this
+                    // group's columns (the contract).
+                    unsafe { y.at(r * n + j * NR + c).write(v) };
+                }
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
@@ -486,7 +607,7 @@ mod avx512 {
     use half::bf16;
 
     use super::{Out, MR, NR};
-    use crate::gemv::{prefetch, PREFETCH_AHEAD};
+    use crate::kernels::gemv::{prefetch, PREFETCH_AHEAD};
 
     /// Rows `x (rows, k)` times panels `first .. last` (given as
     /// `packed`, from panel `first` on) into `y`, which points at the
@@ -501,9 +622,7 @@ mod avx512 {
         x: &[bf16],
         packed: &[u32],
         y: *mut O,
-        rows: usize,
-        (first, last): (usize, usize),
-        (n, k): (usize, usize),
+        (rows, (first, last), (n, k)): super::TaskShape,
         bias: Option<&[f32]>,
     ) {
         let pairs = k / 2;
@@ -672,48 +791,47 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
-    /// Equals the f64 product of the bf16 values (relative error under
-    /// 1e-2, the output being rounded to bf16) on odd shapes: rows not a
-    /// multiple of 8 or of the task size, columns not a multiple of 32,
-    /// 1 row and many; skipped (passing) on CPUs without AVX512_BF16.
+    /// Every implementation this CPU runs equals the f64 product of the
+    /// bf16 values (relative error under 1e-2, the output being rounded to
+    /// bf16) on odd shapes: rows not a multiple of 8 or of the task size,
+    /// columns not a multiple of 32 (31, 33), 1 row and many.
     #[test]
     fn matches_the_reference() -> candle_core::Result<()> {
-        if !available() {
-            eprintln!("no AVX512_BF16 on this CPU: nothing to test");
-            return Ok(());
-        }
         let dev = Device::Cpu;
-        for &(m, n, k) in &[
-            (1, 1, 2),
-            (9, 33, 18),
-            (70, 100, 64),
-            (130, 65, 770),
-            (197, 300, 2048),
-        ] {
-            let x = Tensor::randn(0f32, 1., (m, k), &dev)?.to_dtype(DType::BF16)?;
-            let w = Tensor::randn(0f32, 1., (n, k), &dev)?.to_dtype(DType::BF16)?;
-            let y = matmul(&x, &w)?;
-            assert_eq!(y.dims(), &[m, n]);
-            let want = x
-                .to_dtype(DType::F64)?
-                .matmul(&w.to_dtype(DType::F64)?.t()?)?;
-            let scale = want.abs()?.max_all()?.to_scalar::<f64>()?.max(1e-3);
-            let err = (y.to_dtype(DType::F64)? - &want)?
-                .abs()?
-                .max_all()?
-                .to_scalar::<f64>()?
-                / scale;
-            assert!(err < 1e-2, "({m}, {k}) x ({n}, {k}): {err}");
-            // f32 activations (rounded to bf16 inside) give f32 outputs:
-            // the same products, without the output's rounding.
-            let y32 = matmul(&x.to_dtype(DType::F32)?, &w)?;
-            assert_eq!(y32.dtype(), DType::F32);
-            let err = (y32.to_dtype(DType::F64)? - &want)?
-                .abs()?
-                .max_all()?
-                .to_scalar::<f64>()?
-                / scale;
-            assert!(err < 1e-5, "f32 x: ({m}, {k}) x ({n}, {k}): {err}");
+        for isa in CpuFeatures::get().bf16_isas() {
+            for &(m, n, k) in &[
+                (1, 1, 2),
+                (9, 33, 18),
+                (7, 31, 34),
+                (70, 100, 64),
+                (130, 65, 770),
+                (197, 300, 2048),
+            ] {
+                let x = Tensor::randn(0f32, 1., (m, k), &dev)?.to_dtype(DType::BF16)?;
+                let w = Tensor::randn(0f32, 1., (n, k), &dev)?.to_dtype(DType::BF16)?;
+                let y = matmul_with(isa, &x, &w)?;
+                assert_eq!(y.dims(), &[m, n]);
+                let want = x
+                    .to_dtype(DType::F64)?
+                    .matmul(&w.to_dtype(DType::F64)?.t()?)?;
+                let scale = want.abs()?.max_all()?.to_scalar::<f64>()?.max(1e-3);
+                let err = (y.to_dtype(DType::F64)? - &want)?
+                    .abs()?
+                    .max_all()?
+                    .to_scalar::<f64>()?
+                    / scale;
+                assert!(err < 1e-2, "{isa:?} ({m}, {k}) x ({n}, {k}): {err}");
+                // f32 activations (rounded to bf16 inside) give f32 outputs:
+                // the same products, without the output's rounding.
+                let y32 = matmul_with(isa, &x.to_dtype(DType::F32)?, &w)?;
+                assert_eq!(y32.dtype(), DType::F32);
+                let err = (y32.to_dtype(DType::F64)? - &want)?
+                    .abs()?
+                    .max_all()?
+                    .to_scalar::<f64>()?
+                    / scale;
+                assert!(err < 1e-5, "{isa:?} f32 x: ({m}, {k}) x ({n}, {k}): {err}");
+            }
         }
         Ok(())
     }
@@ -724,63 +842,73 @@ mod tests {
     /// (error 1e-5 of the largest sum of `|x|·|w|` terms), rounded to bf16 for more (1e-5 against the
     /// rounded `x`), for `n` not a multiple of 32 and several panel groups;
     /// bf16 `x` gives bf16 outputs (1e-2 against the product of those bf16
-    /// values). Skipped (passing) without
-    /// AVX512_BF16.
+    /// values); on every implementation this CPU runs.
     #[test]
     fn packed_weights_match_the_reference() -> candle_core::Result<()> {
-        if !available() {
-            eprintln!("no AVX512_BF16 on this CPU: nothing to test");
-            return Ok(());
-        }
         let dev = Device::Cpu;
-        for &(n, k) in &[(1, 2), (33, 18), (300, 2048), (65, 770)] {
-            let w = Tensor::randn(0f32, 1., (n, k), &dev)?.to_dtype(DType::BF16)?;
-            let bias = Tensor::randn(0f32, 1., n, &dev)?;
-            let packed = std::sync::Arc::new(PackedBf16::new(&w, Some(&bias))?.expect("available"));
-            assert_eq!(
-                packed.bias()?.expect("bias").to_vec1::<f32>()?,
-                bias.to_vec1::<f32>()?
-            );
-            assert_eq!(packed.dims(), (n, k));
-            let back = packed.unpack()?.to_dtype(DType::F32)?;
-            let diff = (back - w.to_dtype(DType::F32)?)?.abs()?.max_all()?;
-            assert_eq!(diff.to_scalar::<f32>()?, 0.0, "({n}, {k}) unpacks");
-            let w64 = w.to_dtype(DType::F64)?;
-            for m in [1, 3, 8, 9, 197] {
-                let x = Tensor::randn(0f32, 1., (m, 1, k), &dev)?;
-                let used = if m <= crate::gemv::MAX_ROWS {
-                    x.clone()
-                } else {
-                    x.to_dtype(DType::BF16)?.to_dtype(DType::F32)?
-                };
-                // The error of `y` against the f64 product of `xs` (the
-                // activations the kernel was given), on the scale of the
-                // terms it sums (the largest `|x|·|w| + |b|`): an output
-                // whose terms cancel is near 0, and f32 rounding is not
-                // small beside it (with the largest output as the scale,
-                // (1, 2) failed in a CI run: 1.6e-5).
-                let rel = |y: &Tensor, xs: &Tensor| -> candle_core::Result<f64> {
-                    let xs = xs.to_dtype(DType::F64)?;
-                    let b64 = bias.to_dtype(DType::F64)?;
-                    let want = xs.broadcast_matmul(&w64.t()?)?.broadcast_add(&b64)?;
-                    let terms = xs
-                        .abs()?
-                        .broadcast_matmul(&w64.abs()?.t()?)?
-                        .broadcast_add(&b64.abs()?)?;
-                    let scale = terms.max_all()?.to_scalar::<f64>()?.max(1e-3);
-                    let d = (y.to_dtype(DType::F64)? - &want)?.abs()?.max_all()?;
-                    Ok(d.to_scalar::<f64>()? / scale)
-                };
-                let y = packed.matmul(&x)?;
-                assert_eq!((y.dims(), y.dtype()), (&[m, 1, n][..], DType::F32));
-                let err = rel(&y, &used)?;
-                assert!(err < 1e-5, "f32 x ({m}, {k}) x ({n}, {k}): {err}");
-                let x16 = x.to_dtype(DType::BF16)?;
-                let y16 = packed.matmul(&x16)?;
-                assert_eq!(y16.dtype(), DType::BF16);
-                let err = rel(&y16, &x16)?;
-                assert!(err < 1e-2, "bf16 x ({m}, {k}) x ({n}, {k}): {err}");
+        for isa in CpuFeatures::get().bf16_isas() {
+            for &(n, k) in &[(1, 2), (33, 18), (31, 34), (300, 2048), (65, 770)] {
+                let w = Tensor::randn(0f32, 1., (n, k), &dev)?.to_dtype(DType::BF16)?;
+                let bias = Tensor::randn(0f32, 1., n, &dev)?;
+                let packed = std::sync::Arc::new(PackedBf16::pack(&w, Some(&bias))?);
+                assert_eq!(
+                    packed.bias()?.expect("bias").to_vec1::<f32>()?,
+                    bias.to_vec1::<f32>()?
+                );
+                assert_eq!(packed.dims(), (n, k));
+                let back = packed.unpack()?.to_dtype(DType::F32)?;
+                let diff = (back - w.to_dtype(DType::F32)?)?.abs()?.max_all()?;
+                assert_eq!(diff.to_scalar::<f32>()?, 0.0, "({n}, {k}) unpacks");
+                let w64 = w.to_dtype(DType::F64)?;
+                for m in [1, 3, 8, 9, 197] {
+                    let x = Tensor::randn(0f32, 1., (m, 1, k), &dev)?;
+                    let used = if m <= crate::kernels::gemv::MAX_ROWS {
+                        x.clone()
+                    } else {
+                        x.to_dtype(DType::BF16)?.to_dtype(DType::F32)?
+                    };
+                    // The error of `y` against the f64 product of `xs` (the
+                    // activations the kernel was given), on the scale of the
+                    // terms it sums (the largest `|x|·|w| + |b|`): an output
+                    // whose terms cancel is near 0, and f32 rounding is not
+                    // small beside it (with the largest output as the scale,
+                    // (1, 2) failed in a CI run: 1.6e-5).
+                    let rel = |y: &Tensor, xs: &Tensor| -> candle_core::Result<f64> {
+                        let xs = xs.to_dtype(DType::F64)?;
+                        let b64 = bias.to_dtype(DType::F64)?;
+                        let want = xs.broadcast_matmul(&w64.t()?)?.broadcast_add(&b64)?;
+                        let terms = xs
+                            .abs()?
+                            .broadcast_matmul(&w64.abs()?.t()?)?
+                            .broadcast_add(&b64.abs()?)?;
+                        let scale = terms.max_all()?.to_scalar::<f64>()?.max(1e-3);
+                        let d = (y.to_dtype(DType::F64)? - &want)?.abs()?.max_all()?;
+                        Ok(d.to_scalar::<f64>()? / scale)
+                    };
+                    let y = packed.matmul_with(isa, &x)?;
+                    assert_eq!((y.dims(), y.dtype()), (&[m, 1, n][..], DType::F32));
+                    let err = rel(&y, &used)?;
+                    assert!(err < 1e-5, "{isa:?} f32 x ({m}, {k}) x ({n}, {k}): {err}");
+                    let x16 = x.to_dtype(DType::BF16)?;
+                    let y16 = packed.matmul_with(isa, &x16)?;
+                    assert_eq!(y16.dtype(), DType::BF16);
+                    let err = rel(&y16, &x16)?;
+                    assert!(err < 1e-2, "{isa:?} bf16 x ({m}, {k}) x ({n}, {k}): {err}");
+                }
             }
+        }
+        Ok(())
+    }
+
+    /// A weight of width 0 (or height 0) is refused with its shape, not a
+    /// panic inside the pool.
+    #[test]
+    fn packing_refuses_empty_weights() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        for dims in [(4, 0), (0, 4)] {
+            let w = Tensor::zeros(dims, DType::BF16, &dev)?;
+            let err = PackedBf16::pack(&w, None).unwrap_err().to_string();
+            assert!(err.contains(&format!("[{}, {}]", dims.0, dims.1)), "{err}");
         }
         Ok(())
     }
@@ -803,7 +931,9 @@ mod tests {
         ];
         for (x, w) in cases {
             assert!(!applies(&x, &w));
-            let err = matmul(&x, &w).unwrap_err().to_string();
+            let err = matmul_with(Bf16Isa::portable(), &x, &w)
+                .unwrap_err()
+                .to_string();
             assert!(err.contains("vl-gemm-bf16"), "{err}");
         }
         Ok(())

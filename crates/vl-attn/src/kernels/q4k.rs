@@ -34,12 +34,12 @@ pub(crate) fn quantize(x: &[f32], out: &mut [u8]) {
         x.len(),
         out.len()
     );
-    blocks_on(crate::gemv::isa(), x, out);
+    blocks_on(crate::kernels::CpuFeatures::get().isa(), x, out);
 }
 
-crate::micro::per_isa! {
+crate::kernels::micro::per_isa! {
     /// [`blocks`] compiled for the given instruction set.
-    fn blocks_on(x: &[f32], out: &mut [u8]) = blocks::<crate::micro::Avx512>
+    fn blocks_on(x: &[f32], out: &mut [u8]) = blocks::<crate::kernels::micro::Avx512>
 }
 
 /// Sub-blocks searched side by side, one per lane: two blocks.
@@ -51,7 +51,7 @@ const LANES: usize = 16;
 /// changing a bit); a pair holding a NaN, and a last odd block, take the
 /// scalar search.
 #[inline(always)]
-fn blocks<K: crate::micro::Kernel>(x: &[f32], out: &mut [u8]) {
+fn blocks<K: crate::kernels::micro::Kernel>(x: &[f32], out: &mut [u8]) {
     let _ = K::FMA;
     let pairs = x.chunks_exact(2 * BLOCK_VALUES);
     let tail = pairs.remainder();
@@ -325,12 +325,8 @@ fn make_qkx1_quants(nmax: i32, ntry: usize, x: &[f32]) -> (f32, f32) {
 /// Every instruction set this CPU has (for tests: each must give
 /// candle's bytes).
 #[cfg(test)]
-fn isas() -> Vec<crate::gemv::Isa> {
-    use crate::gemv::Isa;
-    [Isa::Avx512, Isa::Avx2, Isa::Portable]
-        .into_iter()
-        .filter(|&i| crate::gemv::supported(i))
-        .collect()
+fn isas() -> Vec<crate::kernels::Isa> {
+    crate::kernels::CpuFeatures::get().isas()
 }
 
 #[cfg(test)]

@@ -37,15 +37,15 @@
 //! AVX-512F intrinsics and a plain-Rust form compiled for AVX2+FMA and for
 //! the target's baseline; `exp` is plain Rust that vectorises under each.
 //! The best instruction set for the CPU is chosen once
-//! ([`crate::gemv::isa`]).
+//! ([`crate::kernels::CpuFeatures::isa`]).
 
 use rayon::prelude::*;
 
-use crate::gemv::Isa;
-use crate::kernel::{Dims, HostMask};
+use crate::kernels::attention::{Dims, HostMask};
+use crate::kernels::features::Isa;
 #[cfg(target_arch = "x86_64")]
-use crate::micro::Avx512;
-use crate::micro::{madd, micro, Kernel, MR, NR};
+use crate::kernels::micro::Avx512;
+use crate::kernels::micro::{madd, micro, Kernel, MR, NR};
 
 /// Virtual rows per task: the lanes of the score tiles.
 pub(crate) const BLOCK_Q: usize = NR;
@@ -155,7 +155,7 @@ impl Scratch {
     }
 }
 
-crate::micro::per_isa! {
+crate::kernels::micro::per_isa! {
     /// Rows `v0 .. v0 + len` of group `grp`: their outputs, `(len, head_dim)`.
     fn task(p: &Problem<'_>, grp: usize, v0: usize, len: usize, s: &mut Scratch) -> Vec<f32>
         = task_generic::<Avx512>
@@ -340,8 +340,8 @@ fn task_generic<K: Kernel>(
 mod tests {
     use super::*;
     #[cfg(target_arch = "x86_64")]
-    use crate::micro::Fma;
-    use crate::micro::Plain;
+    use crate::kernels::micro::Fma;
+    use crate::kernels::micro::Plain;
 
     #[test]
     fn exp_matches_std() {
@@ -481,10 +481,7 @@ mod tests {
                 scale: 1.0 / (hd as f32).sqrt(),
             };
             let want = reference(&p);
-            for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
-                if !crate::gemv::supported(isa) {
-                    continue;
-                }
+            for isa in crate::kernels::CpuFeatures::get().isas() {
                 let got = run(&p, isa);
                 let err = got
                     .iter()

@@ -6,10 +6,10 @@
 //!
 //! Why vl owns it: candle's q4_K product on x86 runs at 0.29–0.45 of the
 //! machine's read bandwidth in a decode step, for the reasons
-//! [`crate::gemv_q8`] gives for its q8_0 one (a thread pool of its own
+//! [`crate::kernels::gemv_q8`] gives for its q8_0 one (a thread pool of its own
 //! that spins beside vl's, and a repacked second copy of every weight).
 //!
-//! The layout follows [`crate::gemv_q8::PackedQ8`]'s: for each tile of 16
+//! The layout follows [`crate::kernels::gemv_q8::PackedQ8`]'s: for each tile of 16
 //! rows and each 32-weight sub-block, 256 bytes `[group pair (4)][row
 //! (16)][4 bytes]`, where byte `c` of a row holds column `4p + c` of the
 //! sub-block in its low nibble and column `16 + 4p + c` in its high one.
@@ -19,7 +19,7 @@
 //! product reads one stream. Per sub-block a kernel loads 4 vectors,
 //! splits the nibbles, and 8 AVX-512 VNNI `vpdpbusd` give the 16 rows'
 //! integer dot products with `x` rounded to q8_0 (per 32 values, as
-//! [`crate::gemv_q8`] rounds it; candle rounds per 256); then
+//! [`crate::kernels::gemv_q8`] rounds it; candle rounds per 256); then
 //! `acc += (d·sc)·dx·Σ q·xq − (dmin·m)·dx·Σ xq`. The bytes held are
 //! 4.625 bits per weight (candle's blocks 4.5: the scales and minimums
 //! are whole bytes here).
@@ -29,12 +29,13 @@ use candle_core::{DType, Device, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
-use crate::gemv::{prefetch, PREFETCH_AHEAD};
-use crate::gemv_q8::{
-    bias_tensor, checked_bias, matmul_tiled, plain_isa, Activations, Q8Isa, Tiled, TILE_ROWS,
+use super::features::{CpuFeatures, Q8Isa, Q8Simd};
+use crate::kernels::gemv::{prefetch, PREFETCH_AHEAD};
+use crate::kernels::gemv_q8::{
+    bias_tensor, checked_bias, matmul_tiled, SummedActivations, Tiled, TILE_ROWS,
 };
-use crate::micro::{madd, Kernel};
-use crate::q4k::{self, scale_min, BLOCK_BYTES, BLOCK_VALUES};
+use crate::kernels::micro::{madd, Kernel};
+use crate::kernels::q4k::{self, scale_min, BLOCK_BYTES, BLOCK_VALUES};
 
 /// Weights per sub-block (one scale and minimum).
 const SUB: usize = 32;
@@ -86,7 +87,7 @@ impl PackedQ4K {
                 w.device()
             );
         }
-        crate::kernel::with_values(&w.to_dtype(DType::F32)?, |values: &[f32]| {
+        crate::kernels::with_values(&w.to_dtype(DType::F32)?, |values: &[f32]| {
             let mut p = Self::empty(n, k);
             let blocks = k / BLOCK_VALUES;
             p.tiles_mut().for_each(|(t, tile)| {
@@ -196,7 +197,7 @@ impl PackedQ4K {
     }
 
     /// `x W^T` (plus the bias, if any) on this CPU's best
-    /// [`crate::gemv_q8::isa`].
+    /// [`Q8Isa`].
     ///
     /// # Shapes
     /// `x: (..., k)` f32, f16 or bf16 on the CPU, any number of rows →
@@ -206,14 +207,14 @@ impl PackedQ4K {
     /// An `x` of another width, not on the CPU or of an integer dtype,
     /// named.
     pub fn matmul(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.matmul_with(crate::gemv_q8::isa(), x)
+        self.matmul_with(CpuFeatures::get().q8_isa(), x)
     }
 
-    /// [`PackedQ4K::matmul`] with a given instruction set (tests compare
-    /// them).
+    /// [`PackedQ4K::matmul`] on a given implementation (tests compare
+    /// them; the token proves the CPU runs it).
     ///
     /// # Errors
-    /// As [`PackedQ4K::matmul`], and an `isa` this CPU does not support.
+    /// As [`PackedQ4K::matmul`].
     pub fn matmul_with(&self, isa: Q8Isa, x: &Tensor) -> candle_core::Result<Tensor> {
         matmul_tiled(self, isa, x)
     }
@@ -268,7 +269,7 @@ fn place(tile: &mut [u8], bytes: &[u8], blocks: usize) {
 
 impl Tiled for PackedQ4K {
     const NAME: &'static str = "vl-q4k";
-    const BLOCK_SUMS: bool = true;
+    type Input = SummedActivations;
 
     fn dims(&self) -> (usize, usize) {
         (self.n, self.k)
@@ -279,19 +280,19 @@ impl Tiled for PackedQ4K {
     }
 
     #[inline(always)]
-    unsafe fn accumulate<const R: usize>(
+    fn accumulate<const R: usize>(
         &self,
         isa: Q8Isa,
-        a: &Activations,
+        a: &SummedActivations,
         t: usize,
         r0: usize,
         acc: &mut [[f32; TILE_ROWS]; R],
     ) {
-        match isa {
+        match isa.simd() {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: the caller's contract: the CPU has VNNI.
-            Q8Isa::Vnni => unsafe { tile_vnni(self, a, t, r0, acc) },
-            other => tile_plain(plain_isa(other), self, a, t, r0, acc),
+            // SAFETY: the token proves AVX-512F, BW and VNNI.
+            Q8Simd::Vnni => unsafe { tile_vnni(self, a, t, r0, acc) },
+            _ => tile_plain(isa.f32_isa(), self, a, t, r0, acc),
         }
     }
 }
@@ -301,11 +302,12 @@ impl Tiled for PackedQ4K {
 #[inline(always)]
 fn tile_generic<K: Kernel, const R: usize>(
     p: &PackedQ4K,
-    a: &Activations,
+    input: &SummedActivations,
     t: usize,
     r0: usize,
     acc: &mut [[f32; TILE_ROWS]; R],
 ) {
+    let a = &input.acts;
     let (blocks, subs) = (p.k / BLOCK_VALUES, p.k / SUB);
     for s in 0..subs {
         let (b, sb) = (s / SUBS, s % SUBS);
@@ -328,7 +330,7 @@ fn tile_generic<K: Kernel, const R: usize>(
             }
             let blk = r * subs + s;
             let dx = a.d[blk];
-            let sx = a.sums[blk];
+            let sx = input.sums[blk];
             for j in 0..TILE_ROWS {
                 acc[j] = madd(K::FMA, sum[j] as f32, scale[j] * dx, acc[j]);
                 acc[j] = madd(K::FMA, -min[j], sx, acc[j]);
@@ -337,41 +339,55 @@ fn tile_generic<K: Kernel, const R: usize>(
     }
 }
 
-crate::micro::per_isa! {
+crate::kernels::micro::per_isa! {
     /// [`tile_generic`] compiled for `isa` (which the CPU supports).
     fn tile_plain<const R: usize>(
         p: &PackedQ4K,
-        a: &Activations,
+        a: &SummedActivations,
         t: usize,
         r0: usize,
         acc: &mut [[f32; TILE_ROWS]; R],
-    ) = tile_generic::<crate::micro::Avx512>
+    ) = tile_generic::<crate::kernels::micro::Avx512>
 }
 
 /// [`tile_generic`] with AVX-512 VNNI intrinsics: per sub-block, the
 /// tile's 4 vectors loaded and split into nibbles once for all `R` rows,
 /// two `vpdpbusd` chains per row.
 ///
+/// # Panics
+/// If `t` is not a tile of `p`, rows `r0..r0 + R` are not in `a` or `a`'s
+/// width is not `p`'s (checked once, before the loops).
+///
 /// # Safety
-/// The CPU has AVX-512F, BW and VNNI; `t` is a tile of `p` and rows
-/// `r0..r0 + R` exist in `a`, whose width is `p`'s and which has its
-/// [`Activations::sums`].
+/// The CPU has AVX-512F, BW and VNNI.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn tile_vnni<const R: usize>(
     p: &PackedQ4K,
-    a: &Activations,
+    input: &SummedActivations,
     t: usize,
     r0: usize,
     acc: &mut [[f32; TILE_ROWS]; R],
 ) {
     use std::arch::x86_64::*;
+    let a = &input.acts;
     let (blocks, subs) = (p.k / BLOCK_VALUES, p.k / SUB);
-    debug_assert!((t + 1) * blocks * REC <= p.data.len());
-    debug_assert!((r0 + R) * a.k <= a.q.len());
-    debug_assert_eq!(a.sums.len(), a.d.len());
+    // `input.sums` has one value per block of `a` (its type's invariant),
+    // so the rows' check covers it.
+    assert!(
+        a.k == p.k
+            && (t + 1) * blocks * REC <= p.data.len()
+            && (r0 + R) * a.k <= a.q.len()
+            && (r0 + R) * subs <= a.d.len().min(input.sums.len()),
+        "vl-q4k: tile {t} and rows {r0}..{} outside the weight ({}, {}) or x ({}, {})",
+        r0 + R,
+        p.n,
+        p.k,
+        a.rows,
+        a.k
+    );
     // SAFETY: every offset below is within the tile `t` of `p` and the rows
-    // `r0..r0 + R` of `a` (the caller's contract, checked in debug builds).
+    // `r0..r0 + R` of `a` (checked above).
     unsafe {
         let mut sums = [_mm512_setzero_ps(); R];
         let low = _mm512_set1_epi8(0x0F);
@@ -418,7 +434,7 @@ unsafe fn tile_vnni<const R: usize>(
                     let dx = _mm512_set1_ps(*a.d.get_unchecked(blk));
                     let q = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
                     *sum = _mm512_fmadd_ps(q, _mm512_mul_ps(scale, dx), *sum);
-                    let sx = _mm512_set1_ps(*a.sums.get_unchecked(blk));
+                    let sx = _mm512_set1_ps(*input.sums.get_unchecked(blk));
                     *sum = _mm512_fnmadd_ps(min, sx, *sum);
                 }
             }
@@ -436,10 +452,7 @@ mod tests {
     use candle_core::Module;
 
     fn isas() -> Vec<Q8Isa> {
-        [Q8Isa::Vnni, Q8Isa::Avx2, Q8Isa::Portable]
-            .into_iter()
-            .filter(|i| crate::gemv_q8::supported(*i))
-            .collect()
+        CpuFeatures::get().q8_isas()
     }
 
     fn weight(n: usize, k: usize, seed: usize) -> Tensor {
@@ -495,7 +508,12 @@ mod tests {
             let b = bias.to_vec1::<f32>()?;
             // x as the kernels round it.
             let flat: Vec<f32> = xv.concat();
-            let a = Activations::new(crate::gemv::Isa::Portable, &flat, rows, k);
+            let a = crate::kernels::gemv_q8::Activations::new(
+                crate::kernels::Isa::portable(),
+                &flat,
+                rows,
+                k,
+            );
             for isa in isas() {
                 let y = p.matmul_with(isa, &xs)?.to_vec2::<f32>()?;
                 assert_eq!((y.len(), y[0].len()), (rows, n));

@@ -23,20 +23,19 @@
 //! f32. Every output is computed the same way whatever the number of
 //! rows, so a decode step equals the full pass bit for bit.
 //!
-//! The instruction set is chosen once per process ([`isa`]): AVX-512
+//! The instruction set is chosen once per process ([`CpuFeatures::q8_isa`]): AVX-512
 //! VNNI intrinsics, or the same arithmetic in plain Rust compiled for
 //! AVX2+FMA or for the target's baseline. Every path is tested against an
 //! f64 reference on odd shapes.
-
-use std::sync::OnceLock;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
-use crate::gemv::{prefetch, Isa, PREFETCH_AHEAD};
-use crate::micro::{madd, Kernel};
+use super::features::{CpuFeatures, Isa, Q8Isa, Q8Simd, Simd};
+use crate::kernels::gemv::{prefetch, PREFETCH_AHEAD};
+use crate::kernels::micro::{madd, Kernel};
 
 /// Values per q8_0 block.
 pub const BLOCK_VALUES: usize = 32;
@@ -50,55 +49,6 @@ const TILE_BYTES: usize = TILE_ROWS * BLOCK_VALUES;
 /// and their scales: a share of L2), so that `x` stays in cache while a
 /// task's weights pass by.
 const ROW_BLOCK: usize = 64;
-
-/// The instruction set of the q8_0 kernels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Q8Isa {
-    /// x86-64 with AVX-512F, AVX-512BW and AVX-512 VNNI: intrinsics.
-    Vnni,
-    /// x86-64 with AVX2 and FMA: plain Rust compiled for them.
-    Avx2,
-    /// The target's baseline: plain Rust.
-    Portable,
-}
-
-/// The best [`Q8Isa`] of this CPU, detected once.
-pub fn isa() -> Q8Isa {
-    static ISA: OnceLock<Q8Isa> = OnceLock::new();
-    *ISA.get_or_init(|| {
-        [Q8Isa::Vnni, Q8Isa::Avx2]
-            .into_iter()
-            .find(|i| supported(*i))
-            .unwrap_or(Q8Isa::Portable)
-    })
-}
-
-/// Whether this CPU can run `isa`.
-pub fn supported(isa: Q8Isa) -> bool {
-    match isa {
-        Q8Isa::Portable => true,
-        #[cfg(target_arch = "x86_64")]
-        Q8Isa::Vnni => {
-            is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vnni")
-        }
-        #[cfg(target_arch = "x86_64")]
-        Q8Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
-        #[cfg(not(target_arch = "x86_64"))]
-        _ => false,
-    }
-}
-
-/// The f32 kernels' instruction set for the parts of `isa` written in
-/// plain Rust (the rounding of `x`, the non-VNNI products).
-pub(crate) fn plain_isa(isa: Q8Isa) -> Isa {
-    match isa {
-        Q8Isa::Vnni => Isa::Avx512,
-        Q8Isa::Avx2 => Isa::Avx2,
-        Q8Isa::Portable => Isa::Portable,
-    }
-}
 
 /// A q8_0 weight `(n, k)` packed for vl's kernels (see the module's
 /// documentation): `n` rounded up to tiles of 16 rows, the padding rows
@@ -133,7 +83,7 @@ impl PackedQ8 {
                 w.device()
             );
         }
-        crate::kernel::with_values(&w.to_dtype(DType::F32)?, |values: &[f32]| {
+        crate::kernels::with_values(&w.to_dtype(DType::F32)?, |values: &[f32]| {
             Self::pack(values, n, k)
         })
     }
@@ -152,7 +102,7 @@ impl PackedQ8 {
                 .for_each(|(t, (qs, d))| {
                     let rows = TILE_ROWS.min(n - t * TILE_ROWS);
                     let values = &values[t * TILE_ROWS * k..][..rows * k];
-                    pack_tile_on(crate::gemv::isa(), values, k, qs, d);
+                    pack_tile_on(CpuFeatures::get().isa(), values, k, qs, d);
                 });
         }
         Self {
@@ -268,14 +218,14 @@ impl PackedQ8 {
     /// An `x` of another width, not on the CPU or of an integer dtype,
     /// named.
     pub fn matmul(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.matmul_with(isa(), x)
+        self.matmul_with(CpuFeatures::get().q8_isa(), x)
     }
 
-    /// [`PackedQ8::matmul`] with a given instruction set (tests compare
-    /// them).
+    /// [`PackedQ8::matmul`] on a given implementation (tests compare
+    /// them; the token proves the CPU runs it).
     ///
     /// # Errors
-    /// As [`PackedQ8::matmul`], and an `isa` this CPU does not support.
+    /// As [`PackedQ8::matmul`].
     pub fn matmul_with(&self, isa: Q8Isa, x: &Tensor) -> candle_core::Result<Tensor> {
         matmul_tiled(self, isa, x)
     }
@@ -283,6 +233,7 @@ impl PackedQ8 {
 
 impl Tiled for PackedQ8 {
     const NAME: &'static str = "vl-q8_0";
+    type Input = Activations;
 
     fn dims(&self) -> (usize, usize) {
         (self.n, self.k)
@@ -293,7 +244,7 @@ impl Tiled for PackedQ8 {
     }
 
     #[inline(always)]
-    unsafe fn accumulate<const R: usize>(
+    fn accumulate<const R: usize>(
         &self,
         isa: Q8Isa,
         a: &Activations,
@@ -301,24 +252,26 @@ impl Tiled for PackedQ8 {
         r0: usize,
         acc: &mut [[f32; TILE_ROWS]; R],
     ) {
-        match isa {
+        match isa.simd() {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: the caller's contract: the CPU has VNNI.
-            Q8Isa::Vnni => unsafe { tile_vnni(self, a, t, r0, acc) },
-            other => tile_plain(plain_isa(other), self, a, t, r0, acc),
+            // SAFETY: the token proves AVX-512F, BW and VNNI.
+            Q8Simd::Vnni => unsafe { tile_vnni(self, a, t, r0, acc) },
+            _ => tile_plain(isa.f32_isa(), self, a, t, r0, acc),
         }
     }
 }
 
 /// A weight `(n, k)` packed in tiles of [`TILE_ROWS`] rows whose products
-/// take `x` rounded to q8_0 ([`Activations`]): [`PackedQ8`], and
-/// [`crate::gemv_q4k::PackedQ4K`]. [`matmul_tiled`] does the rest: the
+/// take `x` rounded to q8_0 ([`Tiled::Input`]): [`PackedQ8`], and
+/// [`crate::kernels::gemv_q4k::PackedQ4K`]. [`matmul_tiled`] does the rest: the
 /// checks, the rounding, the split across the pool, the bias, the stores.
 pub(crate) trait Tiled: Sync {
     /// The kernel's name in errors.
     const NAME: &'static str;
-    /// Whether [`Tiled::accumulate`] reads [`Activations::sums`].
-    const BLOCK_SUMS: bool = false;
+    /// What its products read of `x`: [`Activations`], or
+    /// [`SummedActivations`] when they need the blocks' sums too. The type
+    /// carries what the kernel reads, so no kernel can be handed less.
+    type Input: RoundedInput;
     /// `(n, k)`.
     fn dims(&self) -> (usize, usize);
     /// The layer's bias, `(n)`.
@@ -326,18 +279,46 @@ pub(crate) trait Tiled: Sync {
     /// `acc[i][j] = Σ` over `k` of row `r0 + i` of `x` times row
     /// `16 t + j` of the weight (the padding rows' lanes are unused).
     ///
-    /// # Safety
-    /// `isa` runs on this CPU; `t` is a tile of the weight and rows
-    /// `r0..r0 + R` exist in `a`, whose width is the weight's (and which
-    /// has its sums when [`Tiled::BLOCK_SUMS`]).
-    unsafe fn accumulate<const R: usize>(
+    /// # Panics
+    /// If `t` is not a tile of the weight, rows `r0..r0 + R` do not exist
+    /// in `a` or `a`'s width is not the weight's: callers iterate over
+    /// both, so that never happens.
+    fn accumulate<const R: usize>(
         &self,
         isa: Q8Isa,
-        a: &Activations,
+        a: &Self::Input,
         t: usize,
         r0: usize,
         acc: &mut [[f32; TILE_ROWS]; R],
     );
+}
+
+/// Rows of `x` rounded to q8_0 as a [`Tiled`] product reads them.
+pub(crate) trait RoundedInput: Sync + Sized {
+    /// Rounds `x (rows, k)` on `isa`.
+    fn round(isa: Isa, x: &[f32], rows: usize, k: usize) -> Self;
+    /// The rounded values and scales.
+    fn activations(&self) -> &Activations;
+}
+
+impl RoundedInput for Activations {
+    fn round(isa: Isa, x: &[f32], rows: usize, k: usize) -> Self {
+        Activations::new(isa, x, rows, k)
+    }
+
+    fn activations(&self) -> &Activations {
+        self
+    }
+}
+
+impl RoundedInput for SummedActivations {
+    fn round(isa: Isa, x: &[f32], rows: usize, k: usize) -> Self {
+        Activations::new(isa, x, rows, k).with_sums()
+    }
+
+    fn activations(&self) -> &Activations {
+        &self.acts
+    }
 }
 
 /// A layer's bias `(n)` (any float dtype, on the CPU) for a [`Tiled`]
@@ -375,9 +356,6 @@ pub(crate) fn bias_tensor(bias: Option<&[f32]>) -> candle_core::Result<Option<Te
 /// `isa` this CPU does not support, named.
 pub(crate) fn matmul_tiled<P: Tiled>(p: &P, isa: Q8Isa, x: &Tensor) -> candle_core::Result<Tensor> {
     let name = P::NAME;
-    if !supported(isa) {
-        candle_core::bail!("{name}: this CPU cannot run {isa:?}");
-    }
     let (n, k) = p.dims();
     let dims = x.dims();
     if dims.last() != Some(&k)
@@ -397,18 +375,16 @@ pub(crate) fn matmul_tiled<P: Tiled>(p: &P, isa: Q8Isa, x: &Tensor) -> candle_co
         return Tensor::zeros(shape, DType::F32, x.device());
     }
     let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let mut a = Activations::new(plain_isa(isa), &xs, rows, k);
-    if P::BLOCK_SUMS {
-        a = a.with_sums();
-    }
+    let a = P::Input::round(isa.f32_isa(), &xs, rows, k);
     let y = product(p, isa, &a);
     Tensor::from_vec(y, shape, x.device())
 }
 
 /// `y (rows, n)`: tile columns split across the pool, each task writing
 /// its own columns of every row.
-fn product<P: Tiled>(p: &P, isa: Q8Isa, a: &Activations) -> Vec<f32> {
+fn product<P: Tiled>(p: &P, isa: Q8Isa, input: &P::Input) -> Vec<f32> {
     let n = p.dims().0;
+    let a = input.activations();
     let tiles = n.div_ceil(TILE_ROWS);
     let threads = rayon::current_num_threads().max(1);
     let per_task = tiles.div_ceil(threads * 4).max(1);
@@ -431,17 +407,17 @@ fn product<P: Tiled>(p: &P, isa: Q8Isa, a: &Activations) -> Vec<f32> {
                         let step = (r1 - r).min(8);
                         // SAFETY: tasks write disjoint tile columns
                         // `t0..t1`; rows `r..r + step` exist; `y` outlives
-                        // the parallel loop; `isa` was checked.
+                        // the parallel loop.
                         unsafe {
                             match step {
-                                8 => tile::<P, 8>(p, isa, a, t, r, &out),
-                                7 => tile::<P, 7>(p, isa, a, t, r, &out),
-                                6 => tile::<P, 6>(p, isa, a, t, r, &out),
-                                5 => tile::<P, 5>(p, isa, a, t, r, &out),
-                                4 => tile::<P, 4>(p, isa, a, t, r, &out),
-                                3 => tile::<P, 3>(p, isa, a, t, r, &out),
-                                2 => tile::<P, 2>(p, isa, a, t, r, &out),
-                                _ => tile::<P, 1>(p, isa, a, t, r, &out),
+                                8 => tile::<P, 8>(p, isa, input, t, r, &out),
+                                7 => tile::<P, 7>(p, isa, input, t, r, &out),
+                                6 => tile::<P, 6>(p, isa, input, t, r, &out),
+                                5 => tile::<P, 5>(p, isa, input, t, r, &out),
+                                4 => tile::<P, 4>(p, isa, input, t, r, &out),
+                                3 => tile::<P, 3>(p, isa, input, t, r, &out),
+                                2 => tile::<P, 2>(p, isa, input, t, r, &out),
+                                _ => tile::<P, 1>(p, isa, input, t, r, &out),
                             }
                         }
                         r += step;
@@ -459,21 +435,20 @@ fn product<P: Tiled>(p: &P, isa: Q8Isa, a: &Activations) -> Vec<f32> {
 /// Rows `r0..r0 + R` of `x` against tile `t`, written to `out`.
 ///
 /// # Safety
-/// `out` is `(a.rows, n)`; no other thread writes tile `t`'s columns of
-/// these rows meanwhile; `isa` runs on this CPU.
+/// `out` is `(rows of a, n)`; no other thread writes tile `t`'s columns
+/// of these rows meanwhile.
 #[inline(always)]
 unsafe fn tile<P: Tiled, const R: usize>(
     p: &P,
     isa: Q8Isa,
-    a: &Activations,
+    a: &P::Input,
     t: usize,
     r0: usize,
     out: &OutPtr,
 ) {
     let n = p.dims().0;
     let mut acc = [[0f32; TILE_ROWS]; R];
-    // SAFETY: the caller's contract.
-    unsafe { p.accumulate(isa, a, t, r0, &mut acc) };
+    p.accumulate(isa, a, t, r0, &mut acc);
     let cols = (n - t * TILE_ROWS).min(TILE_ROWS);
     if let Some(b) = p.bias_values() {
         let b = &b[t * TILE_ROWS..][..cols];
@@ -515,9 +490,15 @@ pub(crate) struct Activations {
     /// `(rows, k / 32)`: `-128 ×` each block's sum (what the weights'
     /// +128 offset adds to each lane).
     pub(crate) offset: Vec<i32>,
-    /// `(rows, k / 32)`: each block's scale times its sum, `dx · Σ xq`
-    /// (the q4_K kernels' minimum term); empty unless
-    /// [`Activations::with_sums`] made it.
+}
+
+/// [`Activations`] with each block's scale times its sum, `dx · Σ xq`
+/// (the q4_K kernels' minimum term), computed once per product rather
+/// than once per tile; made only by [`Activations::with_sums`], so `sums`
+/// has one value per block of `acts`.
+pub(crate) struct SummedActivations {
+    pub(crate) acts: Activations,
+    /// `(rows, k / 32)`.
     pub(crate) sums: Vec<f32>,
 }
 
@@ -544,13 +525,13 @@ fn pack_tile<K: Kernel>(values: &[f32], k: usize, qs: &mut [u8], d: &mut [u16]) 
     }
 }
 
-crate::micro::per_isa! {
+crate::kernels::micro::per_isa! {
     /// [`pack_tile`] compiled for the given instruction set: `round` is
     /// then inline instructions (in the baseline, without SSE4.1, it was a
     /// call to libm's `roundf` per weight, ~6% of a BLIP q8_0 caption of
     /// 8 images with its load).
     fn pack_tile_on(values: &[f32], k: usize, qs: &mut [u8], d: &mut [u16])
-        = pack_tile::<crate::micro::Avx512>
+        = pack_tile::<crate::kernels::micro::Avx512>
 }
 
 /// Rounds blocks of 32 values: scale `max|x| / 127`, values `x / scale`
@@ -577,10 +558,10 @@ fn round_blocks<K: Kernel>(x: &[f32], q: &mut [i8], d: &mut [f32], offset: &mut 
     }
 }
 
-crate::micro::per_isa! {
+crate::kernels::micro::per_isa! {
     /// [`round_blocks`] compiled for the given instruction set.
     fn round_blocks_compiled(x: &[f32], q: &mut [i8], d: &mut [f32], offset: &mut [i32])
-        = round_blocks::<crate::micro::Avx512>
+        = round_blocks::<crate::kernels::micro::Avx512>
 }
 
 /// [`round_blocks`] on the given instruction set: AVX-512F intrinsics
@@ -588,11 +569,11 @@ crate::micro::per_isa! {
 /// maximum), the plain loop compiled for the others. Every instruction
 /// set gives the same bytes.
 fn round_blocks_on(isa: Isa, x: &[f32], q: &mut [i8], d: &mut [f32], offset: &mut [i32]) {
-    match isa {
+    match isa.simd() {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx512` is only chosen on a CPU with AVX-512F.
-        Isa::Avx512 => unsafe { round_blocks_avx512(x, q, d, offset) },
-        other => round_blocks_compiled(other, x, q, d, offset),
+        // SAFETY: the token proves AVX-512F.
+        Simd::Avx512 => unsafe { round_blocks_avx512(x, q, d, offset) },
+        _ => round_blocks_compiled(isa, x, q, d, offset),
     }
 }
 
@@ -624,7 +605,7 @@ unsafe fn round_blocks_avx512(x: &[f32], q: &mut [i8], d: &mut [f32], offset: &m
             let odd = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(a0, inf)
                 | _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(a1, inf);
             if odd != 0 {
-                round_blocks::<crate::micro::Avx512>(
+                round_blocks::<crate::kernels::micro::Avx512>(
                     xb,
                     &mut q[b * BLOCK_VALUES..][..BLOCK_VALUES],
                     &mut d[b..b + 1],
@@ -670,21 +651,19 @@ impl Activations {
             q,
             d,
             offset,
-            sums: Vec::new(),
         }
     }
 
-    /// With [`Activations::sums`], once per product rather than once per
-    /// tile: the sum from the offset (`-128 Σ xq`, exact in f32: below
-    /// 2^20) times the scale.
-    pub(crate) fn with_sums(mut self) -> Self {
-        self.sums = self
+    /// With the blocks' sums ([`SummedActivations`]): the sum from the
+    /// offset (`-128 Σ xq`, exact in f32: below 2^20) times the scale.
+    pub(crate) fn with_sums(self) -> SummedActivations {
+        let sums = self
             .offset
             .iter()
             .zip(&self.d)
             .map(|(&o, &d)| o as f32 * (-1.0 / 128.0) * d)
             .collect();
-        self
+        SummedActivations { acts: self, sums }
     }
 
     /// Row `r`'s rounded values and block scales.
@@ -735,7 +714,7 @@ fn tile_generic<K: Kernel, const R: usize>(
     }
 }
 
-crate::micro::per_isa! {
+crate::kernels::micro::per_isa! {
     /// [`tile_generic`] compiled for `isa` (which the CPU supports).
     fn tile_plain<const R: usize>(
         p: &PackedQ8,
@@ -743,15 +722,18 @@ crate::micro::per_isa! {
         t: usize,
         r0: usize,
         acc: &mut [[f32; TILE_ROWS]; R],
-    ) = tile_generic::<crate::micro::Avx512>
+    ) = tile_generic::<crate::kernels::micro::Avx512>
 }
 
 /// [`tile_generic`] with AVX-512 VNNI intrinsics: per block, the tile's 8
 /// groups loaded once for all `R` rows, two `vpdpbusd` chains per row.
 ///
+/// # Panics
+/// If `t` is not a tile of `p`, rows `r0..r0 + R` are not in `a` or `a`'s
+/// width is not `p`'s (checked once, before the loops).
+///
 /// # Safety
-/// The CPU has AVX-512F, BW and VNNI; `t` is a tile of `p` and rows
-/// `r0..r0 + R` exist in `a`, whose width is `p`'s.
+/// The CPU has AVX-512F, BW and VNNI.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn tile_vnni<const R: usize>(
@@ -763,10 +745,21 @@ unsafe fn tile_vnni<const R: usize>(
 ) {
     use std::arch::x86_64::*;
     let blocks = p.k / BLOCK_VALUES;
-    debug_assert!((t + 1) * blocks * TILE_BYTES <= p.qs.len());
-    debug_assert!((r0 + R) * a.k <= a.q.len());
+    assert!(
+        a.k == p.k
+            && (t + 1) * blocks * TILE_BYTES <= p.qs.len()
+            && (t + 1) * blocks * TILE_ROWS <= p.d.len()
+            && (r0 + R) * a.k <= a.q.len()
+            && (r0 + R) * blocks <= a.d.len().min(a.offset.len()),
+        "vl-q8_0: tile {t} and rows {r0}..{} outside the weight ({}, {}) or x ({}, {})",
+        r0 + R,
+        p.n,
+        p.k,
+        a.rows,
+        a.k
+    );
     // SAFETY: every offset below is within the tile `t` of `p` and the rows
-    // `r0..r0 + R` of `a` (the caller's contract, checked in debug builds).
+    // `r0..r0 + R` of `a` (checked above).
     unsafe {
         let mut sums = [_mm512_setzero_ps(); R];
         let qs = p.qs.as_ptr().add(t * blocks * TILE_BYTES);
@@ -812,10 +805,7 @@ mod tests {
     use candle_core::Module;
 
     fn isas() -> Vec<Q8Isa> {
-        [Q8Isa::Vnni, Q8Isa::Avx2, Q8Isa::Portable]
-            .into_iter()
-            .filter(|i| supported(*i))
-            .collect()
+        CpuFeatures::get().q8_isas()
     }
 
     /// The rounding: scale `max|x| / 127`, values within ±127 and within
@@ -834,12 +824,9 @@ mod tests {
         x[97..97 + ties.len()].copy_from_slice(&ties);
         x[130] = f32::INFINITY;
         x[170] = f32::NAN;
-        let first = Activations::new(Isa::Portable, &x, 20, 96);
+        let first = Activations::new(Isa::portable(), &x, 20, 96);
         assert_eq!(&first.q[97..97 + ties.len()], &[0, 2, 2, 0, -2, -2, 126]);
-        for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
-            if !crate::gemv::supported(isa) {
-                continue;
-            }
+        for isa in CpuFeatures::get().isas() {
             let a = Activations::new(isa, &x, 20, 96);
             assert_eq!((&a.q, &a.d, &a.offset), (&first.q, &first.d, &first.offset));
             let (q, d) = a.row(0);
@@ -904,7 +891,7 @@ mod tests {
             let dq: Vec<f32> = p.dequantize()?.flatten_all()?.to_vec1()?;
             for rows in [1, 2, 3, 5, 8, 70, 131] {
                 let x = Tensor::randn(0f32, 1., (1, rows, k), &dev)?;
-                let a = Activations::new(Isa::Portable, &x.flatten_all()?.to_vec1()?, rows, k);
+                let a = Activations::new(Isa::portable(), &x.flatten_all()?.to_vec1()?, rows, k);
                 let mut want = Vec::new();
                 for r in 0..rows {
                     let (xq, xd) = a.row(r);

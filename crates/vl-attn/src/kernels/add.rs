@@ -8,18 +8,19 @@
 //! arithmetic — widen, add in f32, round to nearest even with
 //! `vcvtneps2bf16` — runs 16 values per instruction, split across the
 //! rayon pool. Anything else (other dtypes or devices, broadcasting,
-//! tracked tensors, CPUs without AVX512_BF16) is candle's `a + b`.
+//! tracked tensors, CPUs without AVX512_BF16) is candle's `a + b`. The
+//! same arithmetic in plain Rust is the fallback of [`add_with`] and the
+//! oracle.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use half::bf16;
-#[cfg(target_arch = "x86_64")]
 use rayon::prelude::*;
 
-use crate::kernel::contiguous;
+use super::features::{Bf16Isa, Bf16Simd, CpuFeatures};
+use crate::kernels::host::contiguous;
 
 /// Elements per parallel task.
-#[cfg(target_arch = "x86_64")]
 const CHUNK: usize = 16 * 1024;
 
 /// `a + b`, the two of one shape: on vl's kernel for untracked bf16 CPU
@@ -35,15 +36,35 @@ pub fn add(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
         && a.dims() == b.dims()
         && !a.track_op()
         && !b.track_op()
-        && crate::gemm_bf16::available();
+        && crate::kernels::gemm_bf16::accelerated();
     if ours {
-        a.contiguous()?.apply_op2_no_bwd(&b.contiguous()?, &Bf16Add)
+        add_with(CpuFeatures::get().bf16_isa(), a, b)
     } else {
         a + b
     }
 }
 
-struct Bf16Add;
+/// `a + b` for two bf16 CPU tensors of one shape on a given
+/// implementation (the token proves the CPU runs it): the portable one
+/// anywhere.
+///
+/// # Errors
+/// Other dtypes, devices or shapes, named.
+pub fn add_with(isa: Bf16Isa, a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    if !a.device().is_cpu() || !b.device().is_cpu() {
+        candle_core::bail!(
+            "vl-bf16-add: a and b must be on the CPU, got {:?} and {:?}",
+            a.device(),
+            b.device()
+        );
+    }
+    a.contiguous()?
+        .apply_op2_no_bwd(&b.contiguous()?, &Bf16Add { isa })
+}
+
+struct Bf16Add {
+    isa: Bf16Isa,
+}
 
 impl CustomOp2 for Bf16Add {
     fn name(&self) -> &'static str {
@@ -75,24 +96,33 @@ impl CustomOp2 for Bf16Add {
             contiguous(a, l1, "vl-bf16-add", "a")?,
             contiguous(b, l2, "vl-bf16-add", "b")?,
         );
-        #[cfg(target_arch = "x86_64")]
-        if crate::gemm_bf16::available() {
-            let mut y = vec![bf16::ZERO; a.len()];
-            y.par_chunks_mut(CHUNK)
-                .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
-                // SAFETY: the CPU has AVX512F and AVX512_BF16 (just checked).
-                .for_each(|(y, (a, b))| unsafe { add_avx512(a, b, y) });
-            return Ok((CpuStorage::BF16(y), l1.shape().clone()));
+        let mut y = vec![bf16::ZERO; a.len()];
+        let chunks = y
+            .par_chunks_mut(CHUNK)
+            .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)));
+        match self.isa.simd() {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the token proves AVX512F and AVX512_BF16.
+            Bf16Simd::Avx512Bf16 => chunks.for_each(|(y, (a, b))| unsafe { add_avx512(a, b, y) }),
+            _ => chunks.for_each(|(y, (a, b))| add_portable(a, b, y)),
         }
-        // `add` builds this op only where the kernel runs.
-        let _ = (a, b);
-        candle_core::bail!("vl-bf16-add: this CPU has no AVX512_BF16")
+        Ok((CpuStorage::BF16(y), l1.shape().clone()))
+    }
+}
+
+/// `y = a + b` in plain Rust: each pair widened, added in f32 and rounded
+/// to nearest even (`bf16::from_f32`), as the AVX-512 version and
+/// candle's addition round (subnormal results aside, which `vcvtneps2bf16`
+/// flushes to zero and this keeps).
+fn add_portable(a: &[bf16], b: &[bf16], y: &mut [bf16]) {
+    for (y, (a, b)) in y.iter_mut().zip(a.iter().zip(b)) {
+        *y = bf16::from_f32(a.to_f32() + b.to_f32());
     }
 }
 
 /// `y = a + b` with AVX-512, rounded as candle's bf16 addition rounds on
 /// AVX512_BF16 CPUs: 16 values at a time widened ([`Lanes::load16`]),
-/// added and rounded ([`crate::gemm_bf16::store_bf16x16`]: to nearest
+/// added and rounded ([`crate::kernels::gemm_bf16::store_bf16x16`]: to nearest
 /// even, subnormal inputs and results flushed to zero as candle's path
 /// does); the tail through the same instructions on padded vectors.
 ///
@@ -103,8 +133,8 @@ impl CustomOp2 for Bf16Add {
 unsafe fn add_avx512(a: &[bf16], b: &[bf16], y: &mut [bf16]) {
     use std::arch::x86_64::_mm512_add_ps;
 
-    use crate::gemm_bf16::store_bf16x16;
-    use crate::kernel::Lanes;
+    use crate::kernels::attention::Lanes;
+    use crate::kernels::gemm_bf16::store_bf16x16;
     let n = y.len().min(a.len()).min(b.len());
     let mut i = 0;
     while i + 16 <= n {
@@ -136,10 +166,11 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
-    /// vl's addition gives candle's bytes (lengths past and off the vector
-    /// width and the task size, values from 1e-30 to 1e30 of both signs,
-    /// ties of the rounding, infinities); other dtypes and broadcasting go
-    /// to candle; shapes that differ are candle's error.
+    /// Every implementation this CPU runs gives candle's bytes (lengths
+    /// past and off the vector width and the task size, values from 1e-30
+    /// to 1e30 of both signs, ties of the rounding, infinities); other
+    /// dtypes and broadcasting go to candle; shapes that differ are an
+    /// error.
     #[test]
     fn equals_candles_addition() -> candle_core::Result<()> {
         let dev = Device::Cpu;
@@ -162,13 +193,36 @@ mod tests {
             }
             let a = Tensor::from_vec(a, n, &dev)?.to_dtype(DType::BF16)?;
             let b = Tensor::from_vec(b, n, &dev)?.to_dtype(DType::BF16)?;
-            let got = add(&a, &b)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
             let want = (&a + &b)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-            assert_eq!(got.len(), want.len());
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert!(g.to_bits() == w.to_bits(), "n {n}, {i}: {g} vs {w}");
+            let routed = add(&a, &b)?;
+            let mut all = vec![("add", routed)];
+            for isa in CpuFeatures::get().bf16_isas() {
+                all.push((
+                    if isa == Bf16Isa::portable() {
+                        "portable"
+                    } else {
+                        "simd"
+                    },
+                    add_with(isa, &a, &b)?,
+                ));
+            }
+            for (name, got) in all {
+                let got = got.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                assert_eq!(got.len(), want.len());
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(g.to_bits() == w.to_bits(), "{name} n {n}, {i}: {g} vs {w}");
+                }
             }
         }
+        let a = Tensor::zeros((2, 3), DType::BF16, &dev)?;
+        let err = add_with(
+            Bf16Isa::portable(),
+            &a,
+            &Tensor::zeros((3, 2), DType::BF16, &dev)?,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("[2, 3]") && err.contains("[3, 2]"), "{err}");
         let f = Tensor::new(&[1f32, 2.0], &dev)?;
         assert_eq!(add(&f, &f)?.to_vec1::<f32>()?, [2.0, 4.0]);
         let a = Tensor::zeros((2, 3), DType::BF16, &dev)?;

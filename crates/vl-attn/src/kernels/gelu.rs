@@ -4,8 +4,8 @@
 //! element and its `gelu` a scalar `tanh`; over a ViT-B encoder's 12 ×
 //! 197 × 3072 activations per image that is ~5% of the encode (a profile
 //! of `vl caption --quantize bf16 --batch-size 8`). Here both are
-//! branch-free f32 polynomials over [`crate::tiled`]'s vectorised `exp`,
-//! compiled for AVX-512, AVX2+FMA or the baseline ([`crate::gemv::isa`]),
+//! branch-free f32 polynomials over [`crate::kernels::tiled`]'s vectorised `exp`,
+//! compiled for AVX-512, AVX2+FMA or the baseline ([`crate::kernels::CpuFeatures::isa`]),
 //! split across the rayon pool:
 //!
 //! - exact: `x/2 · erfc(-x/√2)`, with `erfc` from Numerical Recipes'
@@ -24,12 +24,12 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use half::bf16;
 use rayon::prelude::*;
 
-use crate::gemv::Isa;
-use crate::kernel::contiguous;
+use crate::kernels::features::{CpuFeatures, Isa};
+use crate::kernels::host::contiguous;
 #[cfg(target_arch = "x86_64")]
-use crate::micro::Fma;
-use crate::micro::{madd, Kernel};
-use crate::tiled::exp_neg;
+use crate::kernels::micro::Fma;
+use crate::kernels::micro::{madd, Kernel};
+use crate::kernels::tiled::exp_neg;
 
 /// Elements per parallel task.
 const CHUNK: usize = 16 * 1024;
@@ -44,7 +44,7 @@ pub(crate) fn forward(x: &Tensor, exact: bool) -> candle_core::Result<Tensor> {
     if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::BF16) && !x.track_op() {
         return x.contiguous()?.apply_op1_no_bwd(&Gelu {
             exact,
-            isa: crate::gemv::isa(),
+            isa: CpuFeatures::get().isa(),
         });
     }
     if exact {
@@ -120,7 +120,7 @@ fn run_generic<K: Kernel>(exact: bool, x: &[f32], y: &mut [f32]) {
     }
 }
 
-crate::micro::per_isa! {
+crate::kernels::micro::per_isa! {
     /// GELU of `x` into `y`.
     fn run(exact: bool, x: &[f32], y: &mut [f32]) = run_generic::<Fma>
 }
@@ -145,7 +145,7 @@ fn run_bf16_generic<K: Kernel>(exact: bool, x: &[bf16], y: &mut [bf16]) {
     }
 }
 
-crate::micro::per_isa! {
+crate::kernels::micro::per_isa! {
     /// GELU of bf16 `x` into `y`.
     fn run_bf16(exact: bool, x: &[bf16], y: &mut [bf16]) = run_bf16_generic::<Fma>
 }
@@ -205,10 +205,7 @@ mod tests {
     fn matches_f64_on_every_isa() {
         let mut xs: Vec<f32> = (-30 * 64..=30 * 64).map(|i| i as f32 / 64.0).collect();
         xs.extend([0.0, -0.0, 1e-20, -1e-20]);
-        for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
-            if !crate::gemv::supported(isa) {
-                continue;
-            }
+        for isa in CpuFeatures::get().isas() {
             for exact in [true, false] {
                 let op = Gelu { exact, isa };
                 let mut ys = vec![0f32; xs.len()];
@@ -227,7 +224,7 @@ mod tests {
                     let tol = if !exact {
                         let u = 0.8 * (x64 + 0.045 * x64 * x64 * x64);
                         1e-6 + 2.0 * u.abs() * 1.2e-7
-                    } else if isa == Isa::Portable {
+                    } else if isa.simd() == crate::kernels::Simd::Portable {
                         1e-6 + x64 * x64 * 3e-8
                     } else {
                         1e-6

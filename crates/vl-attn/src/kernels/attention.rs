@@ -1,0 +1,643 @@
+//! The fused attention kernel on the CPU: for each query row, scores
+//! against its keys, a softmax and the weighted values, in f32, either
+//! tiled ([`crate::kernels::tiled`]: blocks of queries against blocks of
+//! keys with an online softmax) when at least [`TILED_MIN_ROWS`] query
+//! rows share a key head, or one row at a time (a decode step's rows,
+//! whose keys and values may be 16-bit and are widened as they are read).
+//!
+//! The layer's entry point is [`crate::attention::attention`]; this is
+//! what it runs on the CPU for [`crate::Backend::Fused`] and
+//! [`crate::Backend::Auto`].
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::features::{Isa, Simd};
+use super::gemv::Weight;
+use super::host::contiguous;
+#[cfg(target_arch = "x86_64")]
+use super::micro::Fma;
+use super::micro::{madd, Kernel};
+use super::tiled::exp_neg;
+
+/// The dimensions of one attention call, checked once.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Dims {
+    pub(crate) batch_q: usize,
+    pub(crate) heads: usize,
+    pub(crate) q_len: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) batch_k: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) k_len: usize,
+    /// `batch_q * heads * q_len * k_len`, checked not to overflow.
+    pub(crate) score_elems: usize,
+}
+
+impl Dims {
+    /// Query samples per key sample.
+    pub(crate) fn r(&self) -> usize {
+        self.batch_q / self.batch_k
+    }
+
+    /// Query heads per key head.
+    pub(crate) fn g(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+
+    /// Query rows that read one key head: `r · g · q_len`.
+    pub(crate) fn group_rows(&self) -> usize {
+        self.r() * self.g() * self.q_len
+    }
+
+    /// Whether the CPU kernel runs tiled (else one query row at a time).
+    pub(crate) fn tiled(&self) -> bool {
+        self.head_dim > 0 && self.k_len > 0 && self.group_rows() >= TILED_MIN_ROWS
+    }
+}
+
+/// The fewest query rows sharing one key head (beams × grouped heads ×
+/// positions) that the CPU kernel runs tiled; fewer (a decode step of one
+/// sample or two beams) run one row at a time. A tile always computes 32
+/// rows' scores, so its cost is flat up to 32 rows while the per-row
+/// kernel's grows with each: over 577 keys × 12 heads (`bench_attention
+/// --k-len 577`, two threads) the row kernel took 308 / 460 / 600 / 702 µs
+/// for 2 / 3 / 4 / 8 rows, the tiled one 483 / 497 / 513 µs for 3 / 4 / 8.
+pub const TILED_MIN_ROWS: usize = 4;
+
+/// The fused CPU kernel: the tiled kernel when enough queries share each
+/// key head ([`TILED_MIN_ROWS`]); otherwise, for each query row, scores
+/// against every key in f32 (one row of `k_len` floats per thread),
+/// softmax, weighted sum of values. Inputs are contiguous f32.
+struct FusedCpu {
+    dims: Dims,
+    scale: f32,
+    mask: Option<HostMask>,
+    /// The instruction set of the per-row kernel (the tiled one's too).
+    isa: Isa,
+}
+
+/// The fused kernel over `q (batch_q, heads, q_len, head_dim)` f32 and
+/// `k`, `v (batch_k, kv_heads, k_len, head_dim)` (f32, or bf16/f16 for the
+/// per-row kernel; head-strided, see [`is_head_strided`]), checked by the
+/// layer into `dims`, on `isa`: `(batch_q, heads, q_len, head_dim)` f32.
+///
+/// # Errors
+/// Inputs that do not fit `dims`, named.
+pub(crate) fn fused(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    dims: Dims,
+    scale: f32,
+    mask: Option<HostMask>,
+    isa: Isa,
+) -> candle_core::Result<Tensor> {
+    q.apply_op3_no_bwd(
+        k,
+        v,
+        &FusedCpu {
+            dims,
+            scale,
+            mask,
+            isa,
+        },
+    )
+}
+
+/// A mask's bytes on the host, `(batch, q_len, k_len)` with its batch and
+/// query extents each 1 (broadcast) or full: what the CPU kernels read.
+pub(crate) struct HostMask {
+    pub(crate) data: Vec<u8>,
+    pub(crate) batch: usize,
+    pub(crate) q_len: usize,
+}
+
+impl HostMask {
+    /// The bytes of query sample `b`, position `i`: one per key, `1` = may
+    /// attend.
+    pub(crate) fn row(&self, b: usize, i: usize, k_len: usize) -> &[u8] {
+        let b = if self.batch == 1 { 0 } else { b };
+        let i = if self.q_len == 1 { 0 } else { i };
+        &self.data[(b * self.q_len + i) * k_len..][..k_len]
+    }
+}
+
+/// A dot product written so that the compiler vectorises it (for the
+/// instruction set of the function it is inlined into).
+#[inline(always)]
+fn dot<K: Kernel, E: Weight>(a: &[f32], b: &[E]) -> f32 {
+    const LANES: usize = 16;
+    let mut acc = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            acc[l] = madd(K::FMA, x[l], y[l].to_f32(), acc[l]);
+        }
+    }
+    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y.to_f32()).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+/// One query row of [`FusedCpu`] (a decode step's row over its keys):
+/// scores, a softmax with [`exp_neg`] over all of them at once, then the
+/// weighted values; compiled once per instruction set below.
+#[inline(always)]
+fn row_generic<K: Kernel, E: Weight>(
+    op: &FusedCpu,
+    row: usize,
+    q: &[f32],
+    kv: KeysValues<'_, E>,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    let Dims {
+        head_dim, k_len, ..
+    } = op.dims;
+    let RowInputs {
+        q: q_row,
+        keys,
+        values,
+        allowed,
+    } = op.row_inputs(row, q, kv);
+    let keys = keys.chunks_exact(head_dim);
+    let mut max = f32::NEG_INFINITY;
+    let mut any = false;
+    match allowed {
+        None => {
+            for (s, k_row) in scores.iter_mut().zip(keys) {
+                *s = dot::<K, E>(q_row, k_row) * op.scale;
+                max = max.max(*s);
+            }
+            any = k_len > 0;
+        }
+        Some(allowed) => {
+            for ((s, k_row), &open) in scores.iter_mut().zip(keys).zip(allowed) {
+                *s = if open == 0 {
+                    f32::NEG_INFINITY
+                } else {
+                    any = true;
+                    dot::<K, E>(q_row, k_row) * op.scale
+                };
+                max = max.max(*s);
+            }
+        }
+    }
+    out.fill(0.0);
+    if !any {
+        return;
+    }
+    // Closed keys (-inf) get exactly 0.
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = exp_neg::<K>(*s - max);
+        sum += *s;
+    }
+    let inv = 1.0 / sum;
+    for (&p, v_row) in scores.iter().zip(values.chunks_exact(head_dim)) {
+        if p == 0.0 {
+            continue;
+        }
+        let p = p * inv;
+        for (o, &x) in out.iter_mut().zip(v_row) {
+            *o = madd(K::FMA, p, x.to_f32(), *o);
+        }
+    }
+}
+
+super::micro::per_isa! {
+    /// [`row_generic`] compiled for the op's instruction set.
+    fn row_compiled<E: Weight>(
+        op: &FusedCpu,
+        row: usize,
+        q: &[f32],
+        kv: KeysValues<'_, E>,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) = row_generic::<Fma>
+}
+
+/// One query row on the instruction set the op's token names:
+/// [`row_avx512`] for AVX-512 and head widths that are a multiple of 16,
+/// [`row_generic`] compiled for it otherwise.
+fn row<E: Lanes>(
+    op: &FusedCpu,
+    row: usize,
+    q: &[f32],
+    kv: KeysValues<'_, E>,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if op.isa.simd() == Simd::Avx512 && op.dims.head_dim.is_multiple_of(16) {
+        // SAFETY: the token proves AVX-512F; the head width is a multiple
+        // of 16 (just checked).
+        unsafe { row_avx512(op, row, q, kv, scores, out) };
+        return;
+    }
+    row_compiled(op.isa, op, row, q, kv, scores, out)
+}
+
+/// Key and value elements the AVX-512 per-row kernel reads: 16 of them
+/// widened to f32 lanes.
+pub(crate) trait Lanes: Weight {
+    /// The 16 values at `p`, as f32.
+    ///
+    /// # Safety
+    /// 16 values are readable at `p`; the CPU has AVX-512F (callers are
+    /// compiled for it, so that this inlines).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+}
+
+impl Lanes for f32 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
+    }
+}
+
+impl Lanes for half::bf16 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const half::bf16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract. bf16 is the top half of an f32.
+        unsafe {
+            let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide))
+        }
+    }
+}
+
+impl Lanes for half::f16 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const half::f16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    }
+}
+
+/// [`row_generic`] with AVX-512F intrinsics, for head widths that are a
+/// multiple of 16 (the compiler vectorised the generic scores and softmax
+/// poorly: 128-bit lanes, a serial sum; a decode step's 12 heads × 197
+/// bf16 keys took 26 µs on one thread, 8 µs with this). Scores: one key at a time, two accumulators and a
+/// reduction; max, `exp`, sum: 16 scores at a time; values: the output in
+/// registers, 64 columns a pass, two accumulators over alternate keys.
+/// The same results as the generic kernel up to summation order.
+///
+/// # Safety
+/// The CPU has AVX-512F; `head_dim % 16 == 0`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn row_avx512<E: Lanes>(
+    op: &FusedCpu,
+    row: usize,
+    q: &[f32],
+    kv: KeysValues<'_, E>,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let Dims {
+        head_dim, k_len, ..
+    } = op.dims;
+    debug_assert!(head_dim.is_multiple_of(16));
+    let RowInputs {
+        q: q_row,
+        keys,
+        values,
+        allowed,
+    } = op.row_inputs(row, q, kv);
+    let scores = &mut scores[..k_len];
+    let out = &mut out[..head_dim];
+    let chunks = head_dim / 16;
+    // SAFETY: every pointer below stays within `q_row`, `keys`, `values`,
+    // `scores` or `out` (sliced to their extents above): key `j < k_len`
+    // spans `j * head_dim .. (j + 1) * head_dim`, chunks `c < chunks`.
+    unsafe {
+        let qp = q_row.as_ptr();
+        for (j, s) in scores.iter_mut().enumerate() {
+            if allowed.is_some_and(|a| a[j] == 0) {
+                *s = f32::NEG_INFINITY;
+                continue;
+            }
+            let kp = keys.as_ptr().add(j * head_dim);
+            let (mut s0, mut s1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            let mut c = 0;
+            while c + 2 <= chunks {
+                let (q0, q1) = (
+                    _mm512_loadu_ps(qp.add(16 * c)),
+                    _mm512_loadu_ps(qp.add(16 * c + 16)),
+                );
+                s0 = _mm512_fmadd_ps(q0, E::load16(kp.add(16 * c)), s0);
+                s1 = _mm512_fmadd_ps(q1, E::load16(kp.add(16 * c + 16)), s1);
+                c += 2;
+            }
+            if c < chunks {
+                s0 = _mm512_fmadd_ps(
+                    _mm512_loadu_ps(qp.add(16 * c)),
+                    E::load16(kp.add(16 * c)),
+                    s0,
+                );
+            }
+            *s = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * op.scale;
+        }
+        // The largest score, NaNs ignored (`max_ps` returns its second
+        // operand when either is NaN).
+        let sp = scores.as_mut_ptr();
+        let full = k_len / 16 * 16;
+        let mut vmax = _mm512_set1_ps(f32::NEG_INFINITY);
+        for j in (0..full).step_by(16) {
+            vmax = _mm512_max_ps(_mm512_loadu_ps(sp.add(j)), vmax);
+        }
+        let max = scores[full..]
+            .iter()
+            .fold(_mm512_reduce_max_ps(vmax), |m, &x| m.max(x));
+        if max == f32::NEG_INFINITY {
+            // No key open (or none scored above -inf): a row of zeros.
+            out.fill(0.0);
+            return;
+        }
+        // Closed keys (-inf) get exactly 0.
+        for s in scores.iter_mut() {
+            *s = exp_neg::<crate::kernels::micro::Avx512>(*s - max);
+        }
+        let mut vsum = _mm512_setzero_ps();
+        for j in (0..full).step_by(16) {
+            vsum = _mm512_add_ps(_mm512_loadu_ps(sp.add(j)), vsum);
+        }
+        let sum = scores[full..]
+            .iter()
+            .fold(_mm512_reduce_add_ps(vsum), |a, &x| a + x);
+        let inv = _mm512_set1_ps(1.0 / sum);
+        let mut c = 0;
+        while c < chunks {
+            let n = (chunks - c).min(4);
+            let (vp, op) = (values.as_ptr().add(16 * c), out.as_mut_ptr().add(16 * c));
+            match n {
+                4 => values_pass::<E, 4>(scores, vp, head_dim, inv, op),
+                3 => values_pass::<E, 3>(scores, vp, head_dim, inv, op),
+                2 => values_pass::<E, 2>(scores, vp, head_dim, inv, op),
+                _ => values_pass::<E, 1>(scores, vp, head_dim, inv, op),
+            }
+            c += n;
+        }
+    }
+}
+
+/// `out[..16 N] = inv × Σ_j p_j · v_j[..16 N]` for the keys whose weight
+/// `p_j` is not 0 (closed keys add exactly nothing, whatever their values),
+/// `v_j` starting at `v + j * stride`; two sets of `N` accumulators over
+/// alternate keys.
+///
+/// # Safety
+/// `16 N` values readable at `v + j * stride` for every `j < p.len()`,
+/// `16 N` floats writable at `out`; the CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn values_pass<E: Lanes, const N: usize>(
+    p: &[f32],
+    v: *const E,
+    stride: usize,
+    inv: std::arch::x86_64::__m512,
+    out: *mut f32,
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); N]; 2];
+        let pairs = p.len() / 2;
+        for n in 0..pairs {
+            for (set, acc) in acc.iter_mut().enumerate() {
+                let j = 2 * n + set;
+                let pj = *p.get_unchecked(j);
+                if pj != 0.0 {
+                    let (pv, row) = (_mm512_set1_ps(pj), v.add(j * stride));
+                    for (t, a) in acc.iter_mut().enumerate() {
+                        *a = _mm512_fmadd_ps(pv, E::load16(row.add(16 * t)), *a);
+                    }
+                }
+            }
+        }
+        if p.len() % 2 == 1 {
+            let j = p.len() - 1;
+            let pj = *p.get_unchecked(j);
+            if pj != 0.0 {
+                let (pv, row) = (_mm512_set1_ps(pj), v.add(j * stride));
+                for (t, a) in acc[0].iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(pv, E::load16(row.add(16 * t)), *a);
+                }
+            }
+        }
+        let [even, odd] = acc;
+        for (t, (a, b)) in even.into_iter().zip(odd).enumerate() {
+            _mm512_storeu_ps(out.add(16 * t), _mm512_mul_ps(_mm512_add_ps(a, b), inv));
+        }
+    }
+}
+
+/// Keys, values (each `(batch_k, kv_heads, k_len, head_dim)` with the given
+/// head stride) and that stride, in elements; f32, or 16-bit values the
+/// per-row kernel widens as it reads them.
+type KeysValues<'a, E> = (&'a [E], &'a [E], usize);
+
+/// Whether `t` (keys or values, `(batch_k, kv_heads, k_len, head_dim)`) is
+/// laid out as the kernels read it: each head's `k_len` rows contiguous,
+/// heads `stride >= k_len * head_dim` apart — contiguous, or a prefix of a
+/// longer buffer such as [`crate::KvCache`]'s, which then needs no copy.
+pub(crate) fn is_head_strided(t: &Tensor) -> bool {
+    head_stride(t.layout(), t.dims()).is_some()
+}
+
+fn head_stride(l: &Layout, dims: &[usize]) -> Option<usize> {
+    let (&[b, h, len, hd], &[s0, s1, s2, s3]) = (dims, l.stride()) else {
+        return None;
+    };
+    // A dimension of extent 1 may carry any stride.
+    let rows_ok = (len <= 1 || s2 == hd) && (hd <= 1 || s3 == 1);
+    // Head `b * h + i` starts `(b * h + i) * stride` in.
+    let stride = if h > 1 {
+        s1
+    } else if b > 1 {
+        s0
+    } else {
+        len * hd
+    };
+    let heads_ok = stride >= len * hd && (b <= 1 || h <= 1 || s0 == h * s1);
+    (rows_ok && heads_ok).then_some(stride)
+}
+
+/// The elements of `k` or `v` and their head stride (see
+/// [`is_head_strided`]), or an error naming the argument.
+fn head_strided<'a, E>(
+    data: &'a [E],
+    l: &Layout,
+    d: Dims,
+    name: &str,
+) -> candle_core::Result<(&'a [E], usize)> {
+    let dims = l.shape().dims();
+    let Some(stride) = head_stride(l, dims) else {
+        candle_core::bail!("fused attention: {name} {dims:?} must have contiguous heads");
+    };
+    let heads = d.batch_k * d.kv_heads;
+    let len = match heads {
+        0 => 0,
+        n => (n - 1) * stride + d.k_len * d.head_dim,
+    };
+    match data.get(l.start_offset()..l.start_offset() + len) {
+        Some(slice) => Ok((slice, stride)),
+        None => candle_core::bail!("fused attention: {name} {dims:?} past its buffer"),
+    }
+}
+
+/// Keys and values of one element type, with their common head stride.
+fn keys_values<'a, E>(
+    (k, lk): (&'a [E], &Layout),
+    (v, lv): (&'a [E], &Layout),
+    d: Dims,
+) -> candle_core::Result<KeysValues<'a, E>> {
+    let (k, k_stride) = head_strided(k, lk, d, "k")?;
+    let (v, v_stride) = head_strided(v, lv, d, "v")?;
+    if k_stride != v_stride {
+        candle_core::bail!("fused attention: k and v head strides differ ({k_stride}, {v_stride})");
+    }
+    Ok((k, v, k_stride))
+}
+
+/// What one query row of the per-row kernels reads: its query
+/// (`head_dim`), its key head's keys and values (`k_len` rows of
+/// `head_dim`) and its mask row (one byte per key, `1` = may attend).
+struct RowInputs<'a, E> {
+    q: &'a [f32],
+    keys: &'a [E],
+    values: &'a [E],
+    allowed: Option<&'a [u8]>,
+}
+
+impl FusedCpu {
+    /// The inputs of query row `row = (b * heads + h) * q_len + i`: its
+    /// sample's keys for `b` (beams share a sample's keys: `b / r`), the
+    /// key head of `h`'s group (`h / g`).
+    #[inline(always)]
+    fn row_inputs<'a, E>(
+        &'a self,
+        row: usize,
+        q: &'a [f32],
+        (k, v, kv_stride): KeysValues<'a, E>,
+    ) -> RowInputs<'a, E> {
+        let Dims {
+            heads,
+            q_len,
+            head_dim,
+            kv_heads,
+            k_len,
+            ..
+        } = self.dims;
+        let (r, g) = (self.dims.r(), self.dims.g());
+        let i = row % q_len;
+        let h = (row / q_len) % heads;
+        let b = row / (q_len * heads);
+        let kv_base = ((b / r) * kv_heads + h / g) * kv_stride;
+        RowInputs {
+            q: &q[row * head_dim..][..head_dim],
+            keys: &k[kv_base..][..k_len * head_dim],
+            values: &v[kv_base..][..k_len * head_dim],
+            allowed: self.mask.as_ref().map(|m| m.row(b, i, k_len)),
+        }
+    }
+
+    /// The per-row kernel over every query row, on the pool.
+    fn rows<E: Lanes>(&self, q: &[f32], kv: KeysValues<'_, E>, out: &mut [f32]) {
+        let d = self.dims;
+        if d.head_dim > 0 {
+            out.par_chunks_mut(d.head_dim).enumerate().for_each_init(
+                || vec![0f32; d.k_len],
+                |scores, (r, o)| row(self, r, q, kv, scores, o),
+            );
+        }
+    }
+}
+
+impl CustomOp3 for FusedCpu {
+    fn name(&self) -> &'static str {
+        "vl-fused-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        fn slice<'a>(s: &'a CpuStorage, l: &Layout, name: &str) -> candle_core::Result<&'a [f32]> {
+            match s {
+                CpuStorage::F32(d) => contiguous(d, l, "fused attention", name),
+                _ => candle_core::bail!("fused attention: {name} must be f32"),
+            }
+        }
+        let d = self.dims;
+        let q = slice(s1, l1, "q")?;
+        let len = [d.heads, d.q_len, d.head_dim]
+            .iter()
+            .try_fold(d.batch_q, |acc, &n| acc.checked_mul(n));
+        let Some(len) = len else {
+            candle_core::bail!(
+                "fused attention: output ({}, {}, {}, {}) overflows usize",
+                d.batch_q,
+                d.heads,
+                d.q_len,
+                d.head_dim
+            )
+        };
+        if d.tiled() {
+            let (CpuStorage::F32(k), CpuStorage::F32(v)) = (s2, s3) else {
+                candle_core::bail!("fused attention: the tiled kernel takes f32 k and v");
+            };
+            let (k, v, kv_stride) = keys_values((k, l2), (v, l3), d)?;
+            let problem = super::tiled::Problem {
+                q,
+                k,
+                v,
+                kv_stride,
+                mask: self.mask.as_ref(),
+                dims: d,
+                scale: self.scale,
+            };
+            return Ok((
+                CpuStorage::F32(super::tiled::run(&problem, self.isa)),
+                Shape::from((d.batch_q, d.heads, d.q_len, d.head_dim)),
+            ));
+        }
+        let mut out = vec![0f32; len];
+        match (s2, s3) {
+            (CpuStorage::F32(k), CpuStorage::F32(v)) => {
+                self.rows(q, keys_values((k, l2), (v, l3), d)?, &mut out)
+            }
+            (CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
+                self.rows(q, keys_values((k, l2), (v, l3), d)?, &mut out)
+            }
+            (CpuStorage::F16(k), CpuStorage::F16(v)) => {
+                self.rows(q, keys_values((k, l2), (v, l3), d)?, &mut out)
+            }
+            _ => candle_core::bail!(
+                "fused attention: k and v must be f32, bf16 or f16 alike, got {:?} and {:?}",
+                s2.dtype(),
+                s3.dtype()
+            ),
+        }
+        Ok((
+            CpuStorage::F32(out),
+            Shape::from((d.batch_q, d.heads, d.q_len, d.head_dim)),
+        ))
+    }
+}

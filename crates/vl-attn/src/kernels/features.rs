@@ -1,0 +1,457 @@
+//! What this CPU can run, detected once ([`CpuFeatures::get`]), and the
+//! tokens that prove it.
+//!
+//! Every SIMD kernel of vl is reached through a token: [`Isa`] for the
+//! f32 kernels (matrix-vector products, attention, GELU, the q4_K
+//! quantizer), [`Q8Isa`] for the q8_0 and q4_K products, [`Bf16Isa`] for
+//! the bf16 GEMM, LayerNorm and additions. A token's field is private:
+//! the only way to hold one naming an instruction set is to ask
+//! [`CpuFeatures`] for it, which hands out only what the CPU has. So a
+//! function that takes a token may call `#[target_feature]` code for the
+//! instruction set it names; no caller can pass one the CPU lacks.
+//!
+//! Besides the instruction sets, [`CpuFeatures`] holds the vendor, the
+//! family and model, and the model name: what tuning per CPU reads, and
+//! what `vl bench` prints beside its figures.
+
+use std::fmt;
+use std::sync::OnceLock;
+
+/// The CPU's maker, as far as tuning cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Vendor {
+    /// `AuthenticAMD`.
+    Amd,
+    /// `GenuineIntel`.
+    Intel,
+    /// An Arm core (aarch64).
+    Arm,
+    /// Anything else.
+    Other,
+}
+
+/// The instruction sets of the f32 kernels, best first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Simd {
+    /// x86-64 with AVX-512F.
+    Avx512,
+    /// x86-64 with AVX2 and FMA.
+    Avx2,
+    /// aarch64 with NEON (Advanced SIMD, part of its baseline).
+    Neon,
+    /// The target's baseline, plain Rust (the fallback and the test
+    /// oracle of every kernel).
+    Portable,
+}
+
+/// The instruction sets of the q8_0 and q4_K products, best first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Q8Simd {
+    /// x86-64 with AVX-512F, AVX-512BW and AVX-512 VNNI: intrinsics.
+    Vnni,
+    /// x86-64 with AVX2 and FMA: plain Rust compiled for them.
+    Avx2,
+    /// aarch64 with NEON and the dot-product extension (`sdot`).
+    NeonDot,
+    /// The target's baseline: plain Rust.
+    Portable,
+}
+
+/// The instruction sets of the bf16 kernels (GEMM, LayerNorm, additions),
+/// best first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Bf16Simd {
+    /// x86-64 with AVX-512F and AVX512_BF16 (`vdpbf16ps`, `vcvtneps2bf16`).
+    Avx512Bf16,
+    /// The target's baseline: plain Rust.
+    Portable,
+}
+
+/// Proof that this CPU runs an instruction set of the f32 kernels: made
+/// only by [`CpuFeatures`] (or [`Isa::portable`], which every CPU runs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Isa(Simd);
+
+/// Proof that this CPU runs an instruction set of the q8_0 and q4_K
+/// products: made only by [`CpuFeatures`] (or [`Q8Isa::portable`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Q8Isa(Q8Simd);
+
+/// Proof that this CPU runs an instruction set of the bf16 kernels: made
+/// only by [`CpuFeatures`] (or [`Bf16Isa::portable`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Bf16Isa(Bf16Simd);
+
+impl Isa {
+    /// The baseline, which every CPU runs.
+    pub const fn portable() -> Self {
+        Self(Simd::Portable)
+    }
+
+    /// The instruction set this token proves.
+    pub const fn simd(self) -> Simd {
+        self.0
+    }
+}
+
+impl Q8Isa {
+    /// The baseline, which every CPU runs.
+    pub const fn portable() -> Self {
+        Self(Q8Simd::Portable)
+    }
+
+    /// The instruction set this token proves.
+    pub const fn simd(self) -> Q8Simd {
+        self.0
+    }
+
+    /// The f32 kernels' token for the parts of a q8_0 product written in
+    /// plain Rust (the rounding of `x`, the products without VNNI): an
+    /// instruction set this one implies, so no new detection is needed.
+    pub const fn f32_isa(self) -> Isa {
+        Isa(match self.0 {
+            Q8Simd::Vnni => Simd::Avx512,
+            Q8Simd::Avx2 => Simd::Avx2,
+            Q8Simd::NeonDot => Simd::Neon,
+            Q8Simd::Portable => Simd::Portable,
+        })
+    }
+}
+
+impl Bf16Isa {
+    /// The baseline, which every CPU runs.
+    pub const fn portable() -> Self {
+        Self(Bf16Simd::Portable)
+    }
+
+    /// The instruction set this token proves.
+    pub const fn simd(self) -> Bf16Simd {
+        self.0
+    }
+
+    /// The f32 kernels' token this one implies (AVX512_BF16 comes with
+    /// AVX-512F).
+    pub const fn f32_isa(self) -> Isa {
+        Isa(match self.0 {
+            Bf16Simd::Avx512Bf16 => Simd::Avx512,
+            Bf16Simd::Portable => Simd::Portable,
+        })
+    }
+}
+
+/// The CPU as vl's kernels see it, detected once per process.
+#[derive(Debug, Clone)]
+pub struct CpuFeatures {
+    /// The maker.
+    pub vendor: Vendor,
+    /// x86's display family (`cpuid` leaf 1, extended family added): 25
+    /// for Zen 3/4, 26 for Zen 5, 6 for Intel's cores; 0 elsewhere.
+    pub family: u32,
+    /// x86's display model (extended model added); 0 elsewhere.
+    pub model: u32,
+    /// The brand string (`cpuid` 0x80000002–4 on x86-64, `/proc/cpuinfo`
+    /// elsewhere where it says), trimmed; empty if unknown.
+    pub model_name: String,
+    /// AVX-512 Foundation.
+    pub avx512f: bool,
+    /// AVX-512 byte and word instructions.
+    pub avx512bw: bool,
+    /// AVX-512 VNNI (`vpdpbusd`).
+    pub avx512vnni: bool,
+    /// AVX512_BF16 (`vdpbf16ps`, `vcvtneps2bf16`).
+    pub avx512bf16: bool,
+    /// AVX2.
+    pub avx2: bool,
+    /// FMA3.
+    pub fma: bool,
+    /// aarch64 Advanced SIMD.
+    pub neon: bool,
+    /// aarch64 dot product (`sdot`, `udot`).
+    pub dotprod: bool,
+}
+
+impl CpuFeatures {
+    /// This CPU's features, detected on the first call.
+    pub fn get() -> &'static CpuFeatures {
+        static CPU: OnceLock<CpuFeatures> = OnceLock::new();
+        CPU.get_or_init(CpuFeatures::detect)
+    }
+
+    fn detect() -> CpuFeatures {
+        let mut cpu = CpuFeatures {
+            vendor: Vendor::Other,
+            family: 0,
+            model: 0,
+            model_name: String::new(),
+            avx512f: false,
+            avx512bw: false,
+            avx512vnni: false,
+            avx512bf16: false,
+            avx2: false,
+            fma: false,
+            neon: false,
+            dotprod: false,
+        };
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            cpu.avx512f = has!("avx512f");
+            cpu.avx512bw = has!("avx512bw");
+            cpu.avx512vnni = has!("avx512vnni");
+            cpu.avx512bf16 = has!("avx512bf16");
+            cpu.avx2 = has!("avx2");
+            cpu.fma = has!("fma");
+            let id = x86::identify();
+            cpu.vendor = id.vendor;
+            cpu.family = id.family;
+            cpu.model = id.model;
+            cpu.model_name = id.brand;
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            use std::arch::is_aarch64_feature_detected as has;
+            cpu.vendor = Vendor::Arm;
+            cpu.neon = has!("neon");
+            cpu.dotprod = has!("dotprod");
+        }
+        if cpu.model_name.is_empty() {
+            cpu.model_name = proc_cpuinfo_model().unwrap_or_default();
+        }
+        cpu
+    }
+
+    /// The best [`Isa`] of this CPU.
+    pub fn isa(&self) -> Isa {
+        self.isas()[0]
+    }
+
+    /// Every [`Isa`] this CPU runs, best first, [`Isa::portable`] last.
+    pub fn isas(&self) -> Vec<Isa> {
+        [Simd::Avx512, Simd::Avx2, Simd::Neon, Simd::Portable]
+            .into_iter()
+            .filter_map(|s| self.isa_for(s))
+            .collect()
+    }
+
+    /// The token for `simd`, if this CPU runs it.
+    pub fn isa_for(&self, simd: Simd) -> Option<Isa> {
+        let ok = match simd {
+            Simd::Avx512 => self.avx512f,
+            Simd::Avx2 => self.avx2 && self.fma,
+            Simd::Neon => self.neon,
+            Simd::Portable => true,
+        };
+        ok.then_some(Isa(simd))
+    }
+
+    /// The best [`Q8Isa`] of this CPU.
+    pub fn q8_isa(&self) -> Q8Isa {
+        self.q8_isas()[0]
+    }
+
+    /// Every [`Q8Isa`] this CPU runs, best first, [`Q8Isa::portable`]
+    /// last.
+    pub fn q8_isas(&self) -> Vec<Q8Isa> {
+        [
+            Q8Simd::Vnni,
+            Q8Simd::Avx2,
+            Q8Simd::NeonDot,
+            Q8Simd::Portable,
+        ]
+        .into_iter()
+        .filter_map(|s| self.q8_isa_for(s))
+        .collect()
+    }
+
+    /// The token for `simd`, if this CPU runs it.
+    pub fn q8_isa_for(&self, simd: Q8Simd) -> Option<Q8Isa> {
+        let ok = match simd {
+            Q8Simd::Vnni => self.avx512f && self.avx512bw && self.avx512vnni,
+            Q8Simd::Avx2 => self.avx2 && self.fma,
+            Q8Simd::NeonDot => self.neon && self.dotprod,
+            Q8Simd::Portable => true,
+        };
+        ok.then_some(Q8Isa(simd))
+    }
+
+    /// The best [`Bf16Isa`] of this CPU.
+    pub fn bf16_isa(&self) -> Bf16Isa {
+        self.bf16_isas()[0]
+    }
+
+    /// Every [`Bf16Isa`] this CPU runs, best first, [`Bf16Isa::portable`]
+    /// last.
+    pub fn bf16_isas(&self) -> Vec<Bf16Isa> {
+        [Bf16Simd::Avx512Bf16, Bf16Simd::Portable]
+            .into_iter()
+            .filter_map(|s| self.bf16_isa_for(s))
+            .collect()
+    }
+
+    /// The token for `simd`, if this CPU runs it.
+    pub fn bf16_isa_for(&self, simd: Bf16Simd) -> Option<Bf16Isa> {
+        let ok = match simd {
+            Bf16Simd::Avx512Bf16 => self.avx512f && self.avx512bf16,
+            Bf16Simd::Portable => true,
+        };
+        ok.then_some(Bf16Isa(simd))
+    }
+
+    /// The instruction-set flags vl's kernels look at that this CPU has,
+    /// as `lscpu` spells them.
+    pub fn flags(&self) -> Vec<&'static str> {
+        [
+            (self.avx2, "avx2"),
+            (self.fma, "fma"),
+            (self.avx512f, "avx512f"),
+            (self.avx512bw, "avx512bw"),
+            (self.avx512vnni, "avx512_vnni"),
+            (self.avx512bf16, "avx512_bf16"),
+            (self.neon, "neon"),
+            (self.dotprod, "asimddp"),
+        ]
+        .into_iter()
+        .filter_map(|(on, name)| on.then_some(name))
+        .collect()
+    }
+}
+
+impl fmt::Display for CpuFeatures {
+    /// `MODEL NAME (vendor, family F model M): flags; kernels f32 X, q8_0 Y, bf16 Z`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = if self.model_name.is_empty() {
+            "unknown CPU"
+        } else {
+            &self.model_name
+        };
+        write!(
+            f,
+            "{name} ({:?}, family {} model {}): {}; kernels f32 {:?}, q8_0 {:?}, bf16 {:?}",
+            self.vendor,
+            self.family,
+            self.model,
+            self.flags().join(" "),
+            self.isa().simd(),
+            self.q8_isa().simd(),
+            self.bf16_isa().simd()
+        )
+    }
+}
+
+/// The `model name` line of `/proc/cpuinfo`, where there is one.
+fn proc_cpuinfo_model() -> Option<String> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    info.lines()
+        .find_map(|l| {
+            let (key, value) = l.split_once(':')?;
+            (key.trim() == "model name").then(|| value.trim().to_string())
+        })
+        .filter(|s| !s.is_empty())
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::{__cpuid, CpuidResult};
+
+    use super::Vendor;
+
+    pub(super) struct Identity {
+        pub vendor: Vendor,
+        pub family: u32,
+        pub model: u32,
+        pub brand: String,
+    }
+
+    fn cpuid(leaf: u32) -> CpuidResult {
+        // SAFETY: CPUID exists on every x86-64 CPU; leaves past the
+        // maximum return zeros or the highest basic leaf's values, which
+        // the callers check against leaf 0's and 0x80000000's maximums.
+        #[allow(unused_unsafe)]
+        unsafe {
+            __cpuid(leaf)
+        }
+    }
+
+    pub(super) fn identify() -> Identity {
+        let l0 = cpuid(0);
+        let mut vendor_bytes = [0u8; 12];
+        for (i, r) in [l0.ebx, l0.edx, l0.ecx].iter().enumerate() {
+            vendor_bytes[4 * i..4 * i + 4].copy_from_slice(&r.to_le_bytes());
+        }
+        let vendor = match &vendor_bytes {
+            b"AuthenticAMD" => Vendor::Amd,
+            b"GenuineIntel" => Vendor::Intel,
+            _ => Vendor::Other,
+        };
+        let (mut family, mut model) = (0, 0);
+        if l0.eax >= 1 {
+            let eax = cpuid(1).eax;
+            let base_family = (eax >> 8) & 0xf;
+            let base_model = (eax >> 4) & 0xf;
+            family = base_family;
+            model = base_model;
+            if base_family == 0xf {
+                family += (eax >> 20) & 0xff;
+            }
+            if base_family == 0xf || base_family == 0x6 {
+                model += ((eax >> 16) & 0xf) << 4;
+            }
+        }
+        let mut brand = Vec::with_capacity(48);
+        if cpuid(0x8000_0000).eax >= 0x8000_0004 {
+            for leaf in 0x8000_0002..=0x8000_0004 {
+                let r = cpuid(leaf);
+                for v in [r.eax, r.ebx, r.ecx, r.edx] {
+                    brand.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+        let brand = String::from_utf8_lossy(&brand)
+            .trim_matches(|c: char| c == '\0' || c.is_whitespace())
+            .to_string();
+        Identity {
+            vendor,
+            family,
+            model,
+            brand,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The portable tokens are always handed out, last; every token handed
+    /// out matches the flags; the best is the first.
+    #[test]
+    fn tokens_follow_the_flags() {
+        let cpu = CpuFeatures::get();
+        assert_eq!(cpu.isas().last(), Some(&Isa::portable()));
+        assert_eq!(cpu.q8_isas().last(), Some(&Q8Isa::portable()));
+        assert_eq!(cpu.bf16_isas().last(), Some(&Bf16Isa::portable()));
+        assert_eq!(cpu.isa(), cpu.isas()[0]);
+        for isa in cpu.isas() {
+            let ok = match isa.simd() {
+                Simd::Avx512 => cpu.avx512f,
+                Simd::Avx2 => cpu.avx2 && cpu.fma,
+                Simd::Neon => cpu.neon,
+                Simd::Portable => true,
+            };
+            assert!(ok, "{isa:?} handed out on {cpu}");
+        }
+        for isa in cpu.q8_isas() {
+            // What a q8_0 token implies for the f32 kernels is handed out too.
+            assert!(cpu.isas().contains(&isa.f32_isa()), "{isa:?} on {cpu}");
+        }
+        for isa in cpu.bf16_isas() {
+            assert!(cpu.isas().contains(&isa.f32_isa()), "{isa:?} on {cpu}");
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            assert_eq!(cpu.avx512f, std::arch::is_x86_feature_detected!("avx512f"));
+            assert_ne!(cpu.vendor, Vendor::Arm);
+        }
+        assert!(cpu.to_string().contains("kernels f32"));
+    }
+}

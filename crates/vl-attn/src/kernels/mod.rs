@@ -1,0 +1,44 @@
+//! vl's CPU kernels: the only `unsafe` code of the crate, and the one
+//! place that knows what the CPU can run.
+//!
+//! [`CpuFeatures`] detects the CPU once; every SIMD implementation is
+//! reached through a token it hands out ([`Isa`], [`Q8Isa`],
+//! [`Bf16Isa`]), so `#[target_feature]` code never runs on a CPU without
+//! the feature. Each operation has one entry point, which picks its
+//! implementation from the best token, and a portable implementation in
+//! plain Rust that is both the fallback and the oracle its SIMD siblings
+//! are tested against (on odd sizes, every implementation the CPU runs).
+//!
+//! | operation | entry point | implementations |
+//! |---|---|---|
+//! | f32/f16/bf16 GEMV, 1–8 rows | [`gemv::gemv`] | AVX-512F, AVX2+FMA, portable |
+//! | q8_0 product, any rows | [`gemv_q8::PackedQ8::matmul`] | AVX-512 VNNI, AVX2+FMA, portable |
+//! | q4_K product, any rows | [`gemv_q4k::PackedQ4K::matmul`] | AVX-512 VNNI, AVX2+FMA, portable |
+//! | bf16 GEMM (and packed bf16 GEMV) | [`gemm_bf16::matmul`], [`gemm_bf16::PackedBf16::matmul`] | AVX512_BF16, portable |
+//! | fused attention, per row and tiled | `attention::fused` (through [`crate::attention::attention`]) | AVX-512F, AVX2+FMA, portable |
+//! | LayerNorm | [`norm::layer_norm`] | AVX-512F (f32), AVX512_BF16 (bf16), portable |
+//! | bf16 addition | [`add::add`] | AVX512_BF16, portable |
+//! | GELU (erf and tanh) | `gelu::forward` (through [`crate::FeedForward`]) | AVX-512F, AVX2+FMA, portable |
+//! | q4_K quantizer | `q4k` (through [`crate::Proj::quantize`]) | AVX-512F, AVX2+FMA, portable |
+//!
+//! The products split across the rayon pool. Called from a thread
+//! outside it, each one hands its work over and waits (about 10 µs on a
+//! 2-core machine); run a model's whole forward pass or decode step
+//! through [`on_pool`] to pay that once (vl's decoder and ViT do).
+
+pub mod add;
+pub(crate) mod attention;
+pub mod features;
+pub(crate) mod gelu;
+pub mod gemm_bf16;
+pub mod gemv;
+pub mod gemv_q4k;
+pub mod gemv_q8;
+pub(crate) mod host;
+pub(crate) mod micro;
+pub mod norm;
+pub(crate) mod q4k;
+pub(crate) mod tiled;
+
+pub use features::{Bf16Isa, Bf16Simd, CpuFeatures, Isa, Q8Isa, Q8Simd, Simd, Vendor};
+pub use host::{on_pool, with_values};
