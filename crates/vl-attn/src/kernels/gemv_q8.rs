@@ -208,7 +208,7 @@ impl PackedQ8 {
         Tensor::from_vec(w, (self.n, self.k), &Device::Cpu)
     }
 
-    /// `x W^T` (plus the bias, if any) on this CPU's best [`isa`].
+    /// `x W^T` (plus the bias, if any) on this CPU's best [`Q8Isa`].
     ///
     /// # Shapes
     /// `x: (..., k)` f32, f16 or bf16 on the CPU, any number of rows →
