@@ -13,7 +13,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::features::{Isa, Simd};
+use super::features::Isa;
+#[cfg(target_arch = "x86_64")]
+use super::features::Simd;
 use super::gemv::Weight;
 use super::host::contiguous;
 #[cfg(target_arch = "x86_64")]

@@ -452,6 +452,13 @@ mod tests {
             assert_eq!(cpu.avx512f, std::arch::is_x86_feature_detected!("avx512f"));
             assert_ne!(cpu.vendor, Vendor::Arm);
         }
+        #[cfg(target_arch = "aarch64")]
+        {
+            assert_eq!(cpu.neon, std::arch::is_aarch64_feature_detected!("neon"));
+            assert_eq!(cpu.isa().simd(), Simd::Neon);
+        }
         assert!(cpu.to_string().contains("kernels f32"));
+        // The CPU a test run saw, in its log (`--nocapture`).
+        eprintln!("{cpu}");
     }
 }

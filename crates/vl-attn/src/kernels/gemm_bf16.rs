@@ -374,7 +374,9 @@ fn gemv_packed(isa: Bf16Isa, x: &[f32], w: &PackedBf16, m: usize) -> Vec<f32> {
 
 /// An output element: the f32 accumulator rounded (bf16) or as is (f32).
 trait Out: Copy + Default + Send + Sync {
-    /// Whether the element is bf16 (else f32): the kernels' vector stores.
+    /// Whether the element is bf16 (else f32): the AVX-512 kernels'
+    /// vector stores.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     const BF16: bool;
     fn from_acc(v: f32) -> Self;
 }

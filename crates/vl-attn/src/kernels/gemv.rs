@@ -74,12 +74,26 @@ pub(crate) fn prefetch<T>(p: *const T, ahead: usize) {
 /// and values in [`crate::attention`]'s per-row attention.
 pub(crate) trait Weight: Copy + Send + Sync {
     fn to_f32(self) -> f32;
+
+    /// The 4 values at `p`, widened to f32 lanes.
+    ///
+    /// # Safety
+    /// 4 values are readable at `p`.
+    #[cfg(target_arch = "aarch64")]
+    unsafe fn load4(p: *const Self) -> std::arch::aarch64::float32x4_t;
 }
 
 impl Weight for f32 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
+    }
+
+    #[cfg(target_arch = "aarch64")]
+    #[inline(always)]
+    unsafe fn load4(p: *const f32) -> std::arch::aarch64::float32x4_t {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::aarch64::vld1q_f32(p) }
     }
 }
 
@@ -89,12 +103,32 @@ impl Weight for bf16 {
         // bf16 is the top half of an f32: a shift, which vectorises.
         f32::from_bits((self.to_bits() as u32) << 16)
     }
+
+    #[cfg(target_arch = "aarch64")]
+    #[inline(always)]
+    unsafe fn load4(p: *const bf16) -> std::arch::aarch64::float32x4_t {
+        use std::arch::aarch64::*;
+        // SAFETY: the caller's contract; widening each u16 to the top
+        // half of a u32 is the f32 the bf16 stands for.
+        unsafe { vreinterpretq_f32_u32(vshll_n_u16::<16>(vld1_u16(p.cast()))) }
+    }
 }
 
 impl Weight for f16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
+    }
+
+    #[cfg(target_arch = "aarch64")]
+    #[inline(always)]
+    unsafe fn load4(p: *const f16) -> std::arch::aarch64::float32x4_t {
+        // SAFETY: the caller's contract. Widened one by one: the vector
+        // conversion needs the `fp16` feature, outside aarch64's baseline.
+        unsafe {
+            let v: [f32; 4] = std::array::from_fn(|i| (*p.add(i)).to_f32());
+            std::arch::aarch64::vld1q_f32(v.as_ptr())
+        }
     }
 }
 
@@ -125,10 +159,56 @@ fn dot_rows<W: Weight, const R: usize>(x: [&[f32]; R], w: &[W], out: &mut [f32; 
     }
 }
 
-/// `yt[o * rows + r] = x[r] · w[o]` for the output rows `o` of one task:
-/// `w` holds those rows, `yt` their outputs, `x` all `rows` inputs.
+/// [`dot_rows`] with NEON intrinsics: four accumulators of four lanes per
+/// row (the generic loop's 16 lanes), the weights widened as they load,
+/// `vfmaq_f32`, then the lanes summed; the tail one by one.
+#[cfg(target_arch = "aarch64")]
 #[inline(always)]
-fn task<W: Weight>(x: &[f32], rows: usize, inp: usize, w: &[W], yt: &mut [f32]) {
+fn dot_rows_neon<W: Weight, const R: usize>(x: [&[f32]; R], w: &[W], out: &mut [f32; R]) {
+    use std::arch::aarch64::*;
+    let body = w.len() / LANES * LANES;
+    // SAFETY (every `unsafe` here without another comment): NEON is part
+    // of aarch64's baseline.
+    let mut acc = [[unsafe { vdupq_n_f32(0.0) }; 4]; R];
+    for c in (0..body).step_by(LANES) {
+        // SAFETY: `c + 16 <= body <= w.len()`, and every row of `x` is
+        // `w.len()` long (the callers slice them so).
+        unsafe {
+            let wp = w.as_ptr().add(c);
+            let wv: [float32x4_t; 4] = std::array::from_fn(|l| W::load4(wp.add(4 * l)));
+            for (a, xr) in acc.iter_mut().zip(&x) {
+                let xp = xr[..w.len()].as_ptr().add(c);
+                for l in 0..4 {
+                    a[l] = vfmaq_f32(a[l], vld1q_f32(xp.add(4 * l)), wv[l]);
+                }
+            }
+        }
+    }
+    for (r, (a, xr)) in acc.iter().zip(&x).enumerate() {
+        // SAFETY: as above.
+        let mut s = unsafe { vaddvq_f32(vaddq_f32(vaddq_f32(a[0], a[1]), vaddq_f32(a[2], a[3]))) };
+        for (xv, wv) in xr[body..].iter().zip(&w[body..]) {
+            s += xv * wv.to_f32();
+        }
+        out[r] = s;
+    }
+}
+
+/// [`dot_rows`], or [`dot_rows_neon`] when `NEON` (on aarch64).
+#[inline(always)]
+fn dot<W: Weight, const NEON: bool, const R: usize>(x: [&[f32]; R], w: &[W], out: &mut [f32; R]) {
+    #[cfg(target_arch = "aarch64")]
+    if NEON {
+        return dot_rows_neon(x, w, out);
+    }
+    dot_rows(x, w, out)
+}
+
+/// `yt[o * rows + r] = x[r] · w[o]` for the output rows `o` of one task:
+/// `w` holds those rows, `yt` their outputs, `x` all `rows` inputs; with
+/// NEON intrinsics when `NEON`.
+#[inline(always)]
+fn task<W: Weight, const NEON: bool>(x: &[f32], rows: usize, inp: usize, w: &[W], yt: &mut [f32]) {
     let xr = |r: usize| &x[r * inp..(r + 1) * inp];
     for (wo, yo) in w.chunks_exact(inp).zip(yt.chunks_exact_mut(rows)) {
         // Groups of 4, 2, 1 rows: the weight row stays in L1 between them.
@@ -137,19 +217,19 @@ fn task<W: Weight>(x: &[f32], rows: usize, inp: usize, w: &[W], yt: &mut [f32]) 
             match rows - r {
                 n if n >= 4 => {
                     let mut o = [0f32; 4];
-                    dot_rows(std::array::from_fn(|i| xr(r + i)), wo, &mut o);
+                    dot::<W, NEON, 4>(std::array::from_fn(|i| xr(r + i)), wo, &mut o);
                     yo[r..r + 4].copy_from_slice(&o);
                     r += 4;
                 }
                 n if n >= 2 => {
                     let mut o = [0f32; 2];
-                    dot_rows(std::array::from_fn(|i| xr(r + i)), wo, &mut o);
+                    dot::<W, NEON, 2>(std::array::from_fn(|i| xr(r + i)), wo, &mut o);
                     yo[r..r + 2].copy_from_slice(&o);
                     r += 2;
                 }
                 _ => {
                     let mut o = [0f32; 1];
-                    dot_rows([xr(r)], wo, &mut o);
+                    dot::<W, NEON, 1>([xr(r)], wo, &mut o);
                     yo[r] = o[0];
                     r += 1;
                 }
@@ -166,13 +246,13 @@ macro_rules! isa_variants {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx512f")]
         fn $avx512$(<$g: $bound>)?(x: &[f32], rows: usize, inp: usize, w: &[$w], yt: &mut [f32]) {
-            $task(x, rows, inp, w, yt)
+            $task::<$w, false>(x, rows, inp, w, yt)
         }
 
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx2,fma")]
         fn $avx2$(<$g: $bound>)?(x: &[f32], rows: usize, inp: usize, w: &[$w], yt: &mut [f32]) {
-            $task(x, rows, inp, w, yt)
+            $task::<$w, false>(x, rows, inp, w, yt)
         }
     };
 }
@@ -223,7 +303,8 @@ fn product<W: Weight>(isa: Isa, x: &[f32], rows: usize, w: &[W], out: usize) -> 
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the token proves the CPU has AVX2 and FMA.
             Simd::Avx2 => unsafe { task_avx2(x, rows, inp, w, yt) },
-            _ => task(x, rows, inp, w, yt),
+            Simd::Neon => task::<W, true>(x, rows, inp, w, yt),
+            _ => task::<W, false>(x, rows, inp, w, yt),
         }
     })
 }

@@ -29,7 +29,10 @@ use candle_core::{DType, Device, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
-use super::features::{CpuFeatures, Q8Isa, Q8Simd};
+#[cfg(target_arch = "x86_64")]
+use super::features::Q8Simd;
+use super::features::{CpuFeatures, Q8Isa};
+#[cfg(target_arch = "x86_64")]
 use crate::kernels::gemv::{prefetch, PREFETCH_AHEAD};
 use crate::kernels::gemv_q8::{
     bias_tensor, checked_bias, matmul_tiled, SummedActivations, Tiled, TILE_ROWS,

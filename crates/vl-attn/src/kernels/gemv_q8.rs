@@ -33,7 +33,10 @@ use candle_core::{DType, Device, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
-use super::features::{CpuFeatures, Isa, Q8Isa, Q8Simd, Simd};
+#[cfg(target_arch = "x86_64")]
+use super::features::Simd;
+use super::features::{CpuFeatures, Isa, Q8Isa, Q8Simd};
+#[cfg(target_arch = "x86_64")]
 use crate::kernels::gemv::{prefetch, PREFETCH_AHEAD};
 use crate::kernels::micro::{madd, Kernel};
 
@@ -256,6 +259,9 @@ impl Tiled for PackedQ8 {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the token proves AVX-512F, BW and VNNI.
             Q8Simd::Vnni => unsafe { tile_vnni(self, a, t, r0, acc) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: the token proves NEON and the dot-product extension.
+            Q8Simd::NeonDot => unsafe { tile_neon_dot(self, a, t, r0, acc) },
             _ => tile_plain(isa.f32_isa(), self, a, t, r0, acc),
         }
     }
@@ -795,6 +801,117 @@ unsafe fn tile_vnni<const R: usize>(
         }
         for (o, sum) in acc.iter_mut().zip(sums) {
             _mm512_storeu_ps(o.as_mut_ptr(), sum);
+        }
+    }
+}
+
+/// `acc[i] += a[4i..4i + 4] · b[4L..4L + 4]` for the 4 lanes `i`: the
+/// `sdot` instruction by element (`vdotq_laneq_s32`, whose intrinsic is
+/// not stable in Rust yet), written as assembly.
+///
+/// # Safety
+/// The CPU has the dot-product extension.
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "neon,dotprod")]
+#[inline]
+unsafe fn sdot_lane<const L: i32>(
+    acc: std::arch::aarch64::int32x4_t,
+    a: std::arch::aarch64::int8x16_t,
+    b: std::arch::aarch64::int8x16_t,
+) -> std::arch::aarch64::int32x4_t {
+    let mut acc = acc;
+    // SAFETY: one register-only instruction (no memory, no flags); the
+    // caller's contract gives the extension.
+    unsafe {
+        std::arch::asm!(
+            "sdot {acc:v}.4s, {a:v}.16b, {b:v}.4b[{l}]",
+            acc = inout(vreg) acc,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            l = const L,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    acc
+}
+
+/// [`tile_generic`] with NEON `sdot`: per block, the tile's 8 groups
+/// loaded once for all `R` rows and turned back into signed weights (`w +
+/// 128` with its top bit flipped is `w`), so that no offset term is
+/// needed; per row, 4 accumulators of 4 rows each, one `sdot` per group
+/// and accumulator with the group's 4 values of `x` as a lane. The
+/// integer sums equal the VNNI kernel's (offset included), and the scale
+/// is applied the same way, so the outputs are the same.
+///
+/// # Panics
+/// As [`tile_vnni`].
+///
+/// # Safety
+/// The CPU has NEON and the dot-product extension.
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "neon,dotprod")]
+unsafe fn tile_neon_dot<const R: usize>(
+    p: &PackedQ8,
+    a: &Activations,
+    t: usize,
+    r0: usize,
+    acc: &mut [[f32; TILE_ROWS]; R],
+) {
+    use std::arch::aarch64::*;
+    let blocks = p.k / BLOCK_VALUES;
+    assert!(
+        a.k == p.k
+            && (t + 1) * blocks * TILE_BYTES <= p.qs.len()
+            && (t + 1) * blocks * TILE_ROWS <= p.d.len()
+            && (r0 + R) * a.k <= a.q.len()
+            && (r0 + R) * blocks <= a.d.len(),
+        "vl-q8_0: tile {t} and rows {r0}..{} outside the weight ({}, {}) or x ({}, {})",
+        r0 + R,
+        p.n,
+        p.k,
+        a.rows,
+        a.k
+    );
+    let flip = vdupq_n_u8(0x80);
+    // SAFETY: every offset below is within the tile `t` of `p` and the rows
+    // `r0..r0 + R` of `a` (checked above).
+    unsafe {
+        let mut sums = [[vdupq_n_f32(0.0); 4]; R];
+        for b in 0..blocks {
+            let tb = t * blocks + b;
+            let tile = p.qs.as_ptr().add(tb * TILE_BYTES);
+            // w[g][q]: group g's 4 columns of rows 4q..4q + 4.
+            let w: [[int8x16_t; 4]; 8] = std::array::from_fn(|g| {
+                std::array::from_fn(|q| {
+                    vreinterpretq_s8_u8(veorq_u8(vld1q_u8(tile.add(g * 64 + q * 16)), flip))
+                })
+            });
+            let dw: [f32; TILE_ROWS] =
+                std::array::from_fn(|j| f16::from_bits(p.d[tb * TILE_ROWS + j]).to_f32());
+            for (i, sum) in sums.iter_mut().enumerate() {
+                let r = r0 + i;
+                let x = a.q.as_ptr().add(r * a.k + b * BLOCK_VALUES);
+                let (x0, x1) = (vld1q_s8(x), vld1q_s8(x.add(16)));
+                let dx = a.d[r * blocks + b];
+                for (q, sum) in sum.iter_mut().enumerate() {
+                    let mut s = vdupq_n_s32(0);
+                    s = sdot_lane::<0>(s, w[0][q], x0);
+                    s = sdot_lane::<1>(s, w[1][q], x0);
+                    s = sdot_lane::<2>(s, w[2][q], x0);
+                    s = sdot_lane::<3>(s, w[3][q], x0);
+                    s = sdot_lane::<0>(s, w[4][q], x1);
+                    s = sdot_lane::<1>(s, w[5][q], x1);
+                    s = sdot_lane::<2>(s, w[6][q], x1);
+                    s = sdot_lane::<3>(s, w[7][q], x1);
+                    let scale = vmulq_n_f32(vld1q_f32(dw.as_ptr().add(4 * q)), dx);
+                    *sum = vfmaq_f32(*sum, vcvtq_f32_s32(s), scale);
+                }
+            }
+        }
+        for (o, sum) in acc.iter_mut().zip(sums) {
+            for (q, v) in sum.into_iter().enumerate() {
+                vst1q_f32(o.as_mut_ptr().add(4 * q), v);
+            }
         }
     }
 }
