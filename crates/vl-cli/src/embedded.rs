@@ -9,7 +9,7 @@ pub const NAME: &str = "embedded:shapes-captioner";
 
 /// Its three files.
 pub const SHAPES_CAPTIONER: ModelBytes<'static> = ModelBytes {
-    config: include_bytes!("../../../models/shapes-captioner/config.json"),
-    weights: include_bytes!("../../../models/shapes-captioner/model.safetensors"),
-    tokenizer: include_bytes!("../../../models/shapes-captioner/tokenizer.json"),
+    config: include_bytes!("../models/shapes-captioner/config.json"),
+    weights: include_bytes!("../models/shapes-captioner/model.safetensors"),
+    tokenizer: include_bytes!("../models/shapes-captioner/tokenizer.json"),
 };
