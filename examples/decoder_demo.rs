@@ -10,7 +10,7 @@ use anyhow::ensure;
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
 use vl::vl_attn::mask;
-use vl::vl_decoder::{DecoderConfig, ForwardMasks, VisionLanguageDecoder};
+use vl::vl_decoder::{DecoderConfig, ForwardMasks, StepOptions, VisionLanguageDecoder};
 use vl::vl_vision::{MockVit, MockVitConfig};
 
 const BATCH: usize = 2;
@@ -66,7 +66,11 @@ fn run() -> anyhow::Result<()> {
     let mut state = decoder.start(&ctx, 1)?;
     let mut steps = Vec::with_capacity(TEXT_LEN);
     for t in 0..TEXT_LEN {
-        steps.push(decoder.step(&mut state, &tokens.narrow(1, t, 1)?)?);
+        steps.push(
+            decoder
+                .step(&mut state, &tokens.narrow(1, t, 1)?, StepOptions::all())?
+                .values,
+        );
     }
     let stepped = Tensor::cat(&steps, 1)?;
     let diff = (stepped - &logits)?

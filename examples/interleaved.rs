@@ -19,7 +19,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use vl::shapes::{batch, caption_ids, tokenizer, vocab_size};
 use vl::vl_attn::mask::{self, MediaAttention, MediaSpan};
-use vl::vl_decoder::{DecoderConfig, ForwardMasks, VisionLanguageDecoder};
+use vl::vl_decoder::{DecoderConfig, ForwardMasks, StepOptions, VisionLanguageDecoder};
 use vl::vl_shapes::IMAGE_SIZE;
 use vl::vl_vision::{MockVit, MockVitConfig, PixelSpec};
 
@@ -136,7 +136,11 @@ fn run() -> anyhow::Result<()> {
         let ctx = decoder.interleaved_context(&memory, &spans, mode)?;
         let mut state = decoder.start(&ctx, 1)?;
         let steps = (0..text_len)
-            .map(|t| decoder.step(&mut state, &tokens.narrow(1, t, 1)?))
+            .map(|t| {
+                decoder
+                    .step(&mut state, &tokens.narrow(1, t, 1)?, StepOptions::all())
+                    .map(|o| o.values)
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let cached = Tensor::cat(&steps, 1)?;
         let diff = (cached - &full)?

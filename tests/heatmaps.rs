@@ -11,7 +11,7 @@ use vl::captioner::Captioner;
 use vl::checkpoint::{ModelFormat, VlModel};
 use vl::shapes;
 use vl::vl_decoder::init::seeded_init;
-use vl::vl_decoder::{GenerationConfig, Strategy, VisionLanguageDecoder};
+use vl::vl_decoder::{GenerationConfig, StepOptions, Strategy, VisionLanguageDecoder};
 use vl::vl_vision::VisionEncoder;
 
 /// Recorded vs replayed weights: the same arithmetic on rows of another
@@ -50,7 +50,16 @@ fn replay(c: &Captioner, image: &DynamicImage, tokens: &[u32]) -> anyhow::Result
     input.extend_from_slice(&tokens[..tokens.len() - 1]);
     let n = input.len();
     let ids = Tensor::from_vec(input, (1, n), dec.device())?;
-    let (_, w) = dec.step_hidden(&mut state, &ids, c.heatmap_layer())?;
+    let (_, w) = dec
+        .step(
+            &mut state,
+            &ids,
+            StepOptions {
+                weights_of: c.heatmap_layer(),
+                ..StepOptions::all().hidden()
+            },
+        )
+        .map(|o| (o.values, o.weights))?;
     let w = w.expect("weights"); // (1, h, n, image_len)
     let len = w.dim(D::Minus1)?;
     Ok(w.mean(1)?

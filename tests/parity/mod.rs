@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, D};
 use serde::de::DeserializeOwned;
-use vl::vl_decoder::{ForwardMasks, ImageContext};
+use vl::vl_decoder::{ForwardMasks, ImageContext, StepOptions};
 use vl::vl_vision::preprocess::{load_image, preprocess};
 use vl::vl_vision::VisionEncoder;
 use vl::VlModel;
@@ -109,7 +109,7 @@ pub fn check_forward<E>(
     assert!(d <= TOL, "{kind}: teacher-forced logits differ by {d}");
     let ctx = decoder.image_context(&memory, None)?;
     let mut state = decoder.start(&ctx, 1)?;
-    let stepped = decoder.step(&mut state, &ids)?;
+    let stepped = decoder.step(&mut state, &ids, StepOptions::all())?.values;
     let d = max_abs_diff(&stepped, want)?;
     eprintln!("{kind}: cached logits max abs diff {d:e}");
     assert!(d <= TOL, "{kind}: cached logits differ by {d}");

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor, D};
-use vl::vl_decoder::{ImageContext, Quantization, VisionLanguageDecoder};
+use vl::vl_decoder::{ImageContext, Quantization, StepOptions, VisionLanguageDecoder};
 use vl::VlModel;
 
 /// Time captioning with a model directory.
@@ -91,14 +91,14 @@ fn decode(
     let mut state = dec.start(ctx, 1)?;
     let start = vec![dec.config().bos_token_id; rows * prefix];
     let first = Tensor::from_vec(start, (rows, prefix), dec.device())?;
-    let mut logits = dec.step_last(&mut state, &first)?;
+    let mut logits = dec.step(&mut state, &first, StepOptions::last())?.values;
     let t = Instant::now();
     for _ in 0..n {
         let next = logits.argmax(D::Minus1)?.unsqueeze(1)?;
         if recompute {
             std::hint::black_box(dec.image_context(memory, None)?);
         }
-        logits = dec.step_last(&mut state, &next)?;
+        logits = dec.step(&mut state, &next, StepOptions::last())?.values;
     }
     logits.to_vec2::<f32>()?;
     Ok(t.elapsed().as_secs_f64() * 1e3 / n as f64)

@@ -23,7 +23,9 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{Linear, Module, VarBuilder, VarMap};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use vl_attn::Proj;
-use vl_decoder::{Activation, DecodeState, DecoderConfig, ImageContext, VisionLanguageDecoder};
+use vl_decoder::{
+    Activation, DecodeState, DecoderConfig, ImageContext, StepOptions, VisionLanguageDecoder,
+};
 
 /// ViT-B/16 at 224 px: 196 patches and a CLS token.
 const IMAGE_TOKENS: usize = 197;
@@ -51,7 +53,10 @@ fn gpt2_small() -> DecoderConfig {
 fn fresh_state(model: &VisionLanguageDecoder, ctx: &ImageContext) -> DecodeState {
     let prompt = Tensor::ones((1, PROMPT), DType::U32, model.device()).expect("prompt");
     let mut state = model.start(ctx, 1).expect("start");
-    model.step_last(&mut state, &prompt).expect("prompt step");
+    model
+        .step(&mut state, &prompt, StepOptions::last())
+        .map(|o| o.values)
+        .expect("prompt step");
     state
 }
 
@@ -78,7 +83,9 @@ fn time_steps(
             // again: the cost a decoder without an image cache pays.
             std::hint::black_box(model.image_context(image, None).expect("image context"));
         }
-        let logits = model.step_last(&mut state, &token);
+        let logits = model
+            .step(&mut state, &token, StepOptions::last())
+            .map(|o| o.values);
         std::hint::black_box(logits.expect("step"));
         total += start.elapsed();
     }

@@ -80,8 +80,12 @@ mod sampling;
 
 pub use config::{EarlyStopping, GenerationConfig, Strategy, MIN_SAMPLING_TEMPERATURE};
 
+use candle_core::Tensor;
+
+use crate::context::ImageContext;
 use crate::error::Result;
-use crate::model::{ImageContext, VisionLanguageDecoder};
+use crate::model::VisionLanguageDecoder;
+use crate::state::{DecodeState, StepOptions};
 
 /// Why a caption ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -209,4 +213,27 @@ pub fn generate_from(
             sampling::decode(model, image, cfg, &prefix, on_token)
         }
     }
+}
+
+/// One generation step: the last position's logits `(rows, vocab)` and,
+/// when `weights_of` names a block, its cross-attention weights of that
+/// position with the heads averaged, `(rows, image_len)` f32 — what a
+/// heatmap of each generated token shows.
+fn step_last(
+    model: &VisionLanguageDecoder,
+    state: &mut DecodeState,
+    input: &Tensor,
+    weights_of: Option<usize>,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let options = StepOptions {
+        weights_of,
+        ..StepOptions::last()
+    };
+    let out = model.step(state, input, options)?;
+    // (rows, heads, image_len) -> (rows, image_len)
+    let weights = match out.weights {
+        Some(w) => Some(w.to_dtype(candle_core::DType::F32)?.mean(1)?),
+        None => None,
+    };
+    Ok((out.values, weights))
 }

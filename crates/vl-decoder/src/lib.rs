@@ -10,7 +10,7 @@
 //! ```
 //! use candle_core::{DType, Device, Tensor};
 //! use candle_nn::{VarBuilder, VarMap};
-//! use vl_decoder::{DecoderConfig, ForwardMasks, VisionLanguageDecoder};
+//! use vl_decoder::{DecoderConfig, ForwardMasks, StepOptions, VisionLanguageDecoder};
 //!
 //! # fn main() -> Result<(), vl_decoder::DecoderError> {
 //! let dev = Device::Cpu;
@@ -29,8 +29,8 @@
 //! let ctx = decoder.image_context(&image, None)?;
 //! let mut state = decoder.start(&ctx, 1)?;
 //! for &t in &[1u32, 5, 7] {
-//!     let last = decoder.step_last(&mut state, &Tensor::new(&[[t]], &dev)?)?; // (1, 100)
-//!     assert_eq!(last.dims(), &[1, 100]);
+//!     let step = decoder.step(&mut state, &Tensor::new(&[[t]], &dev)?, StepOptions::last())?;
+//!     assert_eq!(step.values.dims(), &[1, 100]); // the last position's logits
 //! }
 //! # Ok(())
 //! # }
@@ -38,6 +38,7 @@
 
 pub mod block;
 pub mod config;
+pub mod context;
 pub mod error;
 pub mod generate;
 pub mod head;
@@ -46,16 +47,19 @@ pub mod model;
 pub mod positions;
 
 pub mod quantize;
+pub mod state;
 
 pub use block::DecoderBlock;
 pub use config::{Activation, DecoderConfig, Dropouts, NormPlacement};
+pub use context::ImageContext;
 pub use error::{DecoderError, Result};
 pub use generate::{
     generate, generate_from, EarlyStopping, Generated, GenerationConfig, StopReason, Strategy,
     TokenEvent,
 };
 pub use head::OutputTransform;
-pub use model::{DecodeState, DecoderParts, ForwardMasks, ImageContext, VisionLanguageDecoder};
+pub use model::{DecoderParts, ForwardMasks, VisionLanguageDecoder};
 pub use positions::{PositionEmbedding, Positions};
 pub use quantize::Quantization;
+pub use state::{DecodeState, StepOptions, StepOutput, StepPositions, StepValues};
 pub use vl_attn::{Dropout, DropoutRng, FeedForward, LayerNorm, Mode};

@@ -15,7 +15,12 @@ use candle_nn::{Embedding, Linear, Module, VarBuilder};
 
 use vl_attn::mask::{self, MediaAttention, MediaSpan};
 use vl_attn::LayerNorm;
-use vl_attn::{CrossKv, Dropout, DropoutRng, KvCache, Mask, Mode, Proj};
+use vl_attn::{Dropout, DropoutRng, KvCache, Mask, Mode, Proj};
+
+use crate::context::{ImageContext, Media};
+use crate::state::{
+    decode_rows, DecodeState, StepOptions, StepOutput, StepPositions, StepValues, MAX_ROWS,
+};
 
 use crate::block::{layer_norm, BlockInputs, DecoderBlock, ImageInput};
 use crate::config::{DecoderConfig, PositionEmbedding};
@@ -32,157 +37,6 @@ pub struct ForwardMasks<'a> {
     /// Image mask `(batch | 1, len | 1, image_len)`, e.g.
     /// [`vl_attn::mask::image_tokens`] or [`vl_attn::mask::interleaved`].
     pub image: Option<&'a Mask>,
-}
-
-/// Where each sample's images sit in its text, for an interleaved context.
-#[derive(Debug, Clone)]
-struct Media {
-    /// Per sample, its images in text order.
-    spans: Vec<Vec<MediaSpan>>,
-    mode: MediaAttention,
-    /// Memory tokens per sample (images and padding).
-    memory_len: usize,
-}
-
-/// Every block's image keys and values, projected once per image batch and
-/// reused at every decode step; `None` in blocks without cross-attention
-/// and in text-only mode.
-///
-/// An interleaved context ([`VisionLanguageDecoder::interleaved_context`])
-/// holds one memory row per sample, each with several images, and the
-/// spans that say which text positions see which image.
-#[derive(Debug, Clone)]
-pub struct ImageContext {
-    layers: Vec<Option<CrossKv>>,
-    mask: Option<Mask>,
-    /// Memory rows: images, or samples of an interleaved context.
-    images: usize,
-    media: Option<Media>,
-}
-
-impl ImageContext {
-    /// The number of memory rows: images, or samples of an interleaved
-    /// context (each holding several images); 0 in text-only mode. Decode
-    /// rows are laid out by it (see [`DecodeState`]).
-    pub fn images(&self) -> usize {
-        self.images
-    }
-
-    /// An interleaved context's images, per sample in text order; `None`
-    /// for a context of one image per row.
-    pub fn media_spans(&self) -> Option<&[Vec<MediaSpan>]> {
-        self.media.as_ref().map(|m| m.spans.as_slice())
-    }
-
-    /// An interleaved context's media attention; `None` for a context of
-    /// one image per row.
-    pub fn media_attention(&self) -> Option<MediaAttention> {
-        self.media.as_ref().map(|m| m.mode)
-    }
-
-    /// Whether there is no image.
-    pub fn is_text_only(&self) -> bool {
-        self.layers.iter().all(Option::is_none)
-    }
-
-    /// Block `layer`'s keys and values.
-    pub fn layer(&self, layer: usize) -> Option<&CrossKv> {
-        self.layers.get(layer).and_then(Option::as_ref)
-    }
-
-    /// The per-image token mask `(images | 1, 1, image_len)`, if any
-    /// (never for an interleaved context, whose mask depends on the
-    /// position).
-    pub fn mask(&self) -> Option<&Mask> {
-        self.mask.as_ref()
-    }
-}
-
-/// The most rows a [`DecodeState`] may hold: rows are indexed by `u32`
-/// (beam reordering, the per-row image mask).
-pub(crate) const MAX_ROWS: usize = u32::MAX as usize;
-
-/// `per_image * images` (one image in text-only mode), or `None` when that
-/// overflows or passes [`MAX_ROWS`].
-pub(crate) fn decode_rows(images: usize, per_image: usize) -> Option<usize> {
-    per_image
-        .checked_mul(images.max(1))
-        .filter(|&rows| rows <= MAX_ROWS)
-}
-
-/// The state of incremental decoding: per-block text caches and the
-/// position offset, over an [`ImageContext`] shared by every row.
-///
-/// Rows are laid out image by image: with `images` images and `per_image`
-/// rows each (beams or samples), row `b` reads image `b / per_image` — for
-/// an interleaved context, sample `b / per_image` and its spans.
-#[derive(Debug)]
-pub struct DecodeState {
-    image: ImageContext,
-    /// The image mask expanded to one row per decode row, built once.
-    image_mask: Option<Mask>,
-    /// Interleaved context with several rows per sample: each row's
-    /// sample, `(rows,)` u32, to expand the per-step media mask.
-    row_samples: Option<Tensor>,
-    caches: Vec<KvCache>,
-    rows: usize,
-    per_image: usize,
-    offset: usize,
-    /// Where the caches live (also in text-only mode, with no image).
-    device: Device,
-}
-
-impl DecodeState {
-    /// Tokens decoded so far (the next token's position).
-    pub fn position(&self) -> usize {
-        self.offset
-    }
-
-    /// Rows being decoded.
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    /// Rows per image.
-    pub fn per_image(&self) -> usize {
-        self.per_image
-    }
-
-    /// The shared image context.
-    pub fn image(&self) -> &ImageContext {
-        &self.image
-    }
-
-    /// Keeps rows `indices` in that order (beam search): row `j` becomes a
-    /// copy of row `indices[j]`'s text cache. Rows must stay with their
-    /// image: `indices[j] / per_image == j / per_image`. The image context is
-    /// untouched — no image key or value is copied.
-    pub fn reorder(&mut self, indices: &[u32]) -> Result<()> {
-        if indices.len() != self.rows {
-            return arg_err(
-                "indices",
-                format!("expected {} row indices, got {}", self.rows, indices.len()),
-            );
-        }
-        if let Some((j, &i)) = indices
-            .iter()
-            .enumerate()
-            .find(|(j, &i)| i as usize / self.per_image != j / self.per_image)
-        {
-            return arg_err(
-                "indices",
-                format!(
-                    "row {j} would take row {i}, which reads another image ({} rows per image)",
-                    self.per_image
-                ),
-            );
-        }
-        let idx = Tensor::new(indices, &self.device)?;
-        for cache in &mut self.caches {
-            cache.index_select(&idx)?;
-        }
-        Ok(())
-    }
 }
 
 /// The standard deviation of fresh embeddings (transformers'
@@ -736,7 +590,7 @@ impl VisionLanguageDecoder {
             for block in &self.blocks {
                 x = block.forward(&x, image, None, inputs)?.0;
             }
-            self.logits_inline(&x)
+            self.logits(&x)
         })
     }
 
@@ -757,12 +611,13 @@ impl VisionLanguageDecoder {
     /// # Shapes
     /// `hidden: (batch, len, hidden)` → `(batch, len, vocab)` f32.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        // On the pool (see `vl_attn::kernels::on_pool`).
-        vl_attn::kernels::on_pool(|| self.logits_inline(hidden))
+        // On the pool (see `vl_attn::kernels::on_pool`; inline when the
+        // caller is already there, as `step` and `forward` are).
+        vl_attn::kernels::on_pool(|| self.head(hidden))
     }
 
-    /// [`VisionLanguageDecoder::logits`]'s work, on the calling thread.
-    fn logits_inline(&self, hidden: &Tensor) -> Result<Tensor> {
+    /// The final norm and the LM head (see [`Self::logits`]).
+    fn head(&self, hidden: &Tensor) -> Result<Tensor> {
         let tracked = hidden.track_op();
         let wide = !tracked && hidden.dtype() != DType::F32;
         let x = match &self.final_norm {
@@ -791,12 +646,11 @@ impl VisionLanguageDecoder {
     /// - `mask: (images | 1, 1, image_len)`, for images of unequal token counts
     pub fn image_context(&self, memory: &Tensor, mask: Option<Mask>) -> Result<ImageContext> {
         // On the pool (see `vl_attn::kernels::on_pool`).
-        vl_attn::kernels::on_pool(|| self.image_context_inline(memory, mask))
+        vl_attn::kernels::on_pool(|| self.project_images(memory, mask))
     }
 
-    /// [`VisionLanguageDecoder::image_context`]'s work, on the calling
-    /// thread; `image_context` calls it on a worker of the pool.
-    fn image_context_inline(&self, memory: &Tensor, mask: Option<Mask>) -> Result<ImageContext> {
+    /// Every block's image keys and values (see [`Self::image_context`]).
+    fn project_images(&self, memory: &Tensor, mask: Option<Mask>) -> Result<ImageContext> {
         self.check_memory(memory)?;
         let images = memory.dims()[0];
         if let Some(m) = &mask {
@@ -1016,13 +870,20 @@ impl VisionLanguageDecoder {
         })
     }
 
-    /// Feeds the next tokens of every row and returns their hidden states
-    /// (before the final norm), and block `weights_of`'s cross-attention
-    /// weights when asked.
+    /// Feeds the next tokens of every row and returns what `options`
+    /// asks for: logits (f32) or hidden states (before the final norm),
+    /// of every new position or of the last one only, and block
+    /// `weights_of`'s cross-attention weights per head. The one way to
+    /// advance a [`DecodeState`]; the whole step, blocks and LM head, runs
+    /// in one hand-over to the pool.
     ///
     /// # Shapes
-    /// `tokens: (rows, len)` u32 → `(rows, len, hidden)`, weights
-    /// `(rows, heads, len, image_len)`.
+    /// - `tokens: (rows, len)` u32, `len >= 1`
+    /// - `values`: [`StepPositions::All`] `(rows, len, vocab | hidden)`,
+    ///   [`StepPositions::Last`] `(rows, vocab | hidden)`
+    /// - `weights`: [`StepPositions::All`] `(rows, heads, len, image_len)`,
+    ///   [`StepPositions::Last`] `(rows, heads, image_len)`; `None` when not
+    ///   asked for, or when that block has no image to read
     ///
     /// # Errors
     /// [`DecoderError::Argument`] naming `state` when it was started by a
@@ -1031,20 +892,46 @@ impl VisionLanguageDecoder {
     /// `len >= 1`, their dtype not u32 or an id not below the vocabulary
     /// size; [`DecoderError::MaxPositions`] past the last position. The
     /// state is unchanged on error.
-    pub fn step_hidden(
+    pub fn step(
         &self,
         state: &mut DecodeState,
         tokens: &Tensor,
-        weights_of: Option<usize>,
-    ) -> Result<(Tensor, Option<Tensor>)> {
+        options: StepOptions,
+    ) -> Result<StepOutput> {
         // On the pool, so that the step's ~100 products do not each wake
         // it from the caller's thread (see `vl_attn::kernels::on_pool`).
-        vl_attn::kernels::on_pool(|| self.step_hidden_inline(state, tokens, weights_of))
+        vl_attn::kernels::on_pool(|| {
+            let (h, weights) = self.run_blocks(state, tokens, options.weights_of)?;
+            let (h, weights) = match options.positions {
+                StepPositions::All => (h, weights),
+                StepPositions::Last => {
+                    // (rows, len, hidden), len >= 1 (checked by run_blocks)
+                    let (_, t, _) = h.dims3()?;
+                    let last = t - 1;
+                    let h = h.narrow(1, last, 1)?;
+                    // (rows, heads, len, image_len) -> (rows, heads, image_len)
+                    let w = match weights {
+                        Some(w) => Some(w.narrow(2, last, 1)?.squeeze(2)?),
+                        None => None,
+                    };
+                    (h, w)
+                }
+            };
+            let values = match options.values {
+                StepValues::Logits => self.head(&h)?,
+                StepValues::Hidden => h,
+            };
+            let values = match options.positions {
+                StepPositions::All => values,
+                StepPositions::Last => values.squeeze(1)?,
+            };
+            Ok(StepOutput { values, weights })
+        })
     }
 
-    /// [`VisionLanguageDecoder::step_hidden`]'s work, on the calling
-    /// thread (the public steps call it on a worker of the pool).
-    fn step_hidden_inline(
+    /// The blocks over the next tokens: the last hidden states (before
+    /// the final norm) and block `weights_of`'s cross-attention weights.
+    fn run_blocks(
         &self,
         state: &mut DecodeState,
         tokens: &Tensor,
@@ -1091,80 +978,5 @@ impl VisionLanguageDecoder {
         }
         state.offset += t;
         Ok((x, weights))
-    }
-
-    /// Feeds the next tokens and returns the logits of every new position.
-    ///
-    /// # Shapes
-    /// `tokens: (rows, len)` u32 → `(rows, len, vocab)` f32.
-    ///
-    /// # Errors
-    /// As [`VisionLanguageDecoder::step_hidden`].
-    pub fn step(&self, state: &mut DecodeState, tokens: &Tensor) -> Result<Tensor> {
-        // The blocks and the LM head in one hand-over to the pool.
-        vl_attn::kernels::on_pool(|| {
-            let (h, _) = self.step_hidden_inline(state, tokens, None)?;
-            self.logits_inline(&h)
-        })
-    }
-
-    /// Feeds the next tokens and returns the logits of the last position
-    /// only, in f32 — what generation needs.
-    ///
-    /// # Shapes
-    /// `tokens: (rows, len)` u32 → `(rows, vocab)` f32.
-    ///
-    /// # Errors
-    /// As [`VisionLanguageDecoder::step_hidden`]; in particular `tokens`
-    /// of shape `(rows, 0)` have no last position.
-    pub fn step_last(&self, state: &mut DecodeState, tokens: &Tensor) -> Result<Tensor> {
-        Ok(self.step_last_weights(state, tokens, None)?.0)
-    }
-
-    /// As [`VisionLanguageDecoder::step_last`], also returning block
-    /// `weights_of`'s cross-attention weights of the last position, heads
-    /// averaged (`None` when not asked for, or when that block has no
-    /// image to read) — what a heatmap of each generated token needs.
-    ///
-    /// # Shapes
-    /// `tokens: (rows, len)` u32 → `(rows, vocab)` f32 and
-    /// `(rows, image_len)` f32 weights.
-    ///
-    /// # Errors
-    /// As [`VisionLanguageDecoder::step_hidden`].
-    pub fn step_last_weights(
-        &self,
-        state: &mut DecodeState,
-        tokens: &Tensor,
-        weights_of: Option<usize>,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        // The blocks and the LM head in one hand-over to the pool.
-        vl_attn::kernels::on_pool(|| self.step_last_weights_inline(state, tokens, weights_of))
-    }
-
-    /// [`VisionLanguageDecoder::step_last_weights`]'s work, on the
-    /// calling thread.
-    fn step_last_weights_inline(
-        &self,
-        state: &mut DecodeState,
-        tokens: &Tensor,
-        weights_of: Option<usize>,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let (h, weights) = self.step_hidden_inline(state, tokens, weights_of)?;
-        // (rows, len, hidden), len >= 1 (checked by step_hidden)
-        let (_, t, _) = h.dims3()?;
-        let last = t.saturating_sub(1);
-        let logits = self.logits_inline(&h.narrow(1, last, 1)?)?.squeeze(1)?;
-        let weights = match weights {
-            // (rows, heads, len, image_len) -> (rows, image_len)
-            Some(w) => Some(
-                w.narrow(2, last, 1)?
-                    .squeeze(2)?
-                    .to_dtype(DType::F32)?
-                    .mean(1)?,
-            ),
-            None => None,
-        };
-        Ok((logits, weights))
     }
 }

@@ -7,7 +7,7 @@ use candle_nn::{Embedding, Linear, VarBuilder, VarMap};
 use vl_attn::mask;
 use vl_decoder::{
     generate, DecoderBlock, DecoderConfig, DecoderError, ForwardMasks, GenerationConfig, LayerNorm,
-    Strategy, VisionLanguageDecoder,
+    StepOptions, Strategy, VisionLanguageDecoder,
 };
 
 const VOCAB: usize = 23;
@@ -59,14 +59,24 @@ fn step_last_with_no_tokens_is_an_error() -> anyhow::Result<()> {
         let mut state = model.start(&ctx, 2)?;
         let empty = tokens(2, 0)?;
         assert_arg(
-            model.step_last(&mut state, &empty),
+            model
+                .step(&mut state, &empty, StepOptions::last())
+                .map(|o| o.values),
             "tokens",
             &["at least one", "(2, 0)"],
         );
-        assert_arg(model.step(&mut state, &empty), "tokens", &["(2, 0)"]);
+        assert_arg(
+            model
+                .step(&mut state, &empty, StepOptions::all())
+                .map(|o| o.values),
+            "tokens",
+            &["(2, 0)"],
+        );
         // The state is unchanged and still usable.
         assert_eq!(state.position(), 0);
-        let last = model.step_last(&mut state, &tokens(2, 3)?)?;
+        let last = model
+            .step(&mut state, &tokens(2, 3)?, StepOptions::last())?
+            .values;
         assert_eq!(last.dims(), &[2, VOCAB]);
         assert_eq!(state.position(), 3);
     }
@@ -87,10 +97,28 @@ fn a_state_or_context_of_other_blocks_is_an_error() -> anyhow::Result<()> {
         assert_arg(two.start(&ctx, 1), "image", &["2 blocks", "of 1"]);
         let mut state = one.start(&ctx, 1)?;
         let toks = tokens(1, 2)?;
-        assert_arg(two.step(&mut state, &toks), "state", &["2 blocks", "of 1"]);
-        assert_arg(two.step_last(&mut state, &toks), "state", &["2 blocks"]);
         assert_arg(
-            two.step_hidden(&mut state, &toks, Some(0)),
+            two.step(&mut state, &toks, StepOptions::all())
+                .map(|o| o.values),
+            "state",
+            &["2 blocks", "of 1"],
+        );
+        assert_arg(
+            two.step(&mut state, &toks, StepOptions::last())
+                .map(|o| o.values),
+            "state",
+            &["2 blocks"],
+        );
+        assert_arg(
+            two.step(
+                &mut state,
+                &toks,
+                StepOptions {
+                    weights_of: Some(0),
+                    ..StepOptions::all().hidden()
+                },
+            )
+            .map(|o| (o.values, o.weights)),
             "state",
             &["2 blocks"],
         );
@@ -114,7 +142,12 @@ fn a_state_or_context_of_other_blocks_is_an_error() -> anyhow::Result<()> {
         };
         assert_arg(one.start(&ctx2, 1), "image", &["1 blocks", "of 2"]);
         let mut state2 = two.start(&ctx2, 1)?;
-        assert_arg(one.step(&mut state2, &toks), "state", &["1 blocks", "of 2"]);
+        assert_arg(
+            one.step(&mut state2, &toks, StepOptions::all())
+                .map(|o| o.values),
+            "state",
+            &["1 blocks", "of 2"],
+        );
     }
     // As many blocks, but cross-attention in other blocks: the image would
     // be silently skipped in block 1.
@@ -127,7 +160,8 @@ fn a_state_or_context_of_other_blocks_is_an_error() -> anyhow::Result<()> {
     );
     let mut state = every2.start(&ctx, 1)?;
     assert_arg(
-        two.step(&mut state, &tokens(1, 1)?),
+        two.step(&mut state, &tokens(1, 1)?, StepOptions::all())
+            .map(|o| o.values),
         "state",
         &["[true, true]"],
     );
@@ -213,7 +247,13 @@ fn token_ids_past_the_vocabulary_are_an_error() -> anyhow::Result<()> {
     );
     assert_arg(model.embeddings(&bad, 0), "tokens", &want);
     let mut state = model.start(&model.text_only_context(), 1)?;
-    assert_arg(model.step(&mut state, &bad), "tokens", &want);
+    assert_arg(
+        model
+            .step(&mut state, &bad, StepOptions::all())
+            .map(|o| o.values),
+        "tokens",
+        &want,
+    );
     assert_eq!(state.position(), 0);
     Ok(())
 }
@@ -236,11 +276,29 @@ fn weights_of_a_block_that_does_not_exist_is_an_error() -> anyhow::Result<()> {
     let ctx = model.image_context(&memory(1, 4)?, None)?;
     let mut state = model.start(&ctx, 1)?;
     assert_arg(
-        model.step_hidden(&mut state, &tokens(1, 2)?, Some(2)),
+        model
+            .step(
+                &mut state,
+                &tokens(1, 2)?,
+                StepOptions {
+                    weights_of: Some(2),
+                    ..StepOptions::all().hidden()
+                },
+            )
+            .map(|o| (o.values, o.weights)),
         "weights_of",
         &["below 2", "got 2"],
     );
-    let (_, w) = model.step_hidden(&mut state, &tokens(1, 2)?, Some(1))?;
+    let (_, w) = model
+        .step(
+            &mut state,
+            &tokens(1, 2)?,
+            StepOptions {
+                weights_of: Some(1),
+                ..StepOptions::all().hidden()
+            },
+        )
+        .map(|o| (o.values, o.weights))?;
     assert_eq!(w.map(|w| w.dims().to_vec()), Some(vec![1, 4, 2, 4]));
     Ok(())
 }

@@ -5,7 +5,7 @@
 use candle_core::{DType, Device, IndexOp, Storage, Tensor, TensorId};
 use candle_nn::{VarBuilder, VarMap};
 use vl_attn::mask;
-use vl_decoder::{DecoderConfig, ForwardMasks, ImageContext, VisionLanguageDecoder};
+use vl_decoder::{DecoderConfig, ForwardMasks, ImageContext, StepOptions, VisionLanguageDecoder};
 
 const VOCAB: usize = 23;
 const MEM: usize = 24;
@@ -47,9 +47,17 @@ fn step_by_step_equals_full_forward() -> anyhow::Result<()> {
     let ctx = model.image_context(&mem, None)?;
     let mut state = model.start(&ctx, 1)?;
     // A 2-token prompt, then one token at a time.
-    let mut steps = vec![model.step(&mut state, &toks.narrow(1, 0, 2)?)?];
+    let mut steps = vec![
+        model
+            .step(&mut state, &toks.narrow(1, 0, 2)?, StepOptions::all())?
+            .values,
+    ];
     for t in 2..6 {
-        steps.push(model.step(&mut state, &toks.narrow(1, t, 1)?)?);
+        steps.push(
+            model
+                .step(&mut state, &toks.narrow(1, t, 1)?, StepOptions::all())?
+                .values,
+        );
     }
     let stepped = Tensor::cat(&steps, 1)?;
     let diff = max_abs_diff(&stepped, &full);
@@ -98,10 +106,18 @@ fn image_context_reused_equals_recomputed() -> anyhow::Result<()> {
         let mut s = model.start(ctx, 1)?;
         // Every step reads the context's own keys and values: the state
         // holds the same tensors (same ids, same storage), not a copy.
-        let mut steps = vec![model.step(&mut s, &toks.narrow(1, 0, 2)?)?];
+        let mut steps = vec![
+            model
+                .step(&mut s, &toks.narrow(1, 0, 2)?, StepOptions::all())?
+                .values,
+        ];
         for t in 2..5 {
             assert_eq!(kv_identity(s.image()), kv_identity(ctx), "step {t}");
-            steps.push(model.step(&mut s, &toks.narrow(1, t, 1)?)?);
+            steps.push(
+                model
+                    .step(&mut s, &toks.narrow(1, t, 1)?, StepOptions::all())?
+                    .values,
+            );
         }
         assert_eq!(kv_identity(s.image()), kv_identity(ctx));
         Ok(Tensor::cat(&steps, 1)?)
@@ -142,11 +158,11 @@ fn beams_share_one_image_context_without_copies() -> anyhow::Result<()> {
     let decode = || -> anyhow::Result<vl_decoder::DecodeState> {
         let mut state = model.start(&ctx, 3)?;
         assert_eq!(kv_identity(state.image()), projected, "start");
-        model.step(&mut state, &prompt)?;
+        model.step(&mut state, &prompt, StepOptions::all())?.values;
         for (i, order) in reorders.iter().enumerate() {
             state.reorder(order)?;
             assert_eq!(kv_identity(state.image()), projected, "reorder {i}");
-            model.step(&mut state, &next)?;
+            model.step(&mut state, &next, StepOptions::all())?.values;
             assert_eq!(kv_identity(state.image()), projected, "step {i}");
         }
         Ok(state)
@@ -157,13 +173,13 @@ fn beams_share_one_image_context_without_copies() -> anyhow::Result<()> {
     // The state reads the context's storage itself: overwriting the
     // context's values in place changes what the state computes. (A state
     // holding a copy would not see it.)
-    let before = model.step(&mut b, &next)?;
+    let before = model.step(&mut b, &next, StepOptions::all())?.values;
     for i in 0..TINY_BLOCKS {
         if let Some(kv) = ctx.layer(i) {
             kv.v().slice_set(&kv.v().zeros_like()?, 0, 0)?;
         }
     }
-    let after = model.step(&mut a, &next)?;
+    let after = model.step(&mut a, &next, StepOptions::all())?.values;
     let d = max_abs_diff(&before, &after);
     assert!(
         d > 1e-3,
@@ -195,10 +211,14 @@ fn the_image_is_projected_once_per_image() -> anyhow::Result<()> {
     // 2 images, 3 rows each: a prompt, then 4 steps.
     let mut state = model.start(&ctx, 3)?;
     let prompt: &[u32] = &[1, 5];
-    model.step(&mut state, &tokens(&[prompt; 6]))?;
+    model
+        .step(&mut state, &tokens(&[prompt; 6]), StepOptions::all())?
+        .values;
     for t in 0..4u32 {
         let next: &[u32] = &[2 + t];
-        model.step(&mut state, &tokens(&[next; 6]))?;
+        model
+            .step(&mut state, &tokens(&[next; 6]), StepOptions::all())?
+            .values;
     }
     assert_eq!(counts(&model), vec![1; n]);
     model.image_context(&memory(1, 4), None)?;
@@ -250,7 +270,7 @@ fn images_of_unequal_token_counts_and_a_missing_image() -> anyhow::Result<()> {
     let rows = toks
         .repeat((1, 1))?
         .index_select(&Tensor::new(&[0u32, 0, 1, 1, 2, 2], &Device::Cpu)?, 0)?;
-    let stepped = model.step(&mut state, &rows)?;
+    let stepped = model.step(&mut state, &rows, StepOptions::all())?.values;
     assert!(max_abs_diff(&stepped.i(2..3)?, &all.i(1..2)?) <= 1e-5);
     assert!(max_abs_diff(&stepped.i(5..6)?, &text_only) <= 1e-5);
     Ok(())
@@ -321,7 +341,12 @@ fn cross_attention_every_two_blocks() -> anyhow::Result<()> {
     let ctx = model.image_context(&mem, None)?;
     assert!(ctx.layer(1).is_none() && ctx.layer(2).is_some());
     let mut s = model.start(&ctx, 1)?;
-    assert!(max_abs_diff(&model.step(&mut s, &toks)?, &full) <= 1e-5);
+    assert!(
+        max_abs_diff(
+            &model.step(&mut s, &toks, StepOptions::all())?.values,
+            &full
+        ) <= 1e-5
+    );
     Ok(())
 }
 
@@ -333,8 +358,13 @@ fn past_max_positions_is_an_error() -> anyhow::Result<()> {
     };
     let (_v, model) = build(&cfg);
     let mut s = model.start(&model.text_only_context(), 1)?;
-    model.step(&mut s, &tokens(&[&[1, 2, 3, 4]]))?;
-    let err = model.step(&mut s, &tokens(&[&[5]])).unwrap_err();
+    model
+        .step(&mut s, &tokens(&[&[1, 2, 3, 4]]), StepOptions::all())?
+        .values;
+    let err = model
+        .step(&mut s, &tokens(&[&[5]]), StepOptions::all())
+        .map(|o| o.values)
+        .unwrap_err();
     assert!(
         err.to_string().contains("max_position_embeddings 4"),
         "{err}"

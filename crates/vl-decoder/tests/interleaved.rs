@@ -16,8 +16,8 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 use vl_attn::mask::{self, MediaAttention, MediaSpan};
 use vl_decoder::{
-    generate, DecoderConfig, DecoderError, ForwardMasks, GenerationConfig, ImageContext, Strategy,
-    VisionLanguageDecoder,
+    generate, DecoderConfig, DecoderError, ForwardMasks, GenerationConfig, ImageContext,
+    StepOptions, Strategy, VisionLanguageDecoder,
 };
 
 const VOCAB: usize = 23;
@@ -157,7 +157,11 @@ fn cached(
     let mut out = Vec::new();
     let mut at = 0;
     for &n in chunks {
-        out.push(model.step(&mut state, &toks.narrow(1, at, n)?)?);
+        out.push(
+            model
+                .step(&mut state, &toks.narrow(1, at, n)?, StepOptions::all())?
+                .values,
+        );
         at += n;
     }
     assert_eq!(state.position(), at);

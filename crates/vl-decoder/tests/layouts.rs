@@ -10,7 +10,7 @@ use candle_nn::{VarBuilder, VarMap};
 use vl_decoder::positions::sinusoidal_table;
 use vl_decoder::{
     DecoderConfig, DecoderError, DecoderParts, ForwardMasks, NormPlacement, PositionEmbedding,
-    Positions, VisionLanguageDecoder,
+    Positions, StepOptions, VisionLanguageDecoder,
 };
 
 const VOCAB: usize = 23;
@@ -148,16 +148,27 @@ fn cached_decoding_equals_the_full_forward() -> anyhow::Result<()> {
         let full = model.forward(&toks, Some(&mem), ForwardMasks::default())?;
         let ctx = model.image_context(&mem, None)?;
         let mut state = model.start(&ctx, 1)?;
-        let mut steps = vec![model.step(&mut state, &toks.narrow(1, 0, 2)?)?];
+        let mut steps = vec![
+            model
+                .step(&mut state, &toks.narrow(1, 0, 2)?, StepOptions::all())?
+                .values,
+        ];
         for t in 2..6 {
-            steps.push(model.step(&mut state, &toks.narrow(1, t, 1)?)?);
+            steps.push(
+                model
+                    .step(&mut state, &toks.narrow(1, t, 1)?, StepOptions::all())?
+                    .values,
+            );
         }
         let (d, bound) = diff_and_bound(&Tensor::cat(&steps, 1)?, &full)?;
         assert!(d <= bound, "{name}: step vs full differ by {d} > {bound}");
         // Text only: the cross branches (and their post-norms) are skipped.
         let text = model.forward(&toks, None, ForwardMasks::default())?;
         let mut state = model.start(&model.text_only_context(), 2)?;
-        let (d, bound) = diff_and_bound(&model.step(&mut state, &toks)?, &text)?;
+        let (d, bound) = diff_and_bound(
+            &model.step(&mut state, &toks, StepOptions::all())?.values,
+            &text,
+        )?;
         assert!(
             d <= bound,
             "{name}: text-only step vs full differ by {d} > {bound}"

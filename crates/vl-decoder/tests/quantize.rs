@@ -25,7 +25,7 @@ use vl_attn::AttnError;
 use vl_decoder::init::seeded_init;
 use vl_decoder::{
     generate, DecoderConfig, DecoderError, ForwardMasks, GenerationConfig, Quantization,
-    VisionLanguageDecoder,
+    StepOptions, VisionLanguageDecoder,
 };
 
 const SEED: u64 = 7;
@@ -192,9 +192,17 @@ fn cached_steps_equal_full_forward() -> anyhow::Result<()> {
         let ctx = quant.image_context(&mem, None)?;
         let mut state = quant.start(&ctx, 1)?;
         // A 2-token prompt, then one token at a time.
-        let mut steps = vec![quant.step(&mut state, &toks.narrow(1, 0, 2)?)?];
+        let mut steps = vec![
+            quant
+                .step(&mut state, &toks.narrow(1, 0, 2)?, StepOptions::all())?
+                .values,
+        ];
         for t in 2..6 {
-            steps.push(quant.step(&mut state, &toks.narrow(1, t, 1)?)?);
+            steps.push(
+                quant
+                    .step(&mut state, &toks.narrow(1, t, 1)?, StepOptions::all())?
+                    .values,
+            );
         }
         let diff = max_abs_diff(&Tensor::cat(&steps, 1)?, &full)?;
         assert!(diff < 1e-4, "{format:?}: cached vs full {diff}");
@@ -233,7 +241,9 @@ fn half_precision_decoder() -> anyhow::Result<()> {
         assert!(err < 0.05, "{dtype:?}: relative error {err}");
         let ctx = quant.image_context(&mem, None)?;
         let mut state = quant.start(&ctx, 1)?;
-        let last = quant.step_last(&mut state, &toks.narrow(1, 0, 3)?)?;
+        let last = quant
+            .step(&mut state, &toks.narrow(1, 0, 3)?, StepOptions::last())?
+            .values;
         assert_eq!((last.dims2()?, last.dtype()), ((2, VOCAB), DType::F32));
     }
     Ok(())

@@ -460,7 +460,8 @@ impl Vit {
         // On the pool, so that each product does not wake it from the
         // caller's thread (see `vl_attn::kernels::on_pool`).
         vl_attn::kernels::on_pool(|| {
-            let x = self.last_hidden_state_inline(pixels)?;
+            // Inline on the worker this runs on (on_pool nests for free).
+            let x = self.last_hidden_state(pixels)?;
             match &self.output_proj {
                 Some(proj) => Ok(proj.forward(&x)?),
                 None => Ok(x),
@@ -475,12 +476,12 @@ impl Vit {
     /// `pixels: (batch, channels, image_size, image_size)`, normalised →
     /// `(batch, prefix + patches, hidden)`.
     pub fn last_hidden_state(&self, pixels: &Tensor) -> Result<Tensor> {
-        vl_attn::kernels::on_pool(|| self.last_hidden_state_inline(pixels))
+        vl_attn::kernels::on_pool(|| self.encode(pixels))
     }
 
-    /// [`Vit::last_hidden_state`]'s work, on the calling thread;
-    /// `last_hidden_state` and `forward` call it on a worker of the pool.
-    fn last_hidden_state_inline(&self, pixels: &Tensor) -> Result<Tensor> {
+    /// The patch embedding, the blocks and the final norm (see
+    /// [`Vit::last_hidden_state`]).
+    fn encode(&self, pixels: &Tensor) -> Result<Tensor> {
         let c = &self.cfg;
         let dims = pixels.dims();
         if dims.len() != 4 || dims[1..] != [c.num_channels, c.image_size, c.image_size] {

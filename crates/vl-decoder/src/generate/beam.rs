@@ -12,8 +12,10 @@ use candle_core::{Tensor, D};
 use super::config::{EarlyStopping, GenerationConfig, Strategy};
 use super::logits::process;
 use super::{Generated, StopReason, TokenEvent};
+use crate::context::ImageContext;
 use crate::error::{arg_err, Result};
-use crate::model::{decode_rows, ImageContext, VisionLanguageDecoder, MAX_ROWS};
+use crate::model::VisionLanguageDecoder;
+use crate::state::{decode_rows, MAX_ROWS};
 
 /// transformers' "very large negative value" that masks a beam or a
 /// candidate (added in f32, as there).
@@ -343,7 +345,7 @@ pub(crate) fn decode(
         let input = Tensor::from_slice(&next, (rows, next.len() / rows), model.device())?;
         next.truncate(rows);
         let (logits, weights) =
-            model.step_last_weights(&mut state, &input, cfg.cross_attention_of)?; // (rows, vocab)
+            super::step_last(model, &mut state, &input, cfg.cross_attention_of)?; // (rows, vocab)
         let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?.to_vec2::<f32>()?;
         let mut log_probs = log_probs.into_iter();
         let mut weights = match weights {

@@ -6,8 +6,9 @@ use candle_core::Tensor;
 use super::config::GenerationConfig;
 use super::logits::{process, Chooser};
 use super::{Generated, StopReason, TokenEvent};
+use crate::context::ImageContext;
 use crate::error::Result;
-use crate::model::{ImageContext, VisionLanguageDecoder};
+use crate::model::VisionLanguageDecoder;
 
 /// Decodes one caption per image (one row in text-only mode), choosing
 /// tokens with greedy decoding or seeded sampling.
@@ -44,7 +45,7 @@ pub(crate) fn decode(
         let input = Tensor::from_slice(&next, (rows, next.len() / rows), model.device())?;
         next.truncate(rows);
         let (logits, weights) =
-            model.step_last_weights(&mut state, &input, cfg.cross_attention_of)?;
+            super::step_last(model, &mut state, &input, cfg.cross_attention_of)?;
         let logits = logits.to_vec2::<f32>()?; // (rows, vocab)
         let mut weights = match weights {
             Some(w) => w.to_vec2::<f32>()?.into_iter().map(Some).collect(), // (rows, image_len)
