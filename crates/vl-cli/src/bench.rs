@@ -250,6 +250,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         "e2e_ms": e2e_ms,
         "decode_step_mb": step_bytes / 1e6,
         "decode_gb_s": decode_gb_s,
+        // The CPU the figures belong to, and the kernels it chose.
+        "cpu": vl::vl_attn::kernels::CpuFeatures::get().to_string(),
     });
     if !args.quick {
         let reps = args.repeats.min(3);
