@@ -3,7 +3,7 @@
 //! (one `model.safetensors`), `refs/pr/1` is `tests/fixtures/hf/narrow`
 //! (eleven shards and their index). Download then load, the cache on the
 //! second fetch, revisions, refusals naming what is missing, and a download
-//! broken off halfway.
+//! broken off halfway; the checks of model ids and revisions.
 #![cfg(feature = "hub")]
 #![allow(missing_docs)]
 
@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 use hub_fixture::{etag, within, FixtureHub, Logged, Revision};
-use vl::hub::Hub;
+use vl::hub::{check_model_id, check_revision, Hub};
 use vl::{ModelFormat, VlModel};
 
 const REPO: &str = "vl-test/captioner";
@@ -294,4 +294,23 @@ fn an_interrupted_download_resumes_where_it_stopped() -> anyhow::Result<()> {
         );
         Ok(())
     })
+}
+
+#[test]
+fn model_ids_and_revisions_are_checked() {
+    assert!(check_model_id("nlpconnect/vit-gpt2-image-captioning").is_ok());
+    assert!(check_model_id("gpt2").is_ok());
+    for bad in ["../etc", "a/b/c", "", "org/", "org/na me", "org/.."] {
+        assert!(check_model_id(bad).is_err(), "{bad}");
+    }
+    for good in ["main", "refs/pr/12", "v1.0", "0123abcd"] {
+        assert!(check_revision(good).is_ok(), "{good}");
+    }
+    for bad in ["", "../x", "/abs", "a b", "refs/pr/1;rm"] {
+        let err = check_revision(bad).map_err(|e| e.to_string());
+        assert!(
+            err.as_ref().is_err_and(|e| e.contains("--revision")),
+            "{bad}: {err:?}"
+        );
+    }
 }
