@@ -168,6 +168,8 @@ pub struct CpuFeatures {
     pub neon: bool,
     /// aarch64 dot product (`sdot`, `udot`).
     pub dotprod: bool,
+    /// The best tokens, chosen once at detection (each product asks).
+    best: (Isa, Q8Isa, Bf16Isa),
 }
 
 impl CpuFeatures {
@@ -191,6 +193,7 @@ impl CpuFeatures {
             fma: false,
             neon: false,
             dotprod: false,
+            best: (Isa::portable(), Q8Isa::portable(), Bf16Isa::portable()),
         };
         #[cfg(target_arch = "x86_64")]
         {
@@ -217,12 +220,13 @@ impl CpuFeatures {
         if cpu.model_name.is_empty() {
             cpu.model_name = proc_cpuinfo_model().unwrap_or_default();
         }
+        cpu.best = (cpu.isas()[0], cpu.q8_isas()[0], cpu.bf16_isas()[0]);
         cpu
     }
 
     /// The best [`Isa`] of this CPU.
     pub fn isa(&self) -> Isa {
-        self.isas()[0]
+        self.best.0
     }
 
     /// Every [`Isa`] this CPU runs, best first, [`Isa::portable`] last.
@@ -246,7 +250,7 @@ impl CpuFeatures {
 
     /// The best [`Q8Isa`] of this CPU.
     pub fn q8_isa(&self) -> Q8Isa {
-        self.q8_isas()[0]
+        self.best.1
     }
 
     /// Every [`Q8Isa`] this CPU runs, best first, [`Q8Isa::portable`]
@@ -276,7 +280,7 @@ impl CpuFeatures {
 
     /// The best [`Bf16Isa`] of this CPU.
     pub fn bf16_isa(&self) -> Bf16Isa {
-        self.bf16_isas()[0]
+        self.best.2
     }
 
     /// Every [`Bf16Isa`] this CPU runs, best first, [`Bf16Isa::portable`]
@@ -431,6 +435,8 @@ mod tests {
         assert_eq!(cpu.q8_isas().last(), Some(&Q8Isa::portable()));
         assert_eq!(cpu.bf16_isas().last(), Some(&Bf16Isa::portable()));
         assert_eq!(cpu.isa(), cpu.isas()[0]);
+        assert_eq!(cpu.q8_isa(), cpu.q8_isas()[0]);
+        assert_eq!(cpu.bf16_isa(), cpu.bf16_isas()[0]);
         for isa in cpu.isas() {
             let ok = match isa.simd() {
                 Simd::Avx512 => cpu.avx512f,
