@@ -19,7 +19,7 @@ pub(crate) struct Media {
 /// reused at every decode step; `None` in blocks without cross-attention
 /// and in text-only mode.
 ///
-/// An interleaved context ([`VisionLanguageDecoder::interleaved_context`])
+/// An interleaved context ([`crate::VisionLanguageDecoder::interleaved_context`])
 /// holds one memory row per sample, each with several images, and the
 /// spans that say which text positions see which image.
 #[derive(Debug, Clone)]
@@ -34,7 +34,7 @@ pub struct ImageContext {
 impl ImageContext {
     /// The number of memory rows: images, or samples of an interleaved
     /// context (each holding several images); 0 in text-only mode. Decode
-    /// rows are laid out by it (see [`DecodeState`]).
+    /// rows are laid out by it (see [`crate::DecodeState`]).
     pub fn images(&self) -> usize {
         self.images
     }

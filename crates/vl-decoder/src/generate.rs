@@ -134,7 +134,7 @@ pub struct TokenEvent {
 /// Generates one caption per image of `image` (one in text-only mode).
 ///
 /// All images decode together in one
-/// [`DecodeState`](crate::model::DecodeState): one row per image for greedy
+/// [`crate::DecodeState`]: one row per image for greedy
 /// decoding and sampling, `num_beams` rows per image for beam search, all
 /// reading the image's keys and values projected once. Images whose caption
 /// has ended are fed `pad_token_id` and their logits ignored; decoding stops

@@ -158,11 +158,11 @@ fn beams_share_one_image_context_without_copies() -> anyhow::Result<()> {
     let decode = || -> anyhow::Result<vl_decoder::DecodeState> {
         let mut state = model.start(&ctx, 3)?;
         assert_eq!(kv_identity(state.image()), projected, "start");
-        model.step(&mut state, &prompt, StepOptions::all())?.values;
+        model.step(&mut state, &prompt, StepOptions::all())?;
         for (i, order) in reorders.iter().enumerate() {
             state.reorder(order)?;
             assert_eq!(kv_identity(state.image()), projected, "reorder {i}");
-            model.step(&mut state, &next, StepOptions::all())?.values;
+            model.step(&mut state, &next, StepOptions::all())?;
             assert_eq!(kv_identity(state.image()), projected, "step {i}");
         }
         Ok(state)
@@ -211,14 +211,10 @@ fn the_image_is_projected_once_per_image() -> anyhow::Result<()> {
     // 2 images, 3 rows each: a prompt, then 4 steps.
     let mut state = model.start(&ctx, 3)?;
     let prompt: &[u32] = &[1, 5];
-    model
-        .step(&mut state, &tokens(&[prompt; 6]), StepOptions::all())?
-        .values;
+    model.step(&mut state, &tokens(&[prompt; 6]), StepOptions::all())?;
     for t in 0..4u32 {
         let next: &[u32] = &[2 + t];
-        model
-            .step(&mut state, &tokens(&[next; 6]), StepOptions::all())?
-            .values;
+        model.step(&mut state, &tokens(&[next; 6]), StepOptions::all())?;
     }
     assert_eq!(counts(&model), vec![1; n]);
     model.image_context(&memory(1, 4), None)?;
@@ -358,9 +354,7 @@ fn past_max_positions_is_an_error() -> anyhow::Result<()> {
     };
     let (_v, model) = build(&cfg);
     let mut s = model.start(&model.text_only_context(), 1)?;
-    model
-        .step(&mut s, &tokens(&[&[1, 2, 3, 4]]), StepOptions::all())?
-        .values;
+    model.step(&mut s, &tokens(&[&[1, 2, 3, 4]]), StepOptions::all())?;
     let err = model
         .step(&mut s, &tokens(&[&[5]]), StepOptions::all())
         .map(|o| o.values)

@@ -731,6 +731,30 @@ crate::kernels::micro::per_isa! {
     ) = tile_generic::<crate::kernels::micro::Avx512>
 }
 
+/// Checks that `t` is a tile of `p` and `rows` are rows of `a`, of `p`'s
+/// width — what the SIMD tiles read without further checks — and returns
+/// the blocks per row.
+///
+/// # Panics
+/// When they are not (callers iterate over both, so that never happens).
+#[inline(always)]
+fn check_tile(p: &PackedQ8, a: &Activations, t: usize, rows: std::ops::Range<usize>) -> usize {
+    let blocks = p.k / BLOCK_VALUES;
+    assert!(
+        a.k == p.k
+            && (t + 1) * blocks * TILE_BYTES <= p.qs.len()
+            && (t + 1) * blocks * TILE_ROWS <= p.d.len()
+            && rows.end * a.k <= a.q.len()
+            && rows.end * blocks <= a.d.len().min(a.offset.len()),
+        "vl-q8_0: tile {t} and rows {rows:?} outside the weight ({}, {}) or x ({}, {})",
+        p.n,
+        p.k,
+        a.rows,
+        a.k
+    );
+    blocks
+}
+
 /// [`tile_generic`] with AVX-512 VNNI intrinsics: per block, the tile's 8
 /// groups loaded once for all `R` rows, two `vpdpbusd` chains per row.
 ///
@@ -750,20 +774,7 @@ unsafe fn tile_vnni<const R: usize>(
     acc: &mut [[f32; TILE_ROWS]; R],
 ) {
     use std::arch::x86_64::*;
-    let blocks = p.k / BLOCK_VALUES;
-    assert!(
-        a.k == p.k
-            && (t + 1) * blocks * TILE_BYTES <= p.qs.len()
-            && (t + 1) * blocks * TILE_ROWS <= p.d.len()
-            && (r0 + R) * a.k <= a.q.len()
-            && (r0 + R) * blocks <= a.d.len().min(a.offset.len()),
-        "vl-q8_0: tile {t} and rows {r0}..{} outside the weight ({}, {}) or x ({}, {})",
-        r0 + R,
-        p.n,
-        p.k,
-        a.rows,
-        a.k
-    );
+    let blocks = check_tile(p, a, t, r0..r0 + R);
     // SAFETY: every offset below is within the tile `t` of `p` and the rows
     // `r0..r0 + R` of `a` (checked above).
     unsafe {
@@ -858,20 +869,7 @@ unsafe fn tile_neon_dot<const R: usize>(
     acc: &mut [[f32; TILE_ROWS]; R],
 ) {
     use std::arch::aarch64::*;
-    let blocks = p.k / BLOCK_VALUES;
-    assert!(
-        a.k == p.k
-            && (t + 1) * blocks * TILE_BYTES <= p.qs.len()
-            && (t + 1) * blocks * TILE_ROWS <= p.d.len()
-            && (r0 + R) * a.k <= a.q.len()
-            && (r0 + R) * blocks <= a.d.len(),
-        "vl-q8_0: tile {t} and rows {r0}..{} outside the weight ({}, {}) or x ({}, {})",
-        r0 + R,
-        p.n,
-        p.k,
-        a.rows,
-        a.k
-    );
+    let blocks = check_tile(p, a, t, r0..r0 + R);
     let flip = vdupq_n_u8(0x80);
     // SAFETY: every offset below is within the tile `t` of `p` and the rows
     // `r0..r0 + R` of `a` (checked above).
