@@ -516,9 +516,8 @@ type TaskShape = (usize, (usize, usize), (usize, usize));
 /// two f32) and multiplied by the pair of `x`, summed in f32 per column;
 /// `vdpbf16ps` sums the same products, so the two differ by rounding only.
 mod portable {
-    use half::bf16;
-
     use super::{Out, SyncPtr, NR};
+    use crate::kernels::gemv::Weight;
 
     /// The low and high bf16 of a packed pair, as f32.
     #[inline(always)]
@@ -529,27 +528,15 @@ mod portable {
         )
     }
 
-    /// One row (`k` values, widened to f32 by `xv`) times one panel into
-    /// `acc`.
-    #[inline(always)]
-    fn row_panel(xv: impl Fn(usize) -> f32, panel: &[u32], pairs: usize, acc: &mut [f32; NR]) {
-        for (p, cols) in panel.chunks_exact(NR).take(pairs).enumerate() {
-            let (xa, xb) = (xv(2 * p), xv(2 * p + 1));
-            for (a, &pair) in acc.iter_mut().zip(cols) {
-                let (lo, hi) = widen(pair);
-                *a += lo * xa + hi * xb;
-            }
-        }
-    }
-
-    /// [`super::avx512::task`] in plain Rust.
+    /// [`super::avx512::task`] in plain Rust, for bf16 rows of `x` (the
+    /// GEMM) or f32 ones (the decode steps' GEMV: [`gemv_task`]).
     ///
     /// # Safety
     /// `y` is valid for writes of `rows` rows of `n`, columns
     /// `first * NR .. min(last * NR, n)`, which no one else accesses
     /// meanwhile.
-    pub(super) unsafe fn task<O: Out>(
-        x: &[bf16],
+    pub(super) unsafe fn task<X: Weight, O: Out>(
+        x: &[X],
         packed: &[u32],
         y: *mut O,
         (rows, (first, last), (n, k)): super::TaskShape,
@@ -560,7 +547,13 @@ mod portable {
             let cols = NR.min(n - j * NR);
             for (r, xr) in x.chunks_exact(k).take(rows).enumerate() {
                 let mut acc = [0f32; NR];
-                row_panel(|i| xr[i].to_f32(), panel, pairs, &mut acc);
+                for (p, pair_cols) in panel.chunks_exact(NR).take(pairs).enumerate() {
+                    let (xa, xb) = (xr[2 * p].to_f32(), xr[2 * p + 1].to_f32());
+                    for (a, &pair) in acc.iter_mut().zip(pair_cols) {
+                        let (lo, hi) = widen(pair);
+                        *a += lo * xa + hi * xb;
+                    }
+                }
                 for (c, v) in acc.iter().take(cols).enumerate() {
                     let v = v + bias.map_or(0.0, |b| b[j * NR + c]);
                     // SAFETY: row `r < rows`, column `j * NR + c` of this
@@ -571,7 +564,7 @@ mod portable {
         }
     }
 
-    /// [`super::avx512::gemv_task`] in plain Rust.
+    /// [`super::avx512::gemv_task`] in plain Rust: [`task`] over f32 rows.
     ///
     /// # Safety
     /// `y` is valid for `m` rows of `n`, columns `first * NR .. min(last *
@@ -581,24 +574,12 @@ mod portable {
         packed: &[u32],
         y: SyncPtr<f32>,
         m: usize,
-        (first, last): (usize, usize),
-        (n, k): (usize, usize),
+        panels: (usize, usize),
+        dims: (usize, usize),
         bias: Option<&[f32]>,
     ) {
-        let pairs = k / 2;
-        for (j, panel) in (first..last).zip(packed.chunks_exact(pairs * NR)) {
-            let cols = NR.min(n - j * NR);
-            for (r, xr) in x.chunks_exact(k).take(m).enumerate() {
-                let mut acc = [0f32; NR];
-                row_panel(|i| xr[i], panel, pairs, &mut acc);
-                for (c, v) in acc.iter().take(cols).enumerate() {
-                    let v = v + bias.map_or(0.0, |b| b[j * NR + c]);
-                    // SAFETY: row `r < m`, column `j * NR + c` of this
-                    // group's columns (the contract).
-                    unsafe { y.at(r * n + j * NR + c).write(v) };
-                }
-            }
-        }
+        // SAFETY: the caller's contract, which is `task`'s.
+        unsafe { task(x, packed, y.0, (m, panels, dims), bias) }
     }
 }
 
