@@ -25,11 +25,13 @@ pub mod error;
 pub mod heatmap;
 #[cfg(feature = "hub")]
 pub mod hub;
+pub mod model;
 pub mod settings;
 pub mod shapes;
 
-pub use checkpoint::{ModelFormat, VlConfig, VlModel};
+pub use checkpoint::{load, LoadOptions, ModelFormat, Source, VlConfig};
 pub use error::{Error, Result};
+pub use model::VlModel;
 
 /// The README's Rust examples, compiled and run as doc tests.
 #[cfg(doctest)]

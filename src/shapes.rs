@@ -99,6 +99,9 @@ pub fn captioner_config(hidden: usize, layers: usize, patch_size: usize) -> VlCo
             layer_norm_eps: 1e-5,
             image_mean: [0.5; 3],
             image_std: [0.5; 3],
+            rescale_factor: 1.0 / 255.0,
+            resample: vl_vision::Resample::Bilinear,
+            do_resize: true,
             hidden_act: Activation::Gelu,
             output_size: None,
             attention_dropout: 0.0,
@@ -106,6 +109,7 @@ pub fn captioner_config(hidden: usize, layers: usize, patch_size: usize) -> VlCo
             distillation_token: false,
         })),
         resampler: None,
+        quantization: vl_attn::Quantization::None,
     }
 }
 

@@ -11,9 +11,9 @@ use std::path::Path;
 
 use candle_core::{DType, Device};
 use serde::Deserialize;
-use vl::captioner::Captioner;
+use vl::captioner::{Captioner, Request};
 use vl::vl_decoder::{generate_from, EarlyStopping, GenerationConfig, NormPlacement, Strategy};
-use vl::{ModelFormat, VlModel};
+use vl::ModelFormat;
 
 use parity::{check_forward, copy_fixture, load, Fixture};
 
@@ -111,12 +111,11 @@ fn run_parity(kind: &str) -> anyhow::Result<()> {
     // The library entry point gives the same caption.
     let pixels = f.tensors["pixel_values"].squeeze(0)?;
     let captioner = Captioner::new(f.model);
-    let caps = captioner.caption_pixels_from(
-        &[pixels],
-        &captioner.model.generation,
-        Some(&e.prompt),
-        &mut |_| {},
-    )?;
+    let request = Request {
+        generation: captioner.generation().clone(),
+        prompt: Some(&e.prompt),
+    };
+    let caps = captioner.caption_pixels(&[pixels], &request, &mut |_| {})?;
     assert_eq!(
         caps[0].token_ids, *e.prompt_defaults,
         "{kind}: captioner ids"
@@ -176,7 +175,7 @@ fn blip_errors_name_the_culprit() -> anyhow::Result<()> {
     edit_config(tmp.path(), |v| {
         v["text_config"]["encoder_hidden_size"] = 32.into();
     })?;
-    let err = VlModel::load(tmp.path(), DType::F32, &Device::Cpu)
+    let err = vl::load(tmp.path(), &vl::LoadOptions::new(DType::F32, &Device::Cpu))
         .unwrap_err()
         .to_string();
     assert!(err.contains("text_config.encoder_hidden_size"), "{err}");
@@ -185,7 +184,7 @@ fn blip_errors_name_the_culprit() -> anyhow::Result<()> {
     edit_config(tmp.path(), |v| {
         v["text_config"]["max_position_embeddings"] = 65.into();
     })?;
-    let err = VlModel::load(tmp.path(), DType::F32, &Device::Cpu)
+    let err = vl::load(tmp.path(), &vl::LoadOptions::new(DType::F32, &Device::Cpu))
         .unwrap_err()
         .to_string();
     assert!(
@@ -197,7 +196,7 @@ fn blip_errors_name_the_culprit() -> anyhow::Result<()> {
     edit_config(tmp.path(), |v| {
         v["vision_config"]["patch_size"] = 6.into();
     })?;
-    let err = VlModel::load(tmp.path(), DType::F32, &Device::Cpu)
+    let err = vl::load(tmp.path(), &vl::LoadOptions::new(DType::F32, &Device::Cpu))
         .unwrap_err()
         .to_string();
     assert!(err.contains("patch_size"), "{err}");
@@ -209,7 +208,7 @@ fn blip_errors_name_the_culprit() -> anyhow::Result<()> {
 #[test]
 fn prompts_are_refused_by_families_without_them() -> anyhow::Result<()> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/trocr/vit_learned");
-    let model = VlModel::load(&dir, DType::F32, &Device::Cpu)?;
+    let model = vl::load(&dir, &vl::LoadOptions::new(DType::F32, &Device::Cpu))?;
     let err = model.prompt_ids("a picture of").unwrap_err();
     assert!(
         matches!(&err, vl::Error::Argument { arg: "prompt", .. }),

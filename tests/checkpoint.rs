@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use vl::checkpoint::{VlConfig, VlModel};
+use vl::checkpoint::VlConfig;
 use vl_decoder::{DecoderConfig, ForwardMasks, VisionLanguageDecoder};
 use vl_vision::{MockVit, MockVitConfig, VisionConfig};
 
@@ -81,6 +81,7 @@ fn vl_config(cfg: &DecoderConfig) -> VlConfig {
             seed: 3,
         })),
         resampler: None,
+        quantization: vl::vl_attn::Quantization::None,
     }
 }
 
@@ -89,8 +90,8 @@ fn save_load_round_trip_gives_identical_logits() -> anyhow::Result<()> {
     let cfg = DecoderConfig::tiny(VOCAB, MEM);
     let (vars, model) = build(&cfg);
     let dir = tempfile::tempdir()?;
-    VlModel::save(dir.path(), &vl_config(&cfg), &vars, &word_tokenizer(VOCAB))?;
-    let loaded = VlModel::load(dir.path(), DType::F32, &Device::Cpu)?;
+    vl::checkpoint::native::save(dir.path(), &vl_config(&cfg), &vars, &word_tokenizer(VOCAB))?;
+    let loaded = vl::load(dir.path(), &vl::LoadOptions::new(DType::F32, &Device::Cpu))?;
     let toks = tokens(&[&[1, 4, 9]]);
     let mem = memory(1, 6);
     // Every tensor comes back bit for bit.
@@ -107,7 +108,7 @@ fn save_load_round_trip_gives_identical_logits() -> anyhow::Result<()> {
     assert!(max_abs_diff(&a, &b) <= 1e-5);
     assert!(loaded.vision.is_some());
     // bf16 loads too, close to f32.
-    let half = VlModel::load(dir.path(), DType::BF16, &Device::Cpu)?;
+    let half = vl::load(dir.path(), &vl::LoadOptions::new(DType::BF16, &Device::Cpu))?;
     let c = half.decoder.forward(
         &toks,
         Some(&mem.to_dtype(DType::BF16)?),
@@ -122,14 +123,14 @@ fn bad_model_directories_name_the_culprit() -> anyhow::Result<()> {
     let cfg = DecoderConfig::tiny(VOCAB, MEM);
     let (vars, _) = build(&cfg);
     let dir = tempfile::tempdir()?;
-    VlModel::save(dir.path(), &vl_config(&cfg), &vars, &word_tokenizer(VOCAB))?;
+    vl::checkpoint::native::save(dir.path(), &vl_config(&cfg), &vars, &word_tokenizer(VOCAB))?;
     let weights = dir.path().join("model.safetensors");
 
     // A missing tensor.
     let mut tensors = candle_core::safetensors::load(&weights, &Device::Cpu)?;
     tensors.remove("decoder.blocks.1.cross_attn.k_proj.weight");
     candle_core::safetensors::save(&tensors, &weights)?;
-    let err = VlModel::load(dir.path(), DType::F32, &Device::Cpu)
+    let err = vl::load(dir.path(), &vl::LoadOptions::new(DType::F32, &Device::Cpu))
         .unwrap_err()
         .to_string();
     assert!(
@@ -145,7 +146,7 @@ fn bad_model_directories_name_the_culprit() -> anyhow::Result<()> {
         Tensor::zeros((32, 7), DType::F32, &Device::Cpu)?,
     );
     candle_core::safetensors::save(&tensors, &weights)?;
-    let err = VlModel::load(dir.path(), DType::F32, &Device::Cpu)
+    let err = vl::load(dir.path(), &vl::LoadOptions::new(DType::F32, &Device::Cpu))
         .unwrap_err()
         .to_string();
     assert!(err.contains("[32, 7]") && err.contains("[32, 24]"), "{err}");
@@ -154,7 +155,7 @@ fn bad_model_directories_name_the_culprit() -> anyhow::Result<()> {
     word_tokenizer(5)
         .save(dir.path().join("tokenizer.json"), false)
         .map_err(anyhow::Error::msg)?;
-    let err = VlModel::load(dir.path(), DType::F32, &Device::Cpu)
+    let err = vl::load(dir.path(), &vl::LoadOptions::new(DType::F32, &Device::Cpu))
         .unwrap_err()
         .to_string();
     assert!(
@@ -166,7 +167,7 @@ fn bad_model_directories_name_the_culprit() -> anyhow::Result<()> {
     let mut bad = vl_config(&cfg);
     bad.decoder.num_attention_heads = 5;
     std::fs::write(dir.path().join("config.json"), serde_json::to_string(&bad)?)?;
-    let err = VlModel::load(dir.path(), DType::F32, &Device::Cpu)
+    let err = vl::load(dir.path(), &vl::LoadOptions::new(DType::F32, &Device::Cpu))
         .unwrap_err()
         .to_string();
     assert!(
@@ -175,9 +176,12 @@ fn bad_model_directories_name_the_culprit() -> anyhow::Result<()> {
     );
 
     // Not a directory.
-    let err = VlModel::load(&dir.path().join("nope"), DType::F32, &Device::Cpu)
-        .unwrap_err()
-        .to_string();
+    let err = vl::load(
+        &dir.path().join("nope"),
+        &vl::LoadOptions::new(DType::F32, &Device::Cpu),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("nope"), "{err}");
     Ok(())
 }
@@ -222,7 +226,8 @@ fn unsupported_checkpoints_are_named() -> anyhow::Result<()> {
     ];
     for (config, says) in cases {
         std::fs::write(dir.path().join("config.json"), config)?;
-        let err = VlModel::load(dir.path(), DType::F32, &Device::Cpu).unwrap_err();
+        let err =
+            vl::load(dir.path(), &vl::LoadOptions::new(DType::F32, &Device::Cpu)).unwrap_err();
         assert!(
             matches!(err, vl::Error::UnsupportedModel { .. }),
             "{config}: {err:?}"
@@ -249,7 +254,7 @@ fn weight_errors_name_the_file_once_and_the_tensor() -> anyhow::Result<()> {
     let (vars, _) = build(&cfg);
     let dir = tempfile::tempdir()?;
     let tok = word_tokenizer(VOCAB);
-    VlModel::save(dir.path(), &vl_config(&cfg), &vars, &tok)?;
+    vl::checkpoint::native::save(dir.path(), &vl_config(&cfg), &vars, &tok)?;
     // Load with a wider decoder: every shape is wrong, the first is named.
     let mut wide = vl_config(&cfg);
     wide.decoder.hidden_size = 64;
@@ -257,7 +262,7 @@ fn weight_errors_name_the_file_once_and_the_tensor() -> anyhow::Result<()> {
         dir.path().join("config.json"),
         serde_json::to_string(&wide)?,
     )?;
-    let err = VlModel::load(dir.path(), DType::F32, &Device::Cpu).unwrap_err();
+    let err = vl::load(dir.path(), &vl::LoadOptions::new(DType::F32, &Device::Cpu)).unwrap_err();
     let vl::Error::Weights { path, reason } = &err else {
         panic!("expected a weights error, got {err:?}");
     };
@@ -289,8 +294,8 @@ fn a_resampler_is_saved_and_loaded_with_the_model() -> anyhow::Result<()> {
     VisionLanguageDecoder::load(vb.pp("decoder"), &cfg)?;
     let resampler = Resampler::load(vb.pp("resampler"), &resampler_cfg)?;
     let dir = tempfile::tempdir()?;
-    VlModel::save(dir.path(), &config, &vars, &word_tokenizer(VOCAB))?;
-    let loaded = VlModel::load(dir.path(), DType::F32, &Device::Cpu)?;
+    vl::checkpoint::native::save(dir.path(), &config, &vars, &word_tokenizer(VOCAB))?;
+    let loaded = vl::load(dir.path(), &vl::LoadOptions::new(DType::F32, &Device::Cpu))?;
     assert_eq!(loaded.config.resampler.as_ref(), Some(&resampler_cfg));
     let pixels = Tensor::rand(0f32, 1., (2, 3, 32, 32), &Device::Cpu)?;
     let tokens = loaded.encode_pixels(&pixels)?;
@@ -314,7 +319,7 @@ fn a_resampler_is_saved_and_loaded_with_the_model() -> anyhow::Result<()> {
     let mut bad = config.clone();
     bad.resampler = Some(ResamplerConfig::new(MEM, 20, 4, 1, 4));
     std::fs::write(dir.path().join("config.json"), serde_json::to_string(&bad)?)?;
-    let err = VlModel::load(dir.path(), DType::F32, &Device::Cpu)
+    let err = vl::load(dir.path(), &vl::LoadOptions::new(DType::F32, &Device::Cpu))
         .unwrap_err()
         .to_string();
     assert!(

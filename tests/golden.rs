@@ -7,9 +7,9 @@
 
 use std::path::Path;
 
-use candle_core::{DType, Device};
-use vl::captioner::Captioner;
+use vl::captioner::{Captioner, ImageInput, Request};
 use vl::vl_vision::preprocess::load_image;
+use vl::LoadOptions;
 
 const MODEL: &str = "models/shapes-captioner";
 const RESAMPLER_MODEL: &str = "models/shapes-captioner-resampler";
@@ -24,33 +24,44 @@ fn shipped_model_captions_its_samples() -> anyhow::Result<()> {
 #[test]
 fn resampler_model_captions_the_samples() -> anyhow::Result<()> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let captioner = Captioner::load(&root.join(RESAMPLER_MODEL), DType::F32, &Device::Cpu)?;
+    let captioner = Captioner::load(&root.join(RESAMPLER_MODEL), &LoadOptions::default())?;
     let img = load_image(&root.join(MODEL).join("samples/scene_0000.png"))?;
-    let pixels = captioner.pixels(&img)?.unsqueeze(0)?;
-    let vision = captioner.model.vision.as_ref().expect("a ViT");
-    assert_eq!(vision.forward(&pixels)?.dims(), &[1, 17, 64]);
-    assert_eq!(captioner.model.encode_pixels(&pixels)?.dims(), &[1, 4, 64]);
+    let pixels = captioner.pixels(&img)?;
+    let vision = captioner.model().vision()?;
+    let batch = pixels.unsqueeze(0)?;
+    assert_eq!(vision.encoder().forward(&batch)?.dims(), &[1, 17, 64]);
+    assert_eq!(vision.encode(&[pixels])?.dims(), &[1, 4, 64]);
     captions_the_samples(RESAMPLER_MODEL)
 }
 
 fn captions_the_samples(model: &str) -> anyhow::Result<()> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let captioner = Captioner::load(&root.join(model), DType::F32, &Device::Cpu)?;
+    let captioner = Captioner::load(&root.join(model), &LoadOptions::default())?;
     let listing = std::fs::read_to_string(root.join(MODEL).join("samples/captions.tsv"))?;
-    let gen = captioner.greedy_config(15);
-    let mut n = 0;
-    for line in listing.lines() {
-        let (file, want) = line.split_once('\t').expect("file<TAB>caption");
-        let img = load_image(&root.join(MODEL).join("samples").join(file))?;
-        let got = captioner.caption(&[&img], &gen, &mut |_| {})?;
-        assert_eq!(got[0].text, want, "{model}: {file}");
+    let request = Request {
+        generation: captioner.greedy_config(15),
+        prompt: None,
+    };
+    let samples: Vec<(std::path::PathBuf, &str)> = listing
+        .lines()
+        .map(|line| {
+            let (file, want) = line.split_once('\t').expect("file<TAB>caption");
+            (root.join(MODEL).join("samples").join(file), want)
+        })
+        .collect();
+    assert!(samples.len() >= 4, "only {} samples listed", samples.len());
+    // The files themselves, read by the captioner, in batches.
+    let inputs: Vec<ImageInput> = samples.iter().map(|(p, _)| ImageInput::from(p)).collect();
+    let got = captioner.caption(&inputs, &request)?;
+    assert_eq!(got.len(), samples.len());
+    for ((path, want), got) in samples.iter().zip(got) {
+        let got = got?;
+        assert_eq!(got.text, *want, "{model}: {}", path.display());
         // The ids end with the end token.
         assert_eq!(
-            got[0].token_ids.last(),
-            Some(&captioner.model.config.decoder.eos_token_id)
+            got.token_ids.last(),
+            Some(&captioner.model().config.decoder.eos_token_id)
         );
-        n += 1;
     }
-    assert!(n >= 4, "only {n} samples listed");
     Ok(())
 }

@@ -8,11 +8,15 @@ use candle_core::{DType, Device, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
 use image::DynamicImage;
 use vl::captioner::Captioner;
-use vl::checkpoint::{ModelFormat, VlModel};
+use vl::captioner::{ImageInput, Request};
+use vl::checkpoint::ModelFormat;
 use vl::shapes;
+use vl::vl_attn::Quantization;
 use vl::vl_decoder::init::seeded_init;
 use vl::vl_decoder::{GenerationConfig, StepOptions, Strategy, VisionLanguageDecoder};
 use vl::vl_vision::VisionEncoder;
+use vl::vl_vision::VisionPipeline;
+use vl::VlModel;
 
 /// Recorded vs replayed weights: the same arithmetic on rows of another
 /// batch, so within float rounding.
@@ -25,28 +29,27 @@ fn tiny_captioner() -> anyhow::Result<Captioner> {
     let decoder = VisionLanguageDecoder::load(vb.pp("decoder"), &cfg.decoder)?;
     let vision = VisionEncoder::load(vb.pp("vision"), cfg.vision.as_ref().expect("vision"))?;
     seeded_init(&vars, 3)?;
-    let pixels = cfg.vision.as_ref().map(|v| v.pixel_spec());
     Ok(Captioner::new(VlModel {
         path: "tiny".into(),
         generation: GenerationConfig::greedy(&cfg.decoder, 6),
         decoder,
-        vision: Some(vision),
-        resampler: None,
+        vision: Some(VisionPipeline::new(vision, None, &Device::Cpu)?),
         tokenizer: shapes::tokenizer()?,
-        pixels,
         format: ModelFormat::Vl,
         config: cfg,
+        quantization: Quantization::None,
+        fallbacks: Vec::new(),
     }))
 }
 
 /// The weights of `layer` at every position of `[start] + tokens[..n-1]`,
 /// heads averaged, class token dropped: the replay the CLI used to do.
 fn replay(c: &Captioner, image: &DynamicImage, tokens: &[u32]) -> anyhow::Result<Vec<Vec<f32>>> {
-    let dec = &c.model.decoder;
-    let memory = c.model.encode_images(&[image])?;
+    let dec = &c.model().decoder;
+    let memory = c.model().encode_images(&[image])?;
     let ctx = dec.image_context(&memory, None)?;
     let mut state = dec.start(&ctx, 1)?;
-    let mut input = vec![c.model.config.decoder.bos_token_id];
+    let mut input = vec![c.model().config.decoder.bos_token_id];
     input.extend_from_slice(&tokens[..tokens.len() - 1]);
     let n = input.len();
     let ids = Tensor::from_vec(input, (1, n), dec.device())?;
@@ -85,10 +88,10 @@ fn recorded_heatmaps_equal_the_replay() -> anyhow::Result<()> {
     let images: Vec<DynamicImage> = (0..3)
         .map(|i| DynamicImage::ImageRgb8(vl::vl_shapes::dataset_scene(5, i).render()))
         .collect();
-    let refs: Vec<&DynamicImage> = images.iter().collect();
+    let inputs: Vec<ImageInput> = images.iter().map(ImageInput::from).collect();
     let base = GenerationConfig {
         eos_token_ids: Vec::new(), // every caption runs its full length
-        ..c.model.generation.clone()
+        ..c.model().generation.clone()
     };
     for strategy in [
         Strategy::Greedy,
@@ -101,8 +104,15 @@ fn recorded_heatmaps_equal_the_replay() -> anyhow::Result<()> {
         Strategy::beam(3),
     ] {
         let gen = c.with_heatmaps(&base.clone().with_strategy(strategy.clone()))?;
-        let captions = c.caption(&refs, &gen, &mut |_| {})?;
-        for (cap, img) in captions.iter().zip(&images) {
+        let captions = c.caption(
+            &inputs,
+            &Request {
+                generation: gen,
+                prompt: None,
+            },
+        )?;
+        for (cap, img) in captions.into_iter().zip(&images) {
+            let cap = cap?;
             assert_eq!(cap.heatmaps.len(), cap.token_ids.len(), "{strategy:?}");
             let want = replay(&c, img, &cap.token_ids)?;
             let d = max_diff(&cap.heatmaps, &want);
@@ -115,8 +125,16 @@ fn recorded_heatmaps_equal_the_replay() -> anyhow::Result<()> {
             }
         }
         // Not asked for: nothing recorded.
-        let plain = c.caption(&refs, &base.clone().with_strategy(strategy), &mut |_| {})?;
-        assert!(plain.iter().all(|p| p.heatmaps.is_empty()));
+        let plain = c.caption(
+            &inputs,
+            &Request {
+                generation: base.clone().with_strategy(strategy),
+                prompt: None,
+            },
+        )?;
+        for p in plain {
+            assert!(p?.heatmaps.is_empty());
+        }
     }
     Ok(())
 }

@@ -76,7 +76,7 @@ fn narrower_encoder_matches_transformers() -> anyhow::Result<()> {
 #[test]
 fn generation_defaults_come_from_the_checkpoint() -> anyhow::Result<()> {
     // generation_config.json: 3 beams, early stopping, max_length 21.
-    let equal = VlModel::load(&fixture(FAMILY, "equal"), DType::F32, &Device::Cpu)?;
+    let equal = vl::load(&fixture(FAMILY, "equal"), &vl::LoadOptions::default())?;
     assert_eq!(equal.generation.max_new_tokens, 20);
     assert_eq!(
         equal.generation.strategy,
@@ -87,7 +87,7 @@ fn generation_defaults_come_from_the_checkpoint() -> anyhow::Result<()> {
         }
     );
     // config.json only (older layout): greedy, no_repeat_ngram_size 3.
-    let narrow = VlModel::load(&fixture(FAMILY, "narrow"), DType::F32, &Device::Cpu)?;
+    let narrow = vl::load(&fixture(FAMILY, "narrow"), &vl::LoadOptions::default())?;
     assert_eq!(narrow.generation.strategy, Strategy::Greedy);
     assert_eq!(narrow.generation.no_repeat_ngram_size, 3);
     assert_eq!(narrow.generation.max_new_tokens, 20);
@@ -122,7 +122,7 @@ fn dropout_is_read_on_load() -> anyhow::Result<()> {
         d["resid_pdrop"] = 0.0.into();
         d.as_object_mut().map(|o| o.remove("embd_pdrop"));
     })?;
-    let model = VlModel::load(tmp.path(), DType::F32, &Device::Cpu)?;
+    let model = vl::load(tmp.path(), &vl::LoadOptions::new(DType::F32, &Device::Cpu))?;
     assert_eq!(dropouts(&model), (0.25, 0.0, 0.1));
     match &model.config.vision {
         Some(vl::vl_vision::VisionConfig::Vit(v)) => {
@@ -139,12 +139,7 @@ fn dropout_is_read_on_load() -> anyhow::Result<()> {
 
     // Inference ignores them (the parity tests above run with them); a
     // decoder switched to training drops.
-    let memory = f
-        .model
-        .vision
-        .as_ref()
-        .expect("vision")
-        .forward(&f.tensors["pixel_values"])?;
+    let memory = f.model.vision()?.encode_batch(&f.tensors["pixel_values"])?;
     let ids = f.tensors["decoder_input_ids"].to_dtype(DType::U32)?;
     let mut decoder = f.model.decoder.clone();
     let inference = decoder.forward(&ids, Some(&memory), ForwardMasks::default())?;

@@ -94,7 +94,7 @@ fn downloads_once_then_serves_from_the_cache() -> anyhow::Result<()> {
         );
         assert_same_files(&dir, &fixture("equal"), EQUAL);
         assert!(!dir.join("README.md").exists());
-        let model = VlModel::load(&dir, DType::F32, &Device::Cpu)?;
+        let model = vl::load(&dir, &vl::LoadOptions::new(DType::F32, &Device::Cpu))?;
         assert_eq!(model.format, ModelFormat::VisionEncoderDecoder);
         let first = server.take_requests();
         for name in EQUAL {
@@ -118,7 +118,7 @@ fn downloads_once_then_serves_from_the_cache() -> anyhow::Result<()> {
         // a repository that was never fetched.
         server.stop();
         assert_eq!(hub.fetch(REPO, None)?, dir);
-        VlModel::load(&dir, DType::F32, &Device::Cpu)?;
+        vl::load(&dir, &vl::LoadOptions::new(DType::F32, &Device::Cpu))?;
         let err = format!("{:#}", hub.fetch("vl-test/other", None).unwrap_err());
         assert!(
             err.contains("vl-test/other at main") && err.contains("not in the cache"),
@@ -157,8 +157,8 @@ fn a_revision_is_fetched_as_its_own_commit() -> anyhow::Result<()> {
 
         // Two different checkpoints: the GPT-2 is 32 wide on main, 48 on
         // the pull request.
-        let on_main = VlModel::load(&main, DType::F32, &Device::Cpu)?;
-        let on_pr = VlModel::load(&pr, DType::F32, &Device::Cpu)?;
+        let on_main = vl::load(&main, &vl::LoadOptions::new(DType::F32, &Device::Cpu))?;
+        let on_pr = vl::load(&pr, &vl::LoadOptions::new(DType::F32, &Device::Cpu))?;
         assert_eq!(on_main.config.decoder.hidden_size, 32);
         assert_eq!(on_pr.config.decoder.hidden_size, 48);
         let refs = repo_cache(cache.path()).join("refs");
@@ -272,7 +272,7 @@ fn an_interrupted_download_resumes_where_it_stopped() -> anyhow::Result<()> {
         server.take_requests();
         let dir = once.fetch(REPO, None)?;
         assert_same_files(&dir, &fixture("equal"), EQUAL);
-        VlModel::load(&dir, DType::F32, &Device::Cpu)?;
+        vl::load(&dir, &vl::LoadOptions::new(DType::F32, &Device::Cpu))?;
         let resumed = server.take_requests();
         let rest = format!("bytes={half}-");
         assert!(

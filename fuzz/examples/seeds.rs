@@ -47,8 +47,8 @@ fn tiny_model(config: &str) -> Result<Vec<u8>> {
         .parse::<tokenizers::Tokenizer>()
         .map_err(|e| e.to_string())?;
     let dir = tempfile::tempdir()?;
-    VlModel::save(dir.path(), &cfg, &vars, &tokenizer)?;
-    VlModel::load(dir.path(), DType::F32, &Device::Cpu)?;
+    vl::checkpoint::native::save(dir.path(), &cfg, &vars, &tokenizer)?;
+    vl::load(dir.path(), &vl::LoadOptions::new(DType::F32, &Device::Cpu))?;
     let weights = std::fs::read(dir.path().join("model.safetensors"))?;
     Ok(pack(ModelDirBytes {
         config: config.as_bytes(),

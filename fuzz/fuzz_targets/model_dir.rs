@@ -23,7 +23,7 @@ fn scratch() -> &'static tempfile::TempDir {
 fuzz_target!(|data: &[u8]| {
     let dir = scratch().path();
     write_dir(dir, unpack(data)).expect("the scratch directory is writable");
-    let Ok(model) = VlModel::load(dir, DType::F32, &Device::Cpu) else {
+    let Ok(model) = vl::load(dir, &vl::LoadOptions::new(DType::F32, &Device::Cpu)) else {
         return;
     };
     let dev = Device::Cpu;

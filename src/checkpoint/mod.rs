@@ -1,17 +1,36 @@
-//! Loading checkpoints, by format, onto vl's own modules.
+//! Loading checkpoints onto vl's own modules: one owner, [`load`], for
+//! every format.
 //!
-//! [`VlModel::load`] reads a directory's `config.json`, tells the format
-//! from its `model_type`, and hands it to the loader of that format:
+//! [`load`] runs one sequence whatever the checkpoint:
 //!
-//! | `model_type` | loader | what |
+//! 1. read `config.json` once and tell the format from its `model_type`
+//!    ([`ModelFormat::of`]);
+//! 2. the format's family file parses that config into vl's
+//!    ([`VlConfig`]), with the generation defaults and the tokenizer —
+//!    no weight read yet;
+//! 3. open the weights once;
+//! 4. build the vision side (encoder, resampler), then convert its linear
+//!    layers as [`LoadOptions::quantization`] asks;
+//! 5. build the decoder, each block converted as soon as it is built (the
+//!    dense weights of one block at most beside the converted ones), then
+//!    the LM head.
+//!
+//! Conversion goes through one [`Quantizer`] for every format, vl's own
+//! and the embedded model included: a layer the format cannot hold falls
+//! back to the next one that fits (`q4k` → `q8_0` → dense), and the load
+//! says once which ([`VlModel::fallbacks`]).
+//!
+//! | `model_type` | family file | what |
 //! |---|---|---|
 //! | `vl` | [`native`] | vl's own directories (the shipped shapes captioner) |
 //! | `vision-encoder-decoder` | [`hf`] | transformers ViT/DeiT + GPT-2/TrOCR checkpoints |
 //! | `blip` | [`hf::blip`] | transformers `BlipForConditionalGeneration` captioners |
 //!
 //! Anything else is refused with [`Error::UnsupportedModel`], naming what
-//! was found and what vl loads. The pieces every format shares live beside
-//! them: [`safetensors`] (checked tensor-by-tensor reading), [`tokenizer`].
+//! was found and what vl loads. The family files only map a format's names
+//! and layouts onto vl's modules; the pieces every format shares live
+//! beside them: [`safetensors`] (checked tensor-by-tensor reading),
+//! [`tokenizer`].
 
 pub mod hf;
 pub mod native;
@@ -20,17 +39,18 @@ pub mod tokenizer;
 
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device, Tensor};
-use candle_nn::VarMap;
-use serde::Deserialize;
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+pub use tokenizers::Tokenizer;
+use vl_attn::{Fallback, Quantization, Quantizer, Resampler};
+use vl_decoder::block::DecoderBlock;
 use vl_decoder::{GenerationConfig, VisionLanguageDecoder};
-use vl_vision::preprocess::preprocess_batch;
-use vl_vision::{PixelSpec, VisionEncoder};
+use vl_vision::{VisionEncoder, VisionPipeline};
 
-use crate::error::{arg_err, Error, Result};
+use crate::error::{weights_error, Error, Result};
+use crate::model::VlModel;
 
 pub use native::{ModelBytes, VlConfig};
-pub use tokenizers::Tokenizer;
 
 /// The weights file of a model directory.
 pub const WEIGHTS_FILE: &str = "model.safetensors";
@@ -52,7 +72,24 @@ pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
         path: path.to_path_buf(),
         source,
     })?;
-    serde_json::from_str(&text).map_err(|source| Error::Json {
+    parse_json(text.as_bytes(), path)
+}
+
+/// Parses JSON bytes into `T`, naming `path` in errors.
+pub fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8], path: &Path) -> Result<T> {
+    serde_json::from_slice(bytes).map_err(|source| Error::Json {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// A config already parsed into JSON, read into `T`, naming `path` in
+/// errors.
+pub(crate) fn from_value<T: serde::de::DeserializeOwned>(
+    value: &serde_json::Value,
+    path: &Path,
+) -> Result<T> {
+    T::deserialize(value).map_err(|source| Error::Json {
         path: path.to_path_buf(),
         source,
     })
@@ -78,25 +115,27 @@ impl ModelFormat {
     /// `config.json`; [`Error::UnsupportedModel`] for a `model_type` vl
     /// does not load (or none).
     pub fn detect(dir: &Path) -> Result<Self> {
-        #[derive(Deserialize)]
-        struct Probe {
-            model_type: Option<serde_json::Value>,
-        }
         let path = dir.join(CONFIG_FILE);
-        let probe: Probe = read_json(&path)?;
-        match probe.model_type.as_ref().and_then(|v| v.as_str()) {
+        Self::of(&read_json(&path)?, &path)
+    }
+
+    /// The format a parsed `config.json` (read from `path`) declares.
+    ///
+    /// # Errors
+    /// As [`ModelFormat::detect`].
+    pub fn of(config: &serde_json::Value, path: &Path) -> Result<Self> {
+        let model_type = config.get("model_type");
+        match model_type.and_then(|v| v.as_str()) {
             Some(native::MODEL_TYPE) => Ok(Self::Vl),
             Some(hf::MODEL_TYPE) => Ok(Self::VisionEncoderDecoder),
             Some(hf::blip::MODEL_TYPE) => Ok(Self::Blip),
             other => Err(Error::UnsupportedModel {
-                path,
+                path: path.to_path_buf(),
                 what: "model_type",
-                model_type: match other {
-                    Some(t) => t.to_string(),
-                    None => match probe.model_type {
-                        Some(v) => v.to_string(),
-                        None => "(none)".into(),
-                    },
+                model_type: match (other, model_type) {
+                    (Some(t), _) => t.to_string(),
+                    (None, Some(v)) => v.to_string(),
+                    (None, None) => "(none)".into(),
                 },
                 supported: SUPPORTED.to_vec(),
             }),
@@ -104,239 +143,352 @@ impl ModelFormat {
     }
 }
 
-/// A loaded model: decoder, vision encoder, tokenizer and the checkpoint's
-/// defaults.
-#[derive(Debug)]
-pub struct VlModel {
-    /// Where it was loaded from (for an embedded model, its name).
-    pub path: PathBuf,
-    /// Its configuration.
-    pub config: VlConfig,
-    /// The decoder.
-    pub decoder: VisionLanguageDecoder,
-    /// The vision encoder, if any.
-    pub vision: Option<VisionEncoder>,
-    /// The resampler between encoder and decoder, if configured.
-    pub resampler: Option<vl_attn::Resampler>,
-    /// The tokenizer.
-    pub tokenizer: tokenizers::Tokenizer,
-    /// What the vision encoder expects of its pixels, if there is one.
-    pub pixels: Option<PixelSpec>,
-    /// The checkpoint's generation defaults (for vl directories: greedy,
-    /// as many tokens as the positions allow).
-    pub generation: GenerationConfig,
-    /// The directory's layout.
-    pub format: ModelFormat,
+/// Where a model's files are.
+#[derive(Debug, Clone, Copy)]
+pub enum Source<'a> {
+    /// A model directory (any format).
+    Dir(&'a Path),
+    /// A vl model's three files in memory (e.g. embedded in a binary with
+    /// `include_bytes!`); `name` stands for the directory in errors and in
+    /// [`VlModel::path`].
+    Memory {
+        /// What the model is called.
+        name: &'a Path,
+        /// Its files.
+        files: ModelBytes<'a>,
+    },
 }
 
-/// `vision` quantized to `format` (as it is when `None`): a family
-/// loader's step of [`VlModel::load_quantized`].
-pub(crate) fn quantized_vision(
-    vision: VisionEncoder,
-    format: Option<candle_core::quantized::GgmlDType>,
-) -> Result<VisionEncoder> {
-    Ok(match format {
-        Some(f) => vision.quantize(f)?,
-        None => vision,
-    })
+impl<'a> From<&'a Path> for Source<'a> {
+    fn from(dir: &'a Path) -> Self {
+        Self::Dir(dir)
+    }
 }
 
-/// Block `i` of a decoder being loaded, quantized to `format` (as it is
-/// when `None`) as soon as it is built: a loader then holds one dense block
-/// at a time, not the whole dense decoder. Errors name the block as
-/// [`VisionLanguageDecoder::into_quantized`] does.
-pub(crate) fn quantized_block(
-    i: usize,
-    block: vl_decoder::block::DecoderBlock,
-    format: Option<candle_core::quantized::GgmlDType>,
-) -> Result<vl_decoder::block::DecoderBlock> {
-    Ok(match format {
-        Some(f) => block
-            .quantize(f)
-            .map_err(|e| e.within(&format!("blocks.{i}")))?,
-        None => block,
-    })
+impl<'a> From<&'a PathBuf> for Source<'a> {
+    fn from(dir: &'a PathBuf) -> Self {
+        Self::Dir(dir)
+    }
 }
 
-/// `decoder` quantized to `format` (as it is when `None`), block by block,
-/// each dense block dropped as soon as its quantized copy exists (blocks
-/// the loader quantized already are kept as they are).
-pub(crate) fn quantized_decoder(
-    decoder: VisionLanguageDecoder,
-    format: Option<candle_core::quantized::GgmlDType>,
-) -> Result<VisionLanguageDecoder> {
-    Ok(match format {
-        Some(f) => decoder.into_quantized(f)?,
-        None => decoder,
-    })
+/// How a model is loaded.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// The dtype of the activations and of the dense weights.
+    pub dtype: DType,
+    /// Where the model runs.
+    pub device: Device,
+    /// The format of the linear layers (encoder, resampler, decoder, LM
+    /// head), converted as the load goes; each layer the format cannot
+    /// hold gets the next format that fits.
+    pub quantization: Quantization,
 }
 
-impl VlModel {
-    /// Loads `dir` onto `device` in `dtype`, in whichever format its
-    /// `config.json` declares ([`ModelFormat::detect`]). Errors name the
-    /// file and, for weights, the tensor with the expected and found shape.
-    pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
-        Self::load_quantized(dir, dtype, device, vl_decoder::Quantization::None)
+impl Default for LoadOptions {
+    /// f32 on the CPU, weights as stored.
+    fn default() -> Self {
+        Self::new(DType::F32, &Device::Cpu)
+    }
+}
+
+impl LoadOptions {
+    /// `dtype` on `device`, weights as stored.
+    pub fn new(dtype: DType, device: &Device) -> Self {
+        Self {
+            dtype,
+            device: device.clone(),
+            quantization: Quantization::None,
+        }
     }
 
-    /// [`VlModel::load`] with the linear layers quantized to `q` (as
-    /// [`VlModel::quantize`] does), converted part by part as the load goes:
-    /// for transformers' checkpoints the vision encoder is quantized before
-    /// the decoder's weights are read and each decoder block as soon as it
-    /// is read, so the dense weights of the encoder or of one block at most
-    /// are in memory beside the quantized ones (and the embeddings, which
-    /// stay dense) — peak memory stays under the dense file's size for `q8_0`,
-    /// where loading first and quantizing after holds the whole dense model
-    /// and a quantized copy. vl's own (small) directories are loaded, then
-    /// quantized. On CPUs with AVX512_BF16 a `bf16` load packs its linear
-    /// layers for vl's bf16 kernels as `Quantization::Bf16` does.
-    ///
-    /// # Errors
-    /// As [`VlModel::load`] and [`VlModel::quantize`].
-    pub fn load_quantized(
-        dir: &Path,
+    /// The same, the linear layers converted to `q`.
+    #[must_use]
+    pub fn quantized(self, q: Quantization) -> Self {
+        Self {
+            quantization: q,
+            ..self
+        }
+    }
+}
+
+/// A model's files, as its family file reads them.
+pub(crate) enum Files<'a> {
+    Dir(&'a Path),
+    Memory {
+        name: &'a Path,
+        files: ModelBytes<'a>,
+    },
+}
+
+impl<'a> Files<'a> {
+    fn new(source: Source<'a>) -> Result<Self> {
+        Ok(match source {
+            Source::Dir(dir) => {
+                if !dir.is_dir() {
+                    return Err(Error::Io {
+                        path: dir.to_path_buf(),
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::NotFound,
+                            "not a model directory",
+                        ),
+                    });
+                }
+                Self::Dir(dir)
+            }
+            Source::Memory { name, files } => Self::Memory { name, files },
+        })
+    }
+
+    /// The directory, or the name standing for it.
+    pub(crate) fn root(&self) -> &'a Path {
+        match self {
+            Self::Dir(dir) => dir,
+            Self::Memory { name, .. } => name,
+        }
+    }
+
+    /// The path of the model's file `name`, for reading and for errors.
+    pub(crate) fn path(&self, name: &str) -> PathBuf {
+        self.root().join(name)
+    }
+
+    /// The directory of a format that only loads from one.
+    pub(crate) fn dir(&self, format: ModelFormat) -> Result<&'a Path> {
+        match self {
+            Self::Dir(dir) => Ok(dir),
+            Self::Memory { name, .. } => Err(Error::Argument {
+                arg: "source",
+                reason: format!(
+                    "{}: a {format:?} checkpoint loads from a directory; in memory, only vl's own models load",
+                    name.display()
+                ),
+            }),
+        }
+    }
+
+    fn config(&self) -> Result<serde_json::Value> {
+        match self {
+            Self::Dir(dir) => read_json(&dir.join(CONFIG_FILE)),
+            Self::Memory { name, files } => parse_json(files.config, &name.join(CONFIG_FILE)),
+        }
+    }
+
+    /// The weights as a checked builder, the path that names them in
+    /// errors (the file, or the shard index), and the reader of the blocks
+    /// a converted model stored (files on disk only).
+    fn weights(
+        &self,
         dtype: DType,
         device: &Device,
-        q: vl_decoder::Quantization,
-    ) -> Result<Self> {
-        if !dir.is_dir() {
-            return Err(Error::Io {
-                path: dir.to_path_buf(),
-                source: std::io::Error::new(std::io::ErrorKind::NotFound, "not a model directory"),
-            });
-        }
-        // On CPUs with vl's bf16 kernels, a bf16 model's linear layers are
-        // packed for them once (what `--quantize bf16` does): the same
-        // products (biases added before the rounding), no packing per call.
-        let q = if q == vl_decoder::Quantization::None
-            && dtype == DType::BF16
-            && device.is_cpu()
-            && vl_attn::kernels::gemm_bf16::accelerated()
-        {
-            vl_decoder::Quantization::Bf16
-        } else {
-            q
-        };
-        let format = q.ggml_dtype();
-        match ModelFormat::detect(dir)? {
-            ModelFormat::Vl => {
-                let mut model = native::load(dir, dtype, device)?;
-                model.quantize(q)?;
-                Ok(model)
+    ) -> Result<(
+        PathBuf,
+        VarBuilder<'static>,
+        Option<safetensors::SharedWeights>,
+    )> {
+        match self {
+            Self::Dir(dir) => {
+                let (label, files) = hf::weight_files(dir)?;
+                let (vb, shared) = safetensors::open_shared(&files, dtype, device)?;
+                Ok((label, vb, Some(shared)))
             }
-            ModelFormat::VisionEncoderDecoder => hf::load(dir, dtype, device, format),
-            ModelFormat::Blip => hf::blip::load(dir, dtype, device, format),
+            Self::Memory { name, files } => {
+                let label = name.join(WEIGHTS_FILE);
+                let vb =
+                    VarBuilder::from_buffered_safetensors(files.weights.to_vec(), dtype, device)
+                        .map_err(weights_error(&label))?;
+                Ok((label, vb, None))
+            }
         }
     }
+}
 
-    /// Writes a vl model directory (see [`native::save`]).
-    pub fn save(
-        dir: &Path,
+/// What a family file makes of a checkpoint's config, before any weight is
+/// read.
+pub(crate) struct Plan<C> {
+    /// The family's own config, as its file parsed it.
+    pub family: C,
+    /// The model in vl's terms.
+    pub config: VlConfig,
+    /// The checkpoint's generation defaults.
+    pub generation: GenerationConfig,
+    /// The tokenizer, checked against the vocabulary.
+    pub tokenizer: Tokenizer,
+}
+
+/// What [`load`] hands each decoder block to as soon as it is built.
+pub(crate) type BlockHook<'h> = dyn FnMut(usize, DecoderBlock) -> Result<DecoderBlock> + 'h;
+
+/// A checkpoint family: its names and layouts mapped onto vl's modules.
+/// [`load`] calls the three steps in order.
+pub(crate) trait Family: Sized {
+    /// The layout it reads.
+    const FORMAT: ModelFormat;
+
+    /// Parses and checks the config (read once, by [`load`]) and everything
+    /// else that is not weights: generation defaults, preprocessing,
+    /// tokenizer.
+    fn plan(files: &Files, config: &serde_json::Value) -> Result<Plan<Self>>;
+
+    /// The vision encoder and the resampler, dense; `None` for a model
+    /// without images.
+    fn vision(
+        &self,
+        vb: &VarBuilder,
         config: &VlConfig,
-        vars: &VarMap,
-        tokenizer: &tokenizers::Tokenizer,
-    ) -> Result<()> {
-        native::save(dir, config, vars, tokenizer)
-    }
+    ) -> Result<Option<(VisionEncoder, Option<Resampler>)>>;
 
-    /// Quantizes the decoder's and the vision encoder's linear layers (and
-    /// the LM head) to `q`; `Quantization::None` changes nothing.
-    ///
-    /// # Errors
-    /// A layer whose width does not fit the format's block size, named
-    /// (`decoder.…` or `vision.…`).
-    pub fn quantize(&mut self, q: vl_decoder::Quantization) -> Result<()> {
-        if let Some(format) = q.ggml_dtype() {
-            // The vision encoder first, as `load_quantized` does: the same
-            // layer is named when one does not fit.
-            let vision = match &self.vision {
-                Some(v) => Some(v.quantize(format)?),
-                None => None,
-            };
-            let decoder = self.decoder.quantize(format)?;
-            let resampler = match &self.resampler {
-                Some(r) => Some(r.quantize(format).map_err(|e| e.within("resampler"))?),
-                None => None,
-            };
-            self.decoder = decoder;
-            self.vision = vision;
-            self.resampler = resampler;
-        }
-        Ok(())
-    }
+    /// The decoder, each block handed to `block` as soon as it is built (a
+    /// family may also build them all, then [`load`] converts the rest).
+    fn decoder(
+        &self,
+        vb: &VarBuilder,
+        config: &VlConfig,
+        block: &mut BlockHook,
+    ) -> Result<VisionLanguageDecoder>;
+}
 
-    /// The ids a text prompt puts after the start token, tokenized as the
-    /// checkpoint's own processor does. Only BLIP defines prompts
-    /// (`BlipProcessor`, then `generate`): the text with the tokenizer's
-    /// special tokens, its first (`[CLS]`, whose place the start token `[DEC]`
-    /// takes) and last (`[SEP]`) ids dropped.
-    ///
-    /// # Errors
-    /// [`Error::Argument`] naming `prompt` for a model whose family defines
-    /// no prompt, a text the tokenizer rejects, or one that tokenizes to
-    /// fewer than the two special tokens.
-    pub fn prompt_ids(&self, prompt: &str) -> Result<Vec<u32>> {
-        if self.format != ModelFormat::Blip {
-            return arg_err(
-                "prompt",
-                format!(
-                    "the model in {} ({:?}) defines no prompt handling; only BLIP checkpoints take a prompt",
-                    self.path.display(),
-                    self.format
-                ),
-            );
-        }
-        let enc = match self.tokenizer.encode(prompt, true) {
-            Ok(e) => e,
-            Err(e) => return arg_err("prompt", format!("{prompt:?}: {e}")),
-        };
-        match enc.get_ids() {
-            [_, words @ .., _] => Ok(words.to_vec()),
-            ids => arg_err(
-                "prompt",
-                format!("{prompt:?} tokenizes to {ids:?}, without [CLS] ... [SEP]"),
-            ),
-        }
+/// Loads a model from `source` (a directory of any format vl reads, or a
+/// vl model's files in memory) as `options` say. Errors name the file and,
+/// for weights, the tensor with the expected and found shape.
+///
+/// ```no_run
+/// use std::path::Path;
+/// use vl::checkpoint::{load, LoadOptions};
+/// use vl::vl_attn::Quantization;
+///
+/// let options = LoadOptions::default().quantized(Quantization::Q8_0);
+/// let model = load(Path::new("models/shapes-captioner"), &options)?;
+/// for f in &model.fallbacks {
+///     println!("{} kept {:?}", f.layer, f.got);
+/// }
+/// # Ok::<(), vl::Error>(())
+/// ```
+///
+/// Dense bf16 weights on a CPU with vl's bf16 kernels are held packed for
+/// them ([`Quantization::for_model`]); [`VlModel::quantization`] says what
+/// the model holds.
+///
+/// # Errors
+/// [`Error::Io`]/[`Error::Json`] for a missing or malformed file;
+/// [`Error::UnsupportedModel`] for a format vl does not read;
+/// [`Error::Config`] naming the field (and file) of an impossible config;
+/// [`Error::Weights`] naming the file and the tensor; [`Error::Tokenizer`].
+pub fn load<'a>(source: impl Into<Source<'a>>, options: &LoadOptions) -> Result<VlModel> {
+    let files = Files::new(source.into())?;
+    let config = files.config()?;
+    match ModelFormat::of(&config, &files.path(CONFIG_FILE))? {
+        ModelFormat::Vl => load_family::<VlConfig>(&files, &config, options),
+        ModelFormat::VisionEncoderDecoder => load_family::<hf::HfConfig>(&files, &config, options),
+        ModelFormat::Blip => load_family::<hf::blip::HfBlipConfig>(&files, &config, options),
     }
+}
 
-    /// Image tokens of decoded images: preprocessing, then the encoder.
-    ///
-    /// # Shapes
-    /// Returns `(images.len(), tokens, memory_dim)`.
-    pub fn encode_images(&self, images: &[&image::DynamicImage]) -> Result<Tensor> {
-        let pixels = preprocess_batch(images, self.pixel_spec()?, self.decoder.device())?;
-        self.encode_pixels(&pixels)
+fn load_family<F: Family>(
+    files: &Files,
+    config: &serde_json::Value,
+    options: &LoadOptions,
+) -> Result<VlModel> {
+    let Plan {
+        family,
+        config,
+        generation,
+        tokenizer,
+    } = F::plan(files, config)?;
+    // A model saved converted says its format; a format asked overrides it.
+    let asked = if options.quantization.is_none() {
+        config.quantization
+    } else {
+        options.quantization
+    };
+    let quantization = asked.for_model(options.dtype, &options.device);
+    if quantization != asked {
+        tracing::debug!(
+            "{}: bf16 weights held as {quantization} for vl's bf16 kernels",
+            files.root().display()
+        );
     }
+    let (label, vb, stored) = files.weights(options.dtype, &options.device)?;
+    let quantizer = match stored {
+        Some(s) => Quantizer::fitting(quantization).with_stored(std::sync::Arc::new(s)),
+        None => Quantizer::fitting(quantization),
+    };
+    let converts = quantizer.format().is_some();
+    let vision = match family.vision(&vb, &config).map_err(weights_error(&label))? {
+        None => None,
+        Some((encoder, resampler)) => {
+            let pipeline = VisionPipeline::new(encoder, resampler, &options.device)?;
+            Some(if converts {
+                pipeline.quantize(&quantizer)?
+            } else {
+                pipeline
+            })
+        }
+    };
+    let dq = quantizer.within("decoder");
+    let decoder = family
+        .decoder(&vb, &config, &mut |i, block| {
+            if converts {
+                Ok(block.quantize(dq.within(&format!("blocks.{i}")))?)
+            } else {
+                Ok(block)
+            }
+        })
+        .map_err(weights_error(&label))?;
+    // The layers the family did not hand over (the LM head; all of them for
+    // a family that builds its blocks at once); blocks converted already are
+    // shared as they are.
+    let decoder = if converts {
+        decoder.into_quantized(&dq)?
+    } else {
+        decoder
+    };
+    let fallbacks = quantizer.fallbacks();
+    if let Some(summary) = fallback_summary(quantization, &fallbacks) {
+        tracing::warn!("{}: {summary}", files.root().display());
+    }
+    Ok(VlModel {
+        path: files.root().to_path_buf(),
+        config,
+        decoder,
+        vision,
+        tokenizer,
+        generation,
+        format: F::FORMAT,
+        quantization,
+        fallbacks,
+    })
+}
 
-    /// What the vision encoder expects of its pixels; an error when the
-    /// model has no vision encoder.
-    pub fn pixel_spec(&self) -> Result<&PixelSpec> {
-        match (&self.vision, &self.pixels) {
-            (Some(_), Some(spec)) => Ok(spec),
-            _ => arg_err(
-                "images",
-                format!("the model in {} has no vision encoder", self.path.display()),
-            ),
+/// One line saying which layers could not hold `q` and what they hold
+/// instead, grouped by format; `None` when every layer holds `q`.
+pub fn fallback_summary(q: Quantization, fallbacks: &[Fallback]) -> Option<String> {
+    if fallbacks.is_empty() {
+        return None;
+    }
+    // By what they hold and their width: one group per kind of layer.
+    let mut groups: Vec<((String, usize), Vec<&str>)> = Vec::new();
+    for f in fallbacks {
+        let key = (vl_attn::quantize::format_name(f.got), f.in_dim);
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, layers)) => layers.push(&f.layer),
+            None => groups.push((key, vec![&f.layer])),
         }
     }
-
-    /// Image tokens of preprocessed pixels (see [`vl_vision::preprocess`]),
-    /// through the resampler when the model has one.
-    ///
-    /// # Shapes
-    /// `pixels: (images, 3, size, size)` → `(images, tokens, memory_dim)`.
-    pub fn encode_pixels(&self, pixels: &Tensor) -> Result<Tensor> {
-        let Some(vision) = &self.vision else {
-            return arg_err(
-                "images",
-                format!("the model in {} has no vision encoder", self.path.display()),
-            );
-        };
-        let tokens = vision.forward(&pixels.to_dtype(self.decoder.dtype())?)?;
-        match &self.resampler {
-            None => Ok(tokens),
-            // (images, tokens, vision width) -> (images, queries, memory_dim)
-            Some(r) => Ok(r.forward(&tokens, None)?),
-        }
-    }
+    let parts: Vec<String> = groups
+        .into_iter()
+        .map(|((got, width), layers)| {
+            format!(
+                "{got} for {} of input width {width} ({})",
+                layers.len(),
+                layers.join(", ")
+            )
+        })
+        .collect();
+    Some(format!(
+        "{} layer{} cannot hold {q} (input width not a multiple of its block of {}): {}",
+        fallbacks.len(),
+        if fallbacks.len() == 1 { "" } else { "s" },
+        q.block_size(),
+        parts.join("; ")
+    ))
 }

@@ -6,19 +6,20 @@
 //!   encoder's (if it has any) under `vision.`; read tensor by tensor at load
 //! - `tokenizer.json`: a tokenizers-crate tokenizer covering every id
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use candle_core::{DType, Device};
 use candle_nn::{VarBuilder, VarMap};
 use serde::{Deserialize, Serialize};
-use vl_attn::{Resampler, ResamplerConfig};
+use vl_attn::{Quantization, Resampler, ResamplerConfig};
 use vl_decoder::{DecoderConfig, GenerationConfig, VisionLanguageDecoder};
 use vl_vision::{VisionConfig, VisionEncoder};
 
-use super::safetensors::{open_weights, save_varmap};
 use super::tokenizer::{load_tokenizer, parse_tokenizer};
-use super::{read_json, ModelFormat, VlModel, CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE};
-use crate::error::{in_file, weights_error, Error, Result};
+use super::{
+    from_value, BlockHook, Family, Files, ModelFormat, Plan, CONFIG_FILE, TOKENIZER_FILE,
+    WEIGHTS_FILE,
+};
+use crate::error::{in_file, Error, Result};
 
 /// The `model_type` of a vl model directory.
 pub const MODEL_TYPE: &str = "vl";
@@ -37,6 +38,12 @@ pub struct VlConfig {
     /// the image tokens to its queries; weights under `resampler.`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resampler: Option<ResamplerConfig>,
+    /// The format the linear layers are converted to at load (default
+    /// `none`): a model saved after conversion ([`crate::VlModel::save`])
+    /// holds the values its converted layers compute with and says which
+    /// format gives them back.
+    #[serde(default, skip_serializing_if = "Quantization::is_none")]
+    pub quantization: Quantization,
 }
 
 impl VlConfig {
@@ -87,18 +94,6 @@ impl VlConfig {
     }
 }
 
-/// Loads a vl model directory onto `device` in `dtype`. Errors name the
-/// file and, for weights, the tensor with the expected and found shape.
-pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<VlModel> {
-    let config_path = dir.join(CONFIG_FILE);
-    let config: VlConfig = read_json(&config_path)?;
-    config.validate().map_err(in_file(&config_path))?;
-    let tokenizer = load_tokenizer(&dir.join(TOKENIZER_FILE), config.decoder.vocab_size)?;
-    let weights = dir.join(WEIGHTS_FILE);
-    let vb = open_weights(std::slice::from_ref(&weights), dtype, device)?;
-    build(dir.to_path_buf(), config, vb, tokenizer, &weights)
-}
-
 /// The three files of a vl model held in memory, e.g. embedded in a binary
 /// with `include_bytes!`.
 #[derive(Debug, Clone, Copy)]
@@ -111,70 +106,94 @@ pub struct ModelBytes<'a> {
     pub tokenizer: &'a [u8],
 }
 
-/// Loads a vl model from its files' bytes; `name` stands for the directory
-/// in errors and in [`VlModel::path`].
-pub fn load_bytes(
-    name: &Path,
-    files: ModelBytes,
-    dtype: DType,
-    device: &Device,
-) -> Result<VlModel> {
-    let config_path = name.join(CONFIG_FILE);
-    let config: VlConfig = serde_json::from_slice(files.config).map_err(|source| Error::Json {
-        path: config_path.clone(),
-        source,
-    })?;
-    config.validate().map_err(in_file(&config_path))?;
-    let tok_path = name.join(TOKENIZER_FILE);
-    let text = std::str::from_utf8(files.tokenizer).map_err(|e| Error::Tokenizer {
-        path: tok_path.clone(),
-        reason: format!("not UTF-8: {e}"),
-    })?;
-    let tokenizer = parse_tokenizer(text, &tok_path, config.decoder.vocab_size)?;
-    let weights = name.join(WEIGHTS_FILE);
-    let vb = VarBuilder::from_buffered_safetensors(files.weights.to_vec(), dtype, device)
-        .map_err(weights_error(&weights))?;
-    build(name.to_path_buf(), config, vb, tokenizer, &weights)
-}
+impl Family for VlConfig {
+    const FORMAT: ModelFormat = ModelFormat::Vl;
 
-fn build(
-    path: PathBuf,
-    config: VlConfig,
-    vb: VarBuilder,
-    tokenizer: tokenizers::Tokenizer,
-    weights: &Path,
-) -> Result<VlModel> {
-    let decoder = VisionLanguageDecoder::load(vb.pp("decoder"), &config.decoder)
-        .map_err(weights_error(weights))?;
-    let vision = match &config.vision {
-        None => None,
-        Some(v) => Some(VisionEncoder::load(vb.pp("vision"), v).map_err(weights_error(weights))?),
-    };
-    let resampler = match &config.resampler {
-        None => None,
-        Some(r) => Some(Resampler::load(vb.pp("resampler"), r).map_err(weights_error(weights))?),
-    };
-    let generation =
-        GenerationConfig::greedy(&config.decoder, config.decoder.max_position_embeddings - 1);
-    Ok(VlModel {
-        resampler,
-        path,
-        pixels: config.vision.as_ref().map(VisionConfig::pixel_spec),
-        generation,
-        format: ModelFormat::Vl,
-        config,
-        decoder,
-        vision,
-        tokenizer,
-    })
+    fn plan(files: &Files, config: &serde_json::Value) -> Result<Plan<Self>> {
+        let config_path = files.path(CONFIG_FILE);
+        let config: VlConfig = from_value(config, &config_path)?;
+        config.validate().map_err(in_file(&config_path))?;
+        let tok_path = files.path(TOKENIZER_FILE);
+        let vocab = config.decoder.vocab_size;
+        let tokenizer = match files {
+            Files::Dir(_) => load_tokenizer(&tok_path, vocab)?,
+            Files::Memory { files, .. } => {
+                let text = std::str::from_utf8(files.tokenizer).map_err(|e| Error::Tokenizer {
+                    path: tok_path.clone(),
+                    reason: format!("not UTF-8: {e}"),
+                })?;
+                parse_tokenizer(text, &tok_path, vocab)?
+            }
+        };
+        let generation =
+            GenerationConfig::greedy(&config.decoder, config.decoder.max_position_embeddings - 1);
+        Ok(Plan {
+            family: config.clone(),
+            config,
+            generation,
+            tokenizer,
+        })
+    }
+
+    fn vision(
+        &self,
+        vb: &VarBuilder,
+        _: &VlConfig,
+    ) -> Result<Option<(VisionEncoder, Option<Resampler>)>> {
+        let Some(v) = &self.vision else {
+            return Ok(None);
+        };
+        let encoder = VisionEncoder::load(vb.pp("vision"), v)?;
+        let resampler = match &self.resampler {
+            None => None,
+            Some(r) => Some(Resampler::load(vb.pp("resampler"), r)?),
+        };
+        Ok(Some((encoder, resampler)))
+    }
+
+    /// All blocks at once: vl's own models are small, and [`super::load`]
+    /// converts them after.
+    fn decoder(
+        &self,
+        vb: &VarBuilder,
+        _: &VlConfig,
+        _: &mut BlockHook,
+    ) -> Result<VisionLanguageDecoder> {
+        Ok(VisionLanguageDecoder::load(
+            vb.pp("decoder"),
+            &self.decoder,
+        )?)
+    }
 }
 
 /// Writes a model directory: `config`, the variables of `vars` (named
-/// `decoder.…` and `vision.…`), and `tokenizer`.
+/// `decoder.…` and `vision.…`), and `tokenizer` — how a model trained here
+/// is written (any loaded model: [`crate::VlModel::save`]).
 pub fn save(
     dir: &Path,
     config: &VlConfig,
     vars: &VarMap,
+    tokenizer: &tokenizers::Tokenizer,
+) -> Result<()> {
+    let weights = dir.join(WEIGHTS_FILE);
+    let data = vars.data().lock().map_err(|_| Error::Weights {
+        path: weights.clone(),
+        reason: "the variable map's lock is poisoned".into(),
+    })?;
+    let tensors = data
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect();
+    drop(data);
+    write_dir(dir, config, &tensors, tokenizer)
+}
+
+/// Writes `config.json`, `model.safetensors` (`tensors`) and
+/// `tokenizer.json` into `dir`, created if missing.
+pub(crate) fn write_dir(
+    dir: &Path,
+    config: &VlConfig,
+    tensors: &std::collections::BTreeMap<String, candle_core::Tensor>,
     tokenizer: &tokenizers::Tokenizer,
 ) -> Result<()> {
     config.validate()?;
@@ -191,7 +210,15 @@ pub fn save(
         path: config_path,
         source,
     })?;
-    save_varmap(vars, &dir.join(WEIGHTS_FILE))?;
+    let weights = dir.join(WEIGHTS_FILE);
+    let tensors: std::collections::HashMap<&str, candle_core::Tensor> = tensors
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
+    candle_core::safetensors::save(&tensors, &weights).map_err(|e| Error::Weights {
+        path: weights,
+        reason: format!("cannot write: {e}"),
+    })?;
     let tok_path = dir.join(TOKENIZER_FILE);
     tokenizer
         .save(&tok_path, true)

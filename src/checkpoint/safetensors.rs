@@ -7,12 +7,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::VarBuilder;
 use half::vec::HalfBitsVecExt;
+use vl_attn::{Quantization, StoredBlocks};
 
 use crate::error::{arg_err, Error, Result};
 
@@ -107,20 +109,23 @@ impl CheckedSafetensors {
         })
     }
 
-    fn read(&self, name: &str, e: &Entry) -> candle_core::Result<Tensor> {
-        use safetensors::Dtype;
+    /// Reads tensor `name`'s bytes into `bytes` (its length).
+    fn read_into(&self, name: &str, e: &Entry, bytes: &mut [u8]) -> candle_core::Result<()> {
         use std::io::{Read, Seek, SeekFrom};
         let f = &self.files[e.file];
+        let mut file = f
+            .file
+            .lock()
+            .map_err(|_| self.err("the file's lock is poisoned".into()))?;
+        file.seek(SeekFrom::Start(f.data_start + e.offsets.0 as u64))
+            .and_then(|_| file.read_exact(bytes))
+            .map_err(|err| self.err(format!("cannot read tensor `{name}`: {err}")))
+    }
+
+    fn read(&self, name: &str, e: &Entry) -> candle_core::Result<Tensor> {
+        use safetensors::Dtype;
         let len = e.offsets.1 - e.offsets.0;
-        let read = |bytes: &mut [u8]| -> candle_core::Result<()> {
-            let mut file = f
-                .file
-                .lock()
-                .map_err(|_| self.err("the file's lock is poisoned".into()))?;
-            file.seek(SeekFrom::Start(f.data_start + e.offsets.0 as u64))
-                .and_then(|_| file.read_exact(bytes))
-                .map_err(|err| self.err(format!("cannot read tensor `{name}`: {err}")))
-        };
+        let read = |bytes: &mut [u8]| self.read_into(name, e, bytes);
         // Read straight into the tensor's own buffer (safetensors is
         // little-endian, as every target vl builds for): a byte buffer
         // copied into a typed one afterwards zeroed and wrote every page
@@ -167,6 +172,84 @@ fn read_values<T: bytemuck::Pod>(
     Ok(values)
 }
 
+/// The block formats a weight may be stored in (`name.q8_0`,
+/// `name.q4k`: see [`vl_attn::Proj::named_tensors`]).
+const BLOCK_FORMATS: [Quantization; 2] = [Quantization::Q8_0, Quantization::Q4K];
+
+impl CheckedSafetensors {
+    /// The blocks stored for the weight `name` in `format`, as candle's
+    /// tensor of shape `shape`: `None` when the file has none.
+    fn stored(
+        &self,
+        name: &str,
+        format: Quantization,
+        shape: Option<&Shape>,
+    ) -> Option<candle_core::Result<QTensor>> {
+        let ggml = format.ggml_dtype()?;
+        let key = format!("{name}.{}", format.name());
+        let e = self.entries.get(&key)?;
+        Some((|| {
+            let (rows, row_bytes) = match e.shape[..] {
+                [r, b] if e.dtype == safetensors::Dtype::U8 => (r, b),
+                _ => {
+                    return Err(self.err(format!(
+                        "tensor `{key}` ({:?} {:?}) is not u8 blocks (rows, bytes per row)",
+                        e.dtype, e.shape
+                    )))
+                }
+            };
+            let cols = row_bytes / ggml.type_size() * ggml.block_size();
+            if row_bytes % ggml.type_size() != 0 || shape.is_some_and(|s| s.dims() != [rows, cols])
+            {
+                return Err(self.err(format!(
+                    "tensor `{key}` holds {rows} rows of {row_bytes} bytes, not {} blocks of {:?}",
+                    format,
+                    shape.map_or(vec![rows, cols], |s| s.dims().to_vec())
+                )));
+            }
+            let mut bytes = vec![0u8; e.offsets.1 - e.offsets.0];
+            self.read_into(&key, e, &mut bytes)?;
+            let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), &Device::Cpu, ggml)?;
+            QTensor::new(storage, (rows, cols))
+        })())
+    }
+}
+
+/// The checked reader, shared by the [`VarBuilder`] that reads the dense
+/// tensors and the [`vl_attn::Quantizer`] that takes stored blocks.
+#[derive(Clone)]
+pub struct SharedWeights(Arc<CheckedSafetensors>);
+
+impl StoredBlocks for SharedWeights {
+    fn blocks(&self, name: &str, format: GgmlDType) -> Option<vl_attn::Result<QTensor>> {
+        let q = Quantization::of(Some(format))?;
+        self.0
+            .stored(name, q, None)
+            .map(|r| r.map_err(vl_attn::AttnError::from))
+    }
+}
+
+impl SimpleBackend for SharedWeights {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        init: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        self.0.get(s, name, init, dtype, dev)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.0.get_unchecked(name, dtype, dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.contains_tensor(name)
+    }
+}
+
 impl SimpleBackend for CheckedSafetensors {
     fn get(
         &self,
@@ -176,6 +259,15 @@ impl SimpleBackend for CheckedSafetensors {
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
+        // A weight stored as blocks: the values they stand for (the
+        // quantizer then takes the blocks themselves).
+        if !self.entries.contains_key(name) {
+            for format in BLOCK_FORMATS {
+                if let Some(q) = self.stored(name, format, Some(&s)) {
+                    return q?.dequantize(dev)?.to_dtype(dtype);
+                }
+            }
+        }
         let e = self.entries.get(name).ok_or_else(|| {
             self.err(format!(
                 "missing tensor `{name}` (expected shape {:?})",
@@ -202,6 +294,9 @@ impl SimpleBackend for CheckedSafetensors {
 
     fn contains_tensor(&self, name: &str) -> bool {
         self.entries.contains_key(name)
+            || BLOCK_FORMATS
+                .iter()
+                .any(|f| self.entries.contains_key(&format!("{name}.{}", f.name())))
     }
 }
 
@@ -319,31 +414,22 @@ pub fn open_weights(
     dtype: DType,
     device: &Device,
 ) -> Result<VarBuilder<'static>> {
+    Ok(open_shared(files, dtype, device)?.0)
+}
+
+/// [`open_weights`], with the reader shared for the blocks a converted
+/// model stored ([`SharedWeights`]).
+pub fn open_shared(
+    files: &[PathBuf],
+    dtype: DType,
+    device: &Device,
+) -> Result<(VarBuilder<'static>, SharedWeights)> {
     if files.is_empty() {
         return arg_err("weights", "no safetensors file given");
     }
-    let backend = CheckedSafetensors::open(files)?;
-    Ok(VarBuilder::from_backend(
-        Box::new(backend),
-        dtype,
-        device.clone(),
-    ))
-}
-
-/// Writes every variable of `vars` to a safetensors file.
-pub fn save_varmap(vars: &VarMap, path: &Path) -> Result<()> {
-    let data = vars.data().lock().map_err(|_| Error::Weights {
-        path: path.to_path_buf(),
-        reason: "the variable map's lock is poisoned".into(),
-    })?;
-    let tensors: HashMap<String, Tensor> = data
-        .iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-        .collect();
-    candle_core::safetensors::save(&tensors, path).map_err(|e| Error::Weights {
-        path: path.to_path_buf(),
-        reason: format!("cannot write: {e}"),
-    })
+    let shared = SharedWeights(Arc::new(CheckedSafetensors::open(files)?));
+    let vb = VarBuilder::from_backend(Box::new(shared.clone()), dtype, device.clone());
+    Ok((vb, shared))
 }
 
 #[cfg(test)]

@@ -37,7 +37,7 @@ pub struct Fixture<E> {
 
 pub fn load<E: DeserializeOwned>(family: &str, kind: &str) -> anyhow::Result<Fixture<E>> {
     let dir = fixture(family, kind);
-    let model = VlModel::load(&dir, DType::F32, &Device::Cpu)?;
+    let model = vl::load(&dir, &vl::LoadOptions::new(DType::F32, &Device::Cpu))?;
     let tensors = candle_core::safetensors::load(dir.join("expected.safetensors"), &Device::Cpu)?;
     let expected = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json"))?)?;
     Ok(Fixture {
@@ -67,7 +67,7 @@ pub fn copy_fixture(family: &str, kind: &str) -> anyhow::Result<tempfile::TempDi
 pub fn load_err(dir: &Path) -> String {
     format!(
         "{:#}",
-        VlModel::load(dir, DType::F32, &Device::Cpu).expect_err("must fail")
+        vl::load(dir, &vl::LoadOptions::new(DType::F32, &Device::Cpu)).expect_err("must fail")
     )
 }
 
@@ -84,14 +84,14 @@ pub fn check_forward<E>(
 ) -> anyhow::Result<ImageContext> {
     let want_pixels = &f.tensors["pixel_values"];
     let img = load_image(&f.dir.join("image.png"))?;
-    let spec = f.model.pixels.expect("pixel spec");
+    let spec = *f.model.pixel_spec()?;
     let pixels = preprocess(&img, &spec, &Device::Cpu)?.unsqueeze(0)?;
     let d = max_abs_diff(&pixels, want_pixels)?;
     eprintln!("{kind}: pixels max abs diff {d:e}");
     assert!(d <= PIXEL_TOL, "{kind}: pixel values differ by {d}");
 
     // Before any projection into the decoder's width.
-    let Some(VisionEncoder::Vit(vit)) = &f.model.vision else {
+    let Some(VisionEncoder::Vit(vit)) = f.model.vision.as_ref().map(|v| v.encoder()) else {
         panic!("{kind}: expected a ViT encoder");
     };
     let state = vit.last_hidden_state(want_pixels)?;

@@ -12,6 +12,7 @@
 //! [`crate::mask`] (`1` = may attend); a query with no key left gets an
 //! exactly zero update.
 
+use crate::quantize::Quantizer;
 use candle_core::quantized::GgmlDType;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
@@ -144,16 +145,11 @@ impl CoAttention {
     /// # Errors
     /// [`AttnError::Quantize`] naming the first projection whose input width
     /// is not a multiple of the block size, e.g. `a_to_b.q_proj`.
-    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
+    pub fn quantize(&self, q: impl Into<Quantizer>) -> Result<Self> {
+        let q: Quantizer = q.into();
         Ok(Self {
-            a_to_b: self
-                .a_to_b
-                .quantize(format)
-                .map_err(|e| e.within("a_to_b"))?,
-            b_to_a: self
-                .b_to_a
-                .quantize(format)
-                .map_err(|e| e.within("b_to_a"))?,
+            a_to_b: self.a_to_b.quantize(q.within("a_to_b"))?,
+            b_to_a: self.b_to_a.quantize(q.within("b_to_a"))?,
             cfg: self.cfg.clone(),
         })
     }

@@ -6,7 +6,7 @@
 //! b += ffn_b(ffn_norm_b(b))
 //! ```
 
-use candle_core::quantized::GgmlDType;
+use crate::quantize::Quantizer;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
@@ -140,14 +140,12 @@ impl CoAttentionBlock {
     /// [`AttnError::Quantize`] naming the first projection whose input width
     /// is not a multiple of the block size, e.g. `co_attn.a_to_b.q_proj` or
     /// `ffn_b.down`.
-    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
+    pub fn quantize(&self, q: impl Into<Quantizer>) -> Result<Self> {
+        let q: Quantizer = q.into();
         Ok(Self {
-            co_attn: self
-                .co_attn
-                .quantize(format)
-                .map_err(|e| e.within("co_attn"))?,
-            ffn_a: self.ffn_a.quantize(format).map_err(|e| e.within("ffn_a"))?,
-            ffn_b: self.ffn_b.quantize(format).map_err(|e| e.within("ffn_b"))?,
+            co_attn: self.co_attn.quantize(q.within("co_attn"))?,
+            ffn_a: self.ffn_a.quantize(q.within("ffn_a"))?,
+            ffn_b: self.ffn_b.quantize(q.within("ffn_b"))?,
             ..self.clone()
         })
     }

@@ -1,6 +1,7 @@
 //! Cross-attention: queries from one sequence, keys and values from
 //! another (the memory), with no causal mask.
 
+use crate::quantize::Quantizer;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -232,18 +233,25 @@ impl CrossAttention {
     /// (an eighth of a step's reads at 8-bit weights, a fifteenth at
     /// 16-bit ones, more for long images), and the rounding is that of
     /// the weights that made them.
-    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
-        let q = Self::new(self.core.quantize(format)?, &self.cfg).with_backend(self.backend());
-        let narrow = match format {
-            GgmlDType::F32 => None,
-            GgmlDType::F16 => Some(DType::F16),
-            _ => Some(DType::BF16),
+    pub fn quantize(&self, q: impl Into<Quantizer>) -> Result<Self> {
+        let quantizer: Quantizer = q.into();
+        let q = Self::new(self.core.quantize(&quantizer)?, &self.cfg).with_backend(self.backend());
+        let narrow = match quantizer.format() {
+            None | Some(GgmlDType::F32) => None,
+            Some(GgmlDType::F16) => Some(DType::F16),
+            Some(_) => Some(DType::BF16),
         };
         let memory_dtype = match self.memory_dtype {
             None if q.core.dtype() == DType::F32 && q.core.device().is_cpu() => narrow,
             kept => kept,
         };
         Ok(q.with_memory_dtype(memory_dtype))
+    }
+
+    /// Adds `q_proj`, `k_proj`, `v_proj` and `o_proj` under `prefix` (see
+    /// [`crate::named`]).
+    pub fn named_tensors(&self, prefix: &str, out: &mut crate::named::Named) -> Result<()> {
+        self.core.named_tensors(prefix, out)
     }
 
     /// Keeps the keys and values of [`CrossAttention::project_memory`] in

@@ -1,7 +1,7 @@
 //! The position-wise feed-forward layer and its activations, shared by the
 //! decoder and the ViT.
 
-use candle_core::quantized::GgmlDType;
+use crate::quantize::Quantizer;
 use candle_core::Tensor;
 use candle_nn::{Linear, Module, VarBuilder};
 use serde::{Deserialize, Serialize};
@@ -87,12 +87,20 @@ impl FeedForward {
     /// [`crate::AttnError::Quantize`] naming `up` (or `down`) when
     /// `hidden` (or `intermediate`) is not a multiple of the format's block
     /// size.
-    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
+    pub fn quantize(&self, q: impl Into<Quantizer>) -> Result<Self> {
+        let q: Quantizer = q.into();
         Ok(Self {
-            up: self.up.quantize("up", format)?,
-            down: self.down.quantize("down", format)?,
+            up: q.proj("up", &self.up)?,
+            down: q.proj("down", &self.down)?,
             act: self.act,
         })
+    }
+
+    /// Adds `up` and `down` under `prefix` (see [`crate::named`]).
+    pub fn named_tensors(&self, prefix: &str, out: &mut crate::named::Named) -> Result<()> {
+        use crate::named::join;
+        self.up.named_tensors(&join(prefix, "up"), out)?;
+        self.down.named_tensors(&join(prefix, "down"), out)
     }
 
     /// # Shapes

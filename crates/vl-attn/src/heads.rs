@@ -4,6 +4,7 @@
 //! for [`crate::CrossAttention`], [`crate::SelfAttention`] and
 //! [`crate::CausalSelfAttention`].
 
+use crate::quantize::Quantizer;
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
@@ -121,6 +122,19 @@ impl AttnCore {
         )
     }
 
+    /// Adds the four projections under `prefix` (see [`crate::named`]).
+    pub fn named_tensors(&self, prefix: &str, out: &mut crate::named::Named) -> Result<()> {
+        for (name, p) in [
+            ("q_proj", &self.q_proj),
+            ("k_proj", &self.k_proj),
+            ("v_proj", &self.v_proj),
+            ("o_proj", &self.o_proj),
+        ] {
+            p.named_tensors(&crate::named::join(prefix, name), out)?;
+        }
+        Ok(())
+    }
+
     /// Builds from `[q_proj, k_proj, v_proj, o_proj]`, checking each shape
     /// (the error names the projection, expected and actual shape).
     pub fn from_projs(projs: [Proj; 4], d: &CoreDims) -> Result<Self> {
@@ -149,12 +163,13 @@ impl AttnCore {
     /// A copy with the four projections quantized to `format`; the error
     /// names the first projection (`q_proj`, `k_proj`, `v_proj`, `o_proj`)
     /// whose input width is not a multiple of the block size.
-    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
+    pub fn quantize(&self, q: impl Into<Quantizer>) -> Result<Self> {
+        let q: Quantizer = q.into();
         Ok(Self {
-            q_proj: self.q_proj.quantize("q_proj", format)?,
-            k_proj: self.k_proj.quantize("k_proj", format)?,
-            v_proj: self.v_proj.quantize("v_proj", format)?,
-            o_proj: self.o_proj.quantize("o_proj", format)?,
+            q_proj: q.proj("q_proj", &self.q_proj)?,
+            k_proj: q.proj("k_proj", &self.k_proj)?,
+            v_proj: q.proj("v_proj", &self.v_proj)?,
+            o_proj: q.proj("o_proj", &self.o_proj)?,
             ..self.clone()
         })
     }

@@ -89,9 +89,11 @@ pub mod gate;
 mod heads;
 pub mod kernels;
 pub mod mask;
+pub mod named;
 pub mod norm;
 pub mod pool;
 pub mod proj;
+pub mod quantize;
 pub mod resampler;
 pub mod self_attn;
 
@@ -108,5 +110,6 @@ pub use mask::Mask;
 pub use norm::LayerNorm;
 pub use pool::QueryPool;
 pub use proj::Proj;
+pub use quantize::{Fallback, Quantization, Quantizer, StoredBlocks};
 pub use resampler::{Resampler, ResamplerConfig, ResamplerLayer};
 pub use self_attn::{CausalSelfAttention, SelfAttention, SelfAttentionConfig};

@@ -44,6 +44,15 @@ impl LayerNorm {
         }
     }
 
+    /// Adds `prefix.weight` and `prefix.bias` (see [`crate::named`]).
+    pub fn named_tensors(&self, prefix: &str, out: &mut crate::named::Named) {
+        use crate::named::join;
+        out.insert(join(prefix, "weight"), self.inner.weight().clone());
+        if let Some(b) = self.inner.bias() {
+            out.insert(join(prefix, "bias"), b.clone());
+        }
+    }
+
     /// A copy with its weight and bias in `dtype` (e.g. an f32 norm on
     /// the last hidden state of a 16-bit model, widened first).
     ///

@@ -29,6 +29,8 @@ use crate::error::{AttnError, Result};
 use crate::kernels::gemm_bf16::PackedBf16;
 use crate::kernels::gemv_q4k::PackedQ4K;
 use crate::kernels::gemv_q8::PackedQ8;
+use crate::named::{join, Named};
+use crate::quantize::Quantization;
 
 /// The row multiple quantized weights are padded to (candle's x86 tiles).
 const QUANTIZED_ROWS: usize = 16;
@@ -229,23 +231,7 @@ impl Proj {
         if self.quantization() == Some(format) {
             return Ok(self.clone());
         }
-        let (weight, bias) = match &self.inner {
-            Inner::Dense(l) => (l.weight().clone(), l.bias().cloned()),
-            Inner::Quantized { weight, bias, .. } => {
-                let w = match weight {
-                    QMatMul::QTensor(q) => q.dequantize(self.device())?,
-                    QMatMul::Tensor(w) | QMatMul::TensorF16(w) => w.to_dtype(DType::F32)?,
-                };
-                // Without the zero rows of the padding.
-                (w.narrow(0, 0, out_dim)?, bias.clone())
-            }
-            Inner::Half { weight, bias, .. } => (weight.to_dtype(DType::F32)?, bias.clone()),
-            Inner::Packed { weight, .. } => {
-                (weight.unpack()?.to_dtype(DType::F32)?, weight.bias()?)
-            }
-            Inner::Q8 { weight, .. } => (weight.dequantize()?, weight.bias()?),
-            Inner::Q4K { weight, .. } => (weight.dequantize()?, weight.bias()?),
-        };
+        let (weight, bias) = self.weight_and_bias()?;
         if let Some(half) = match format {
             GgmlDType::BF16 => Some(DType::BF16),
             GgmlDType::F16 => Some(DType::F16),
@@ -326,6 +312,137 @@ impl Proj {
                 in_dim,
             },
         })
+    }
+}
+
+impl Proj {
+    /// The weight `(out, in)` and bias the layer computes with: a dense
+    /// layer's own tensors; a converted layer's values in f32 (its blocks
+    /// dequantized, its 16-bit values widened).
+    pub fn weight_and_bias(&self) -> Result<(Tensor, Option<Tensor>)> {
+        let out_dim = self.dims().0;
+        Ok(match &self.inner {
+            Inner::Dense(l) => (l.weight().clone(), l.bias().cloned()),
+            Inner::Quantized { weight, bias, .. } => {
+                let w = match weight {
+                    QMatMul::QTensor(q) => q.dequantize(self.device())?,
+                    QMatMul::Tensor(w) | QMatMul::TensorF16(w) => w.to_dtype(DType::F32)?,
+                };
+                // Without the zero rows of the padding.
+                (w.narrow(0, 0, out_dim)?, bias.clone())
+            }
+            Inner::Half { weight, bias, .. } => (weight.to_dtype(DType::F32)?, bias.clone()),
+            Inner::Packed { weight, .. } => {
+                (weight.unpack()?.to_dtype(DType::F32)?, weight.bias()?)
+            }
+            Inner::Q8 { weight, .. } => (weight.dequantize()?, weight.bias()?),
+            Inner::Q4K { weight, .. } => (weight.dequantize()?, weight.bias()?),
+        })
+    }
+
+    /// Adds the layer's tensors under `prefix` (see [`crate::named`]):
+    /// `prefix.bias` when it has one, and its weight as it holds it —
+    /// dense or 16-bit as `prefix.weight` in its own dtype; `q8_0` and
+    /// `q4k` blocks as `prefix.weight.q8_0` or `prefix.weight.q4k`, a `u8`
+    /// tensor `(out, bytes per row)` in candle's (ggml's) block layout,
+    /// which [`Proj::from_blocks`] takes back; candle's other formats
+    /// dequantized to f32.
+    pub fn named_tensors(&self, prefix: &str, out: &mut Named) -> Result<()> {
+        let (out_dim, in_dim) = self.dims();
+        let blocks = |format: GgmlDType, bytes: Vec<u8>| -> Result<(String, Tensor)> {
+            let name = join(
+                prefix,
+                &format!(
+                    "weight.{}",
+                    Quantization::of(Some(format)).map_or("", |q| q.name())
+                ),
+            );
+            let per_row = in_dim / format.block_size() * format.type_size();
+            Ok((
+                name,
+                Tensor::from_vec(bytes, (out_dim, per_row), &Device::Cpu)?,
+            ))
+        };
+        let (weight, bias) = match &self.inner {
+            Inner::Dense(l) => (
+                (join(prefix, "weight"), l.weight().clone()),
+                l.bias().cloned(),
+            ),
+            Inner::Half { weight, bias, .. } => {
+                ((join(prefix, "weight"), weight.clone()), bias.clone())
+            }
+            Inner::Packed { weight, .. } => {
+                ((join(prefix, "weight"), weight.unpack()?), weight.bias()?)
+            }
+            Inner::Q8 { weight, .. } => {
+                (blocks(GgmlDType::Q8_0, weight.to_blocks())?, weight.bias()?)
+            }
+            Inner::Q4K { weight, .. } => {
+                (blocks(GgmlDType::Q4K, weight.to_blocks())?, weight.bias()?)
+            }
+            Inner::Quantized {
+                weight: QMatMul::QTensor(q),
+                format: format @ (GgmlDType::Q8_0 | GgmlDType::Q4K),
+                bias,
+                ..
+            } => {
+                // Without the padding rows' blocks.
+                let row = in_dim / format.block_size() * format.type_size();
+                let bytes = q.data()?[..out_dim * row].to_vec();
+                (blocks(*format, bytes)?, bias.clone())
+            }
+            Inner::Quantized { .. } => {
+                let (w, b) = self.weight_and_bias()?;
+                ((join(prefix, "weight"), w), b)
+            }
+        };
+        out.insert(weight.0, weight.1);
+        if let Some(b) = bias {
+            out.insert(join(prefix, "bias"), b);
+        }
+        Ok(())
+    }
+
+    /// A layer of `q8_0` or `q4k` blocks (candle's layout, e.g. written by
+    /// [`Proj::named_tensors`]) with `bias`, under activations of `dtype`:
+    /// on the CPU packed for vl's kernels, elsewhere candle's. The blocks
+    /// are taken as they are, not quantized again.
+    ///
+    /// # Errors
+    /// A format other than `q8_0` and `q4k`, or blocks that do not make a
+    /// 2-D weight, named.
+    pub fn from_blocks(q: QTensor, bias: Option<&Tensor>, dtype: DType) -> Result<Self> {
+        let (out_dim, in_dim) = q.shape().dims2()?;
+        let bias = bias.map(|b| b.to_dtype(DType::F32)).transpose()?;
+        let inner = match (q.dtype(), q.device().is_cpu()) {
+            (GgmlDType::Q8_0, true) => Inner::Q8 {
+                weight: Arc::new(PackedQ8::from_qtensor(&q)?.with_bias(bias.as_ref())?),
+                dtype,
+            },
+            (GgmlDType::Q4K, true) => Inner::Q4K {
+                weight: Arc::new(PackedQ4K::from_qtensor(&q)?.with_bias(bias.as_ref())?),
+                dtype,
+            },
+            (format @ (GgmlDType::Q8_0 | GgmlDType::Q4K), false) => {
+                let device = q.device();
+                Inner::Quantized {
+                    weight: QMatMul::from_arc(Arc::new(q))?,
+                    format,
+                    bias,
+                    dtype,
+                    device,
+                    out_dim,
+                    in_dim,
+                }
+            }
+            (other, _) => {
+                return Err(AttnError::Argument {
+                    arg: "blocks",
+                    reason: format!("takes q8_0 or q4k blocks, got {other:?}"),
+                })
+            }
+        };
+        Ok(Self { inner })
     }
 }
 

@@ -14,7 +14,8 @@
 //!
 //! then `output_norm(q)`.
 
-use candle_core::quantized::GgmlDType;
+use crate::named::{join, Named};
+use crate::quantize::Quantizer;
 use candle_core::Tensor;
 use candle_nn::{Init, VarBuilder};
 
@@ -166,17 +167,25 @@ impl ResamplerLayer {
         Ok((q + h)?)
     }
 
-    fn quantize(&self, format: GgmlDType) -> Result<Self> {
+    fn named_tensors(&self, prefix: &str, out: &mut Named) -> Result<()> {
+        self.self_attn_norm
+            .named_tensors(&join(prefix, "self_attn_norm"), out);
+        self.self_attn
+            .named_tensors(&join(prefix, "self_attn"), out)?;
+        self.cross_attn_norm
+            .named_tensors(&join(prefix, "cross_attn_norm"), out);
+        self.cross_attn
+            .named_tensors(&join(prefix, "cross_attn"), out)?;
+        self.ffn_norm.named_tensors(&join(prefix, "ffn_norm"), out);
+        self.ffn.named_tensors(&join(prefix, "ffn"), out)
+    }
+
+    fn quantize(&self, q: impl Into<Quantizer>) -> Result<Self> {
+        let q: Quantizer = q.into();
         Ok(Self {
-            self_attn: self
-                .self_attn
-                .quantize(format)
-                .map_err(|e| e.within("self_attn"))?,
-            cross_attn: self
-                .cross_attn
-                .quantize(format)
-                .map_err(|e| e.within("cross_attn"))?,
-            ffn: self.ffn.quantize(format).map_err(|e| e.within("ffn"))?,
+            self_attn: self.self_attn.quantize(q.within("self_attn"))?,
+            cross_attn: self.cross_attn.quantize(q.within("cross_attn"))?,
+            ffn: self.ffn.quantize(q.within("ffn"))?,
             ..self.clone()
         })
     }
@@ -223,21 +232,31 @@ impl Resampler {
         &self.cfg
     }
 
+    /// Adds `queries`, `layers.{i}.…` and `output_norm` under `prefix`
+    /// (see [`crate::named`]).
+    pub fn named_tensors(&self, prefix: &str, out: &mut Named) -> Result<()> {
+        out.insert(join(prefix, "queries"), self.queries.clone());
+        for (i, l) in self.layers.iter().enumerate() {
+            l.named_tensors(&join(prefix, &format!("layers.{i}")), out)?;
+        }
+        self.output_norm
+            .named_tensors(&join(prefix, "output_norm"), out);
+        Ok(())
+    }
+
     /// A copy with every projection quantized to `format`; queries and
     /// norms stay dense.
     ///
     /// # Errors
     /// [`AttnError::Quantize`] naming the first layer that does not fit the
     /// format's block size, e.g. `layers.0.self_attn.q_proj`.
-    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
+    pub fn quantize(&self, q: impl Into<Quantizer>) -> Result<Self> {
+        let q: Quantizer = q.into();
         let layers = self
             .layers
             .iter()
             .enumerate()
-            .map(|(i, l)| {
-                l.quantize(format)
-                    .map_err(|e| e.within(&format!("layers.{i}")))
-            })
+            .map(|(i, l)| l.quantize(q.within(&format!("layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             layers,

@@ -2,6 +2,7 @@
 //! ViT) and causal with a text key/value cache ([`CausalSelfAttention`]).
 //! Both share [`SelfAttentionConfig`] and the projection core.
 
+use crate::quantize::Quantizer;
 use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
 use candle_nn::{Linear, VarBuilder};
@@ -113,11 +114,18 @@ macro_rules! self_attention_common {
             /// [`crate::AttnError::Quantize`] naming `q_proj` when `hidden`
             /// is not a multiple of the format's block size (32 for `q8_0`,
             /// 256 for `q4k`).
-            pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
+            pub fn quantize(&self, q: impl Into<Quantizer>) -> Result<Self> {
+                let q: Quantizer = q.into();
                 Ok(Self {
-                    core: self.core.quantize(format)?,
+                    core: self.core.quantize(&q)?,
                     cfg: self.cfg.clone(),
                 })
+            }
+
+            /// Adds `q_proj`, `k_proj`, `v_proj` and `o_proj` under
+            /// `prefix` (see [`crate::named`]).
+            pub fn named_tensors(&self, prefix: &str, out: &mut crate::named::Named) -> Result<()> {
+                self.core.named_tensors(prefix, out)
             }
 
             /// The quantized format of the projections, `None` when dense.

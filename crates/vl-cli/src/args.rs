@@ -5,10 +5,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use candle_core::{DType, Device};
-use vl::checkpoint::native;
 use vl::settings::{parse_device, parse_dtype, GenerationOverrides};
-use vl::vl_decoder::Quantization;
-use vl::VlModel;
+use vl::vl_attn::Quantization;
+use vl::{LoadOptions, Source, VlModel};
 
 use crate::embedded;
 
@@ -72,7 +71,7 @@ pub(crate) fn device_name(device: &Device) -> &'static str {
 impl ModelArgs {
     /// Loads `--model`, or the embedded shapes captioner, on `--device` in
     /// `--dtype`, quantized as `--quantize` says (part by part during the
-    /// load: [`VlModel::load_quantized`]).
+    /// load: [`vl::load`]).
     pub fn load(&self) -> anyhow::Result<VlModel> {
         let model = self.load_model()?;
         keep_freed_memory();
@@ -80,29 +79,21 @@ impl ModelArgs {
     }
 
     fn load_model(&self) -> anyhow::Result<VlModel> {
-        match &self.model {
-            Some(dir) => VlModel::load_quantized(dir, self.dtype, &self.device, self.quantize)
-                .with_context(|| match self.quantize {
-                    Quantization::None => format!("cannot load the model {}", dir.display()),
-                    q => format!(
-                        "cannot load the model {} with --quantize {q}",
-                        dir.display()
-                    ),
-                }),
-            None => {
-                let mut model = native::load_bytes(
-                    Path::new(embedded::NAME),
-                    embedded::SHAPES_CAPTIONER,
-                    self.dtype,
-                    &self.device,
-                )
-                .context("cannot load the embedded shapes captioner")?;
-                model
-                    .quantize(self.quantize)
-                    .with_context(|| format!("--quantize {}", self.quantize))?;
-                Ok(model)
-            }
-        }
+        let options = LoadOptions::new(self.dtype, &self.device).quantized(self.quantize);
+        let (source, name) = match &self.model {
+            Some(dir) => (Source::Dir(dir), format!("the model {}", dir.display())),
+            None => (
+                Source::Memory {
+                    name: Path::new(embedded::NAME),
+                    files: embedded::SHAPES_CAPTIONER,
+                },
+                "the embedded shapes captioner".to_string(),
+            ),
+        };
+        vl::load(source, &options).with_context(|| match self.quantize {
+            Quantization::None => format!("cannot load {name}"),
+            q => format!("cannot load {name} with --quantize {q}"),
+        })
     }
 
     /// What `--model` names, for messages.

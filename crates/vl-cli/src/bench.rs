@@ -16,8 +16,9 @@ use std::time::Instant;
 
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor, D};
-use vl::vl_decoder::{ImageContext, Quantization, StepOptions, VisionLanguageDecoder};
-use vl::VlModel;
+use vl::vl_attn::Quantization;
+use vl::vl_decoder::{ImageContext, StepOptions, VisionLanguageDecoder};
+use vl::{LoadOptions, VlModel};
 
 /// Time captioning with a model directory.
 #[derive(clap::Args, Debug)]
@@ -202,7 +203,11 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     // Quantized as `vl caption --quantize` does: part by part during the
     // load (its time counts in `load_ms`).
     let (load_ms, model) = time(|| {
-        VlModel::load_quantized(&args.model, dtype, device, args.quantize).with_context(|| {
+        vl::load(
+            &args.model,
+            &LoadOptions::new(dtype, device).quantized(args.quantize),
+        )
+        .with_context(|| {
             format!(
                 "cannot load {} (--quantize {})",
                 args.model.display(),
@@ -294,7 +299,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     if args.agreement_tokens > 0
         && (args.dtype != DType::F32 || args.quantize != Quantization::None)
     {
-        let reference = VlModel::load(&args.model, DType::F32, device)
+        let reference = vl::load(&args.model, &LoadOptions::new(DType::F32, device))
             .with_context(|| format!("cannot load {} in f32", args.model.display()))?;
         let (agreement, margin) = agreement(&reference, &model, &pixels, args.agreement_tokens)?;
         json["top1_agreement"] = agreement.into();

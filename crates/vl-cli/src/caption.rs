@@ -18,9 +18,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context};
 use image::DynamicImage;
 use indicatif::{ProgressBar, ProgressDrawTarget};
-use vl::captioner::{Caption, Captioner};
-use vl::heatmap;
-use vl::vl_vision::preprocess::load_image;
+use vl::captioner::{Caption, Captioner, ImageInput, Request};
 use vl::VlModel;
 
 use crate::args::{GenerationArgs, ModelArgs};
@@ -204,32 +202,16 @@ fn write_maps(
     img: &DynamicImage,
     c: &Caption,
 ) -> anyhow::Result<()> {
-    let Some(spec) = &captioner.model.pixels else {
-        bail!("the model has no vision encoder");
-    };
-    let size = spec.image_size as u32;
-    let shown = image::imageops::resize(
-        &img.to_rgb8(),
-        size,
-        size,
-        image::imageops::FilterType::Triangle,
-    );
-    let maps = &c.heatmaps;
-    let grid = (maps.first().map_or(0, Vec::len) as f64).sqrt() as u32;
+    let maps = captioner.attention_maps(img, c)?;
     let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("image");
     std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))?;
-    let tok = &captioner.model.tokenizer;
-    let mut tiles = Vec::new();
-    for (i, (id, w)) in c.token_ids.iter().zip(maps).enumerate() {
-        let word = tok.id_to_token(*id).unwrap_or_default();
-        let tile = heatmap::overlay(&shown, w, grid, &word);
-        let file = dir.join(format!("{stem}_{i:02}_{}.png", sanitize(&word)));
+    for (i, (word, tile)) in maps.words.iter().enumerate() {
+        let file = dir.join(format!("{stem}_{i:02}_{}.png", sanitize(word)));
         tile.save(&file)
             .with_context(|| format!("{}", file.display()))?;
-        tiles.push(tile);
     }
     let file = dir.join(format!("{stem}_grid.png"));
-    heatmap::grid(&tiles, &c.text)
+    maps.grid
         .save(&file)
         .with_context(|| format!("{}", file.display()))?;
     Ok(())
@@ -277,29 +259,32 @@ fn load_model(args: &Args) -> anyhow::Result<VlModel> {
 fn caption(args: &Args) -> Result<usize, Fatal> {
     let model = load_model(args).map_err(Fatal)?;
     let model_name = model.path.display().to_string();
-    let captioner = Captioner::new(model);
-    let gen = args
+    let captioner = Captioner::new(model).with_batch_size(args.batch_size);
+    let generation = args
         .generation
         .overrides()
-        .apply(&captioner.model.generation, &captioner.model.config.decoder)
+        .apply(captioner.generation(), &captioner.model().config.decoder)
         .map_err(|e| Fatal(e.into()))?;
     // Heatmaps come from the captioning pass itself.
-    let gen = match &args.attention_map {
+    let generation = match &args.attention_map {
         Some(_) => captioner
-            .with_heatmaps(&gen)
+            .with_heatmaps(&generation)
             .context("--attention-map")
             .map_err(Fatal)?,
-        None => gen,
+        None => generation,
     };
     // A model without prompt handling is refused before any image is read.
     if let Some(p) = &args.prompt {
         captioner
-            .model
+            .model()
             .prompt_ids(p)
             .context("--prompt")
             .map_err(Fatal)?;
     }
-    let prompt = args.prompt.as_deref();
+    let request = Request {
+        generation,
+        prompt: args.prompt.as_deref(),
+    };
     let mut listed = args.inputs.clone();
     if let Some(list) = &args.files_from {
         listed.extend(read_list(list).map_err(Fatal)?);
@@ -342,57 +327,35 @@ fn caption(args: &Args) -> Result<usize, Fatal> {
     for (path, e) in &problems {
         out.err(path, e).map_err(io)?;
     }
-    for chunk in inputs.chunks(args.batch_size.get()) {
-        // Each image is read and preprocessed on its own, so one bad file
-        // costs only itself.
-        let mut good: Vec<(&PathBuf, DynamicImage, candle_core::Tensor)> = Vec::new();
-        for path in chunk {
-            let loaded = load_image(path)
-                .map_err(anyhow::Error::from)
-                .and_then(|img| Ok((captioner.pixels(&img)?, img)));
-            match loaded {
-                Ok((pixels, img)) => good.push((path, img, pixels)),
-                Err(e) => bar.suspend(|| out.err(path, &e)).map_err(io)?,
+    let images: Vec<ImageInput> = inputs.iter().map(ImageInput::from).collect();
+    // Only writing the results can stop the run; it is kept here.
+    let mut write_error = None;
+    let captioned = captioner.caption_each(&images, &request, |done| {
+        let path = &inputs[done.index];
+        let caption = done.caption.map_err(anyhow::Error::from).and_then(|c| {
+            if let (Some(dir), Some(img)) = (&args.attention_map, done.image) {
+                write_maps(&captioner, dir, path, img, &c).context("attention map")?;
             }
-        }
-        let pixels: Vec<candle_core::Tensor> = good.iter().map(|(_, _, p)| p.clone()).collect();
-        let captions: Vec<anyhow::Result<Caption>> = if pixels.is_empty() {
-            Vec::new()
-        } else {
-            match captioner.caption_pixels_from(&pixels, &gen, prompt, &mut |_| {}) {
-                Ok(c) => c.into_iter().map(Ok).collect(),
-                // A failed batch is retried image by image.
-                Err(_) if pixels.len() > 1 => pixels
-                    .iter()
-                    .map(|p| {
-                        captioner
-                            .caption_pixels_from(
-                                std::slice::from_ref(p),
-                                &gen,
-                                prompt,
-                                &mut |_| {},
-                            )?
-                            .pop()
-                            .context("no caption")
-                    })
-                    .collect(),
-                Err(e) => vec![Err(e)],
-            }
+            Ok(c)
+        });
+        let written = match caption {
+            Ok(c) => bar.suspend(|| out.ok(path, &c)),
+            Err(e) => bar.suspend(|| out.err(path, &e)),
         };
-        for ((path, img, _), c) in good.iter().zip(captions) {
-            let c = c.and_then(|c| {
-                if let Some(dir) = &args.attention_map {
-                    write_maps(&captioner, dir, path, img, &c).context("attention map")?;
-                }
-                Ok(c)
-            });
-            match c {
-                Ok(c) => bar.suspend(|| out.ok(path, &c)).map_err(io)?,
-                Err(e) => bar.suspend(|| out.err(path, &e)).map_err(io)?,
-            }
-        }
-        bar.inc(chunk.len() as u64);
+        bar.inc(1);
+        written.map_err(|e| {
+            let stop = vl::Error::Argument {
+                arg: "output",
+                reason: one_line(&e),
+            };
+            write_error = Some(e);
+            stop
+        })
+    });
+    if let Some(e) = write_error {
+        return Err(io(e));
     }
+    captioned.context("captioning").map_err(Fatal)?;
     bar.finish_and_clear();
     Ok(out.failed)
 }

@@ -3,7 +3,7 @@
 use std::num::NonZeroUsize;
 
 use image::DynamicImage;
-use vl::captioner::Captioner;
+use vl::captioner::{Captioner, ImageInput, Request};
 use vl::vl_shapes::{dataset_scene, score};
 
 use crate::args::ModelArgs;
@@ -61,8 +61,11 @@ pub fn count_correct(
     batch_size: NonZeroUsize,
     on_miss: &mut dyn FnMut(u64, &str, &str),
 ) -> anyhow::Result<u64> {
-    let max_tokens = captioner.model.config.decoder.max_position_embeddings - 1;
-    let gen = captioner.greedy_config(max_tokens);
+    let max_tokens = captioner.model().config.decoder.max_position_embeddings - 1;
+    let request = Request {
+        generation: captioner.greedy_config(max_tokens),
+        prompt: None,
+    };
     let mut correct = 0u64;
     let mut start = 0;
     while start < n {
@@ -72,13 +75,14 @@ pub fn count_correct(
             .iter()
             .map(|s| DynamicImage::ImageRgb8(s.render()))
             .collect();
-        let refs: Vec<&DynamicImage> = images.iter().collect();
+        let inputs: Vec<ImageInput> = images.iter().map(ImageInput::from).collect();
         for (i, (c, scene)) in captioner
-            .caption(&refs, &gen, &mut |_| {})?
-            .iter()
+            .caption(&inputs, &request)?
+            .into_iter()
             .zip(&scenes)
             .enumerate()
         {
+            let c = c?;
             if score(&c.text, scene) {
                 correct += 1;
             } else {

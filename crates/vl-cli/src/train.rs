@@ -32,7 +32,7 @@ use vl::vl_decoder::init::seeded_init;
 use vl::vl_decoder::{generate, Dropout, ForwardMasks, Mode, VisionLanguageDecoder};
 use vl::vl_shapes::scene_accuracy;
 use vl::vl_vision::{VisionConfig, VisionEncoder};
-use vl::{VlConfig, VlModel};
+use vl::{LoadOptions, VlConfig};
 
 use crate::plot::{self, Axis, Legend, Panel, Series};
 
@@ -503,12 +503,12 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let started = Instant::now();
     let label = if args.gated { "gated" } else { "train" };
     let trained = train(args, label)?;
-    VlModel::save(&args.out, &trained.cfg, &trained.vars, &trained.tok)?;
+    vl::checkpoint::native::save(&args.out, &trained.cfg, &trained.vars, &trained.tok)?;
     // Check the directory loads and captions.
-    let loaded = Captioner::load(&args.out, DType::F32, &Device::Cpu)?;
+    let loaded = Captioner::load(&args.out, &LoadOptions::default())?;
     eprintln!(
         "wrote {} ({} s)",
-        loaded.model.path.display(),
+        loaded.model().path.display(),
         started.elapsed().as_secs()
     );
     if let Some(png) = &args.train_curve {

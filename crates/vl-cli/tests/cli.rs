@@ -337,7 +337,8 @@ fn quantize_flag() {
         .filter_map(|l| l.split_once('\t'))
         .map(|(_, c)| c)
         .collect();
-    for format in ["q8_0", "bf16"] {
+    // q4k asked of the 64-wide captioner: every layer falls back to q8_0.
+    for format in ["q8_0", "bf16", "q4k"] {
         let mut args = vec!["--quantize", format, "--json"];
         args.extend(files.iter().map(|f| s(f)));
         let out = run(&args);
@@ -351,7 +352,8 @@ fn quantize_flag() {
             .collect();
         assert_eq!(got, want, "{format}");
     }
-    // q4k needs widths in multiples of 256: a clear one-line error, exit 2.
+    // q4k needs widths in multiples of 256: the 32-wide checkpoint's
+    // layers fall back to q8_0, said once on stderr, and it captions.
     let out = run(&[
         "--model",
         s(&dir),
@@ -359,10 +361,14 @@ fn quantize_flag() {
         "q4k",
         s(&dir.join("image.png")),
     ]);
-    assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let warnings: Vec<&str> = err.lines().filter(|l| l.contains("WARN")).collect();
+    assert_eq!(warnings.len(), 1, "{err}");
     assert!(
-        err.contains("--quantize q4k") && err.contains("256") && err.lines().count() == 1,
+        warnings[0].contains("cannot hold q4k")
+            && warnings[0].contains("256")
+            && warnings[0].contains("q8_0 for"),
         "{err}"
     );
 }

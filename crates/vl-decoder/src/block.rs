@@ -27,9 +27,9 @@
 //! second middle line is Flamingo's gated dense layer: a feed-forward of
 //! the cross-attention branch's own, behind a tanh gate that starts at 0.
 
-use candle_core::quantized::GgmlDType;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
+use vl_attn::Quantizer;
 use vl_attn::{
     CausalSelfAttention, CrossAttention, CrossAttentionConfig, CrossKv, Dropout, DropoutRng,
     FeedForward, KvCache, Mask, Mode, SelfAttentionConfig, TanhGate, Weights,
@@ -195,6 +195,34 @@ impl DecoderBlock {
         Ok(block.with_dropouts(cfg.dropouts()?))
     }
 
+    /// Adds the block's tensors under `prefix`, by the names
+    /// [`DecoderBlock::load`] reads (see [`vl_attn::named`]).
+    pub fn named_tensors(&self, prefix: &str, out: &mut vl_attn::named::Named) -> Result<()> {
+        use vl_attn::named::join;
+        self.self_attn_norm
+            .named_tensors(&join(prefix, "self_attn_norm"), out);
+        self.self_attn
+            .named_tensors(&join(prefix, "self_attn"), out)?;
+        if let Some(c) = &self.cross {
+            c.cross_attn_norm
+                .named_tensors(&join(prefix, "cross_attn_norm"), out);
+            c.cross_attn
+                .named_tensors(&join(prefix, "cross_attn"), out)?;
+            if let Some(g) = &c.gate {
+                out.insert(join(prefix, "cross_attn_gate"), g.alpha().clone());
+            }
+            if let Some(f) = &c.ffn {
+                f.ffn_norm
+                    .named_tensors(&join(prefix, "cross_ffn_norm"), out);
+                f.ffn.named_tensors(&join(prefix, "cross_ffn"), out)?;
+                out.insert(join(prefix, "cross_ffn_gate"), f.gate.alpha().clone());
+            }
+        }
+        self.ffn_norm.named_tensors(&join(prefix, "ffn_norm"), out);
+        self.ffn.named_tensors(&join(prefix, "ffn"), out)?;
+        Ok(())
+    }
+
     /// Builds a pre-LN block from existing parts (checkpoint converters),
     /// without dropout (see [`DecoderBlock::with_dropouts`]; a post-LN block
     /// with [`DecoderBlock::with_norm_placement`]).
@@ -309,23 +337,18 @@ impl DecoderBlock {
     /// # Errors
     /// [`vl_attn::AttnError::Quantize`] naming the first projection that
     /// cannot be quantized, e.g. `cross_attn.k_proj`.
-    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
+    pub fn quantize(&self, q: impl Into<Quantizer>) -> Result<Self> {
+        let q: Quantizer = q.into();
         // In block order, so that the first failing layer is named.
-        let self_attn = self
-            .self_attn
-            .quantize(format)
-            .map_err(|e| e.within("self_attn"))?;
+        let self_attn = self.self_attn.quantize(q.within("self_attn"))?;
         let cross = match &self.cross {
             None => None,
             Some(c) => Some(CrossBranch {
-                cross_attn: c
-                    .cross_attn
-                    .quantize(format)
-                    .map_err(|e| e.within("cross_attn"))?,
+                cross_attn: c.cross_attn.quantize(q.within("cross_attn"))?,
                 ffn: match &c.ffn {
                     None => None,
                     Some(f) => Some(GatedFeedForward {
-                        ffn: f.ffn.quantize(format).map_err(|e| e.within("cross_ffn"))?,
+                        ffn: f.ffn.quantize(q.within("cross_ffn"))?,
                         ..f.clone()
                     }),
                 },
@@ -335,7 +358,7 @@ impl DecoderBlock {
         Ok(Self {
             self_attn,
             cross,
-            ffn: self.ffn.quantize(format).map_err(|e| e.within("ffn"))?,
+            ffn: self.ffn.quantize(q.within("ffn"))?,
             ..self.clone()
         })
     }

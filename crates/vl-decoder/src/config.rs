@@ -146,6 +146,10 @@ pub struct DecoderConfig {
     /// see [`crate::head::OutputTransform`].
     #[serde(default, skip_serializing_if = "is_false")]
     pub output_transform: bool,
+    /// Whether the LM head adds a bias (`lm_head.bias`, also when the head
+    /// is tied to the token embedding; default false; BLIP's has one).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub lm_head_bias: bool,
     /// Learned (default) or sinusoidal positions, see [`crate::positions`].
     #[serde(default, skip_serializing_if = "is_default")]
     pub position_embedding: PositionEmbedding,
@@ -322,6 +326,7 @@ impl DecoderConfig {
             scale_embedding: false,
             layernorm_embedding: false,
             output_transform: false,
+            lm_head_bias: false,
             position_embedding: PositionEmbedding::Learned,
             position_offset: 0,
             position_padding_idx: None,

@@ -21,6 +21,16 @@ pub struct OutputTransform {
 }
 
 impl OutputTransform {
+    /// Adds `dense` and `norm` under `prefix` (see [`vl_attn::named`]).
+    pub fn named_tensors(&self, prefix: &str, out: &mut vl_attn::named::Named) {
+        use vl_attn::named::join;
+        out.insert(join(prefix, "dense.weight"), self.dense.weight().clone());
+        if let Some(b) = self.dense.bias() {
+            out.insert(join(prefix, "dense.bias"), b.clone());
+        }
+        self.norm.named_tensors(&join(prefix, "norm"), out);
+    }
+
     /// Loads (or initialises) `dense` and `norm` under `vb`.
     pub fn load(vb: VarBuilder, cfg: &DecoderConfig) -> Result<Self> {
         let h = cfg.hidden_size;

@@ -46,7 +46,6 @@ pub mod init;
 pub mod model;
 pub mod positions;
 
-pub mod quantize;
 pub mod state;
 
 pub use block::DecoderBlock;
@@ -60,6 +59,5 @@ pub use generate::{
 pub use head::OutputTransform;
 pub use model::{DecoderParts, ForwardMasks, VisionLanguageDecoder};
 pub use positions::{PositionEmbedding, Positions};
-pub use quantize::Quantization;
 pub use state::{DecodeState, StepOptions, StepOutput, StepPositions, StepValues};
 pub use vl_attn::{Dropout, DropoutRng, FeedForward, LayerNorm, Mode};

@@ -12,6 +12,7 @@
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Embedding, Linear, Module, VarBuilder};
+use vl_attn::Quantizer;
 
 use vl_attn::mask::{self, MediaAttention, MediaSpan};
 use vl_attn::LayerNorm;
@@ -131,10 +132,21 @@ impl VisionLanguageDecoder {
         } else {
             None
         };
-        let lm_head = if cfg.tie_word_embeddings {
-            Linear::new(embed_tokens.embeddings().clone(), None)
+        let head = vb.pp("lm_head");
+        let bias = if cfg.lm_head_bias {
+            Some(head.get_with_hints(cfg.vocab_size, "bias", candle_nn::Init::Const(0.0))?)
         } else {
-            candle_nn::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+            None
+        };
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear::new(embed_tokens.embeddings().clone(), bias)
+        } else {
+            let weight = head.get_with_hints(
+                (cfg.vocab_size, cfg.hidden_size),
+                "weight",
+                candle_nn::init::DEFAULT_KAIMING_NORMAL,
+            )?;
+            Linear::new(weight, bias)
         };
         Self::from_components(
             DecoderParts {
@@ -238,6 +250,12 @@ impl VisionLanguageDecoder {
                 "output_transform",
                 cfg.output_transform,
             ),
+            (
+                "lm_head.bias",
+                lm_head.bias().is_some(),
+                "lm_head_bias",
+                cfg.lm_head_bias,
+            ),
         ] {
             if given != wanted {
                 return arg_err(
@@ -301,21 +319,58 @@ impl VisionLanguageDecoder {
     /// width is not a multiple of the format's block size (32 for `q8_0`,
     /// 256 for `q4k`), e.g. `blocks.0.cross_attn.k_proj` for a
     /// `memory_dim` of 48.
-    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
+    pub fn quantize(&self, q: impl Into<Quantizer>) -> Result<Self> {
+        let q: Quantizer = q.into();
         let blocks = self
             .blocks
             .iter()
             .enumerate()
-            .map(|(i, b)| {
-                b.quantize(format)
-                    .map_err(|e| e.within(&format!("blocks.{i}")))
-            })
+            .map(|(i, b)| b.quantize(q.within(&format!("blocks.{i}"))))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             blocks,
-            lm_head: self.lm_head.quantize("lm_head", format)?,
+            lm_head: q.proj("lm_head", &self.lm_head)?,
             ..self.clone()
         })
+    }
+
+    /// Adds the decoder's tensors under `prefix`, by the names
+    /// [`VisionLanguageDecoder::load`] reads (see [`vl_attn::named`]): a
+    /// head tied to the token embedding is not written (its bias is, as
+    /// `lm_head.bias`).
+    ///
+    /// # Errors
+    /// candle's, dequantizing a converted layer.
+    pub fn named_tensors(&self, prefix: &str, out: &mut vl_attn::named::Named) -> Result<()> {
+        use vl_attn::named::join;
+        out.insert(
+            join(prefix, "embed_tokens.weight"),
+            self.embed_tokens.embeddings().clone(),
+        );
+        if let Positions::Learned { table, .. } = &self.positions {
+            out.insert(
+                join(prefix, "embed_positions.weight"),
+                table.embeddings().clone(),
+            );
+        }
+        if let Some(n) = &self.embedding_norm {
+            n.named_tensors(&join(prefix, "embedding_norm"), out);
+        }
+        for (i, b) in self.blocks.iter().enumerate() {
+            b.named_tensors(&join(prefix, &format!("blocks.{i}")), out)?;
+        }
+        if let Some(n) = &self.final_norm {
+            n.named_tensors(&join(prefix, "final_norm"), out);
+        }
+        if let Some(t) = &self.output_transform {
+            t.named_tensors(&join(prefix, "output_transform"), out);
+        }
+        if !self.cfg.tie_word_embeddings {
+            self.lm_head.named_tensors(&join(prefix, "lm_head"), out)?;
+        } else if let (_, Some(b)) = self.lm_head.weight_and_bias()? {
+            out.insert(join(prefix, "lm_head.bias"), b);
+        }
+        Ok(())
     }
 
     /// [`Self::quantize`], consuming the decoder: each block's dense
@@ -325,17 +380,15 @@ impl VisionLanguageDecoder {
     ///
     /// # Errors
     /// As [`Self::quantize`]; the decoder is consumed either way.
-    pub fn into_quantized(mut self, format: GgmlDType) -> Result<Self> {
+    pub fn into_quantized(mut self, q: impl Into<Quantizer>) -> Result<Self> {
+        let q: Quantizer = q.into();
         let dense = std::mem::take(&mut self.blocks);
         let mut blocks = Vec::with_capacity(dense.len());
         for (i, b) in dense.into_iter().enumerate() {
-            blocks.push(
-                b.quantize(format)
-                    .map_err(|e| e.within(&format!("blocks.{i}")))?,
-            );
+            blocks.push(b.quantize(q.within(&format!("blocks.{i}")))?);
         }
         self.blocks = blocks;
-        self.lm_head = self.lm_head.quantize("lm_head", format)?;
+        self.lm_head = q.proj("lm_head", &self.lm_head)?;
         Ok(self)
     }
 

@@ -21,11 +21,11 @@ use candle_core::{DType, Device, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use vl_attn::AttnError;
+use vl_attn::{AttnError, Quantization};
 use vl_decoder::init::seeded_init;
 use vl_decoder::{
-    generate, DecoderConfig, DecoderError, ForwardMasks, GenerationConfig, Quantization,
-    StepOptions, VisionLanguageDecoder,
+    generate, DecoderConfig, DecoderError, ForwardMasks, GenerationConfig, StepOptions,
+    VisionLanguageDecoder,
 };
 
 const SEED: u64 = 7;

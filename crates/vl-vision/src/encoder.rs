@@ -3,6 +3,7 @@
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
+use vl_attn::Quantizer;
 
 use crate::error::Result;
 use crate::mock_vit::{MockVit, MockVitConfig};
@@ -83,10 +84,11 @@ impl VisionEncoder {
     /// # Errors
     /// As [`Vit::quantize`]: a width that does not fit the format's block
     /// size, naming the layer.
-    pub fn quantize(&self, format: candle_core::quantized::GgmlDType) -> Result<Self> {
+    pub fn quantize(&self, q: impl Into<Quantizer>) -> Result<Self> {
+        let q: Quantizer = q.into();
         Ok(match self {
             Self::MockVit(m) => Self::MockVit(m.clone()),
-            Self::Vit(v) => Self::Vit(v.quantize(format).map_err(|e| e.within("vision"))?),
+            Self::Vit(v) => Self::Vit(v.quantize(q.within("vision"))?),
         })
     }
 
@@ -96,6 +98,27 @@ impl VisionEncoder {
         match self {
             Self::MockVit(_) => {}
             Self::Vit(v) => v.set_mode(mode),
+        }
+    }
+
+    /// Adds the encoder's tensors under `prefix` (see
+    /// [`vl_attn::named`]); the mock ViT has none (its weights come from
+    /// its seed).
+    ///
+    /// # Errors
+    /// candle's, dequantizing a converted layer.
+    pub fn named_tensors(&self, prefix: &str, out: &mut vl_attn::named::Named) -> Result<()> {
+        match self {
+            Self::MockVit(_) => Ok(()),
+            Self::Vit(v) => v.named_tensors(prefix, out),
+        }
+    }
+
+    /// Its configuration.
+    pub fn config(&self) -> VisionConfig {
+        match self {
+            Self::MockVit(m) => VisionConfig::MockVit(m.config().clone()),
+            Self::Vit(v) => VisionConfig::Vit(v.config().clone()),
         }
     }
 

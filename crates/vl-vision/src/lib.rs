@@ -25,11 +25,13 @@
 pub mod encoder;
 pub mod error;
 pub mod mock_vit;
+pub mod pipeline;
 pub mod preprocess;
 pub mod vit;
 
 pub use encoder::{VisionConfig, VisionEncoder};
 pub use error::{Result, VisionError};
 pub use mock_vit::{MockVit, MockVitConfig};
+pub use pipeline::VisionPipeline;
 pub use preprocess::{PixelSpec, Resample};
 pub use vit::{Vit, VitBlock, VitConfig};

@@ -11,7 +11,8 @@ use crate::error::{arg_err, Result, VisionError};
 
 /// How an image is resized to the encoder's input size (transformers'
 /// `resample`, PIL's filter numbers).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Resample {
     /// PIL `NEAREST` (0).
     Nearest,
@@ -78,6 +79,34 @@ impl PixelSpec {
             rescale_factor: 1.0 / 255.0,
             resample: Resample::Bilinear,
             resize: true,
+        }
+    }
+}
+
+impl PixelSpec {
+    /// `img` as RGB at the encoder's input size, resized with the model's
+    /// own filter (what [`preprocess`] normalises, and what a heatmap is
+    /// drawn over).
+    ///
+    /// # Errors
+    /// [`VisionError::Argument`] naming `image` when the image has another
+    /// size and the spec does not resize.
+    pub fn resized(&self, img: &DynamicImage) -> Result<image::RgbImage> {
+        let s = self.image_size as u32;
+        let rgb = img.to_rgb8();
+        if rgb.dimensions() == (s, s) {
+            Ok(rgb)
+        } else if self.resize {
+            Ok(image::imageops::resize(&rgb, s, s, self.resample.filter()))
+        } else {
+            arg_err(
+                "image",
+                format!(
+                    "is {}x{}, but the model takes {s}x{s} and its preprocessor does not resize",
+                    rgb.width(),
+                    rgb.height()
+                ),
+            )
         }
     }
 }
@@ -186,23 +215,8 @@ pub fn decode_image(bytes: &[u8], name: &Path) -> Result<DynamicImage> {
 /// # Shapes
 /// Returns `(3, image_size, image_size)` f32.
 pub fn preprocess(img: &DynamicImage, cfg: &PixelSpec, device: &Device) -> Result<Tensor> {
-    let s = cfg.image_size as u32;
-    let rgb = img.to_rgb8();
-    let rgb = if rgb.dimensions() == (s, s) {
-        rgb
-    } else if cfg.resize {
-        image::imageops::resize(&rgb, s, s, cfg.resample.filter())
-    } else {
-        return arg_err(
-            "image",
-            format!(
-                "is {}x{}, but the model takes {s}x{s} and its preprocessor does not resize",
-                rgb.width(),
-                rgb.height()
-            ),
-        );
-    };
-    let n = (s * s) as usize;
+    let rgb = cfg.resized(img)?;
+    let n = cfg.image_size * cfg.image_size;
     let mut data = vec![0f32; 3 * n];
     for (i, px) in rgb.pixels().enumerate() {
         for c in 0..3 {

@@ -5,12 +5,13 @@
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Tensor};
 use candle_nn::{Init, Linear, Module, VarBuilder};
+use vl_attn::Quantizer;
 
 use serde::{Deserialize, Serialize};
 use vl_attn::{Dropout, FeedForward, LayerNorm, Mode, Proj, SelfAttention, SelfAttentionConfig};
 
 use crate::error::{arg_err, config_err, Result};
-use crate::preprocess::MAX_IMAGE_SIDE;
+use crate::preprocess::{PixelSpec, Resample, MAX_IMAGE_SIDE};
 use vl_attn::Activation;
 
 fn default_eps() -> f64 {
@@ -19,6 +20,26 @@ fn default_eps() -> f64 {
 
 fn default_half() -> [f32; 3] {
     [0.5; 3]
+}
+
+fn default_rescale() -> f32 {
+    1.0 / 255.0
+}
+
+fn is_default_rescale(f: &f32) -> bool {
+    *f == default_rescale()
+}
+
+fn is_bilinear(r: &Resample) -> bool {
+    *r == Resample::Bilinear
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 /// The ViT's sizes and its input normalisation.
@@ -47,6 +68,21 @@ pub struct VitConfig {
     /// Per-channel std dividing them (default 0.5).
     #[serde(default = "default_half")]
     pub image_std: [f32; 3],
+    /// Pixel values (0..=255) are multiplied by this before the mean is
+    /// subtracted (default 1/255; 1.0 is transformers' `do_rescale =
+    /// false`).
+    #[serde(
+        default = "default_rescale",
+        skip_serializing_if = "is_default_rescale"
+    )]
+    pub rescale_factor: f32,
+    /// The filter images are resized with (default `bilinear`).
+    #[serde(default, skip_serializing_if = "is_bilinear")]
+    pub resample: Resample,
+    /// Whether images of another size are resized (default true); when
+    /// false they must already be `image_size` square.
+    #[serde(default = "default_true", skip_serializing_if = "is_true")]
+    pub do_resize: bool,
     /// Feed-forward activation (default `gelu`, the erf form, as ViT).
     #[serde(default)]
     pub hidden_act: Activation,
@@ -71,8 +107,15 @@ pub struct VitConfig {
 
 impl VitConfig {
     /// What the encoder expects of its pixels.
-    pub fn pixel_spec(&self) -> crate::preprocess::PixelSpec {
-        crate::preprocess::PixelSpec::new(self.image_size, self.image_mean, self.image_std)
+    pub fn pixel_spec(&self) -> PixelSpec {
+        PixelSpec {
+            image_size: self.image_size,
+            mean: self.image_mean,
+            std: self.image_std,
+            rescale_factor: self.rescale_factor,
+            resample: self.resample,
+            resize: self.do_resize,
+        }
     }
 
     /// The width of the encoder's output tokens.
@@ -185,6 +228,17 @@ pub struct VitBlock {
 }
 
 impl VitBlock {
+    /// Adds the block's tensors under `prefix` (see [`vl_attn::named`]).
+    pub fn named_tensors(&self, prefix: &str, out: &mut vl_attn::named::Named) -> Result<()> {
+        use vl_attn::named::join;
+        self.attn_norm
+            .named_tensors(&join(prefix, "attn_norm"), out);
+        self.attn.named_tensors(&join(prefix, "attn"), out)?;
+        self.ffn_norm.named_tensors(&join(prefix, "ffn_norm"), out);
+        self.ffn.named_tensors(&join(prefix, "ffn"), out)?;
+        Ok(())
+    }
+
     /// Builds a block from existing parts (checkpoint converters): `attn`
     /// the tokens' bidirectional self-attention, `ffn` the feed-forward
     /// layer.
@@ -240,10 +294,11 @@ impl VitBlock {
     /// # Errors
     /// [`vl_attn::AttnError::Quantize`] naming the first projection that
     /// cannot be quantized, e.g. `attn.q_proj`.
-    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
+    pub fn quantize(&self, q: impl Into<Quantizer>) -> Result<Self> {
+        let q: Quantizer = q.into();
         Ok(Self {
-            attn: self.attn.quantize(format).map_err(|e| e.within("attn"))?,
-            ffn: self.ffn.quantize(format).map_err(|e| e.within("ffn"))?,
+            attn: self.attn.quantize(q.within("attn"))?,
+            ffn: self.ffn.quantize(q.within("ffn"))?,
             ..self.clone()
         })
     }
@@ -402,22 +457,22 @@ impl Vit {
     /// naming the first layer whose input width is not a multiple of the
     /// format's block size (32 for `q8_0`, 256 for `q4k`), e.g.
     /// `blocks.0.attn.q_proj` for a `hidden_size` of 48.
-    pub fn quantize(&self, format: GgmlDType) -> Result<Self> {
+    pub fn quantize(&self, q: impl Into<Quantizer>) -> Result<Self> {
+        let q: Quantizer = q.into();
         let blocks = self
             .blocks
             .iter()
             .enumerate()
-            .map(|(i, b)| {
-                b.quantize(format)
-                    .map_err(|e| e.within(&format!("blocks.{i}")))
-            })
+            .map(|(i, b)| b.quantize(q.within(&format!("blocks.{i}"))))
             .collect::<Result<Vec<_>>>()?;
         let output_proj = match &self.output_proj {
-            Some(p) => Some(p.quantize("output_proj", format)?),
+            Some(p) => Some(q.proj("output_proj", p)?),
             None => None,
         };
-        let patch_embed = match format {
-            GgmlDType::BF16 | GgmlDType::F16 => self.patch_embed.quantize("patch_embed", format)?,
+        // The patch embedding reads raw pixels: it takes 16-bit weights,
+        // never blocks.
+        let patch_embed = match q.format() {
+            Some(GgmlDType::BF16 | GgmlDType::F16) => q.proj("patch_embed", &self.patch_embed)?,
             _ => self.patch_embed.clone(),
         };
         Ok(Self {
@@ -448,6 +503,28 @@ impl Vit {
             b.set_mode(mode.clone());
         }
         self.mode = mode;
+    }
+
+    /// Adds the encoder's tensors under `prefix`, by the names
+    /// [`Vit::load`] reads (see [`vl_attn::named`]).
+    ///
+    /// # Errors
+    /// candle's, dequantizing a converted layer.
+    pub fn named_tensors(&self, prefix: &str, out: &mut vl_attn::named::Named) -> Result<()> {
+        use vl_attn::named::join;
+        self.patch_embed
+            .named_tensors(&join(prefix, "patch_embed"), out)?;
+        out.insert(join(prefix, "cls"), self.cls.clone());
+        out.insert(join(prefix, "positions"), self.positions.clone());
+        for (i, b) in self.blocks.iter().enumerate() {
+            b.named_tensors(&join(prefix, &format!("blocks.{i}")), out)?;
+        }
+        self.final_norm
+            .named_tensors(&join(prefix, "final_norm"), out);
+        if let Some(p) = &self.output_proj {
+            p.named_tensors(&join(prefix, "output_proj"), out)?;
+        }
+        Ok(())
     }
 
     /// Image tokens: CLS first (then DeiT's distillation token), then the
@@ -550,6 +627,9 @@ mod tests {
             layer_norm_eps: 1e-5,
             image_mean: [0.5; 3],
             image_std: [0.5; 3],
+            rescale_factor: 1.0 / 255.0,
+            resample: Resample::Bilinear,
+            do_resize: true,
             hidden_act: Activation::Gelu,
             output_size,
             attention_dropout: 0.0,

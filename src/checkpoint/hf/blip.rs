@@ -23,16 +23,14 @@
 //! `pad_token_id`, greedy, [`BLIP_DEFAULT_NEW_TOKENS`] new tokens.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
-use candle_core::quantized::GgmlDType;
-use candle_core::{DType, Device, Tensor};
+use candle_core::Tensor;
 use candle_nn::{Embedding, Linear, VarBuilder};
 use serde::Deserialize;
 use serde_json::Value;
 use vl_attn::{
-    CausalSelfAttention, CrossAttention, CrossAttentionConfig, FeedForward, SelfAttention,
-    SelfAttentionConfig,
+    CausalSelfAttention, CrossAttention, CrossAttentionConfig, FeedForward, Resampler,
+    SelfAttention, SelfAttentionConfig,
 };
 use vl_decoder::block::{CrossBranch, DecoderBlock};
 use vl_decoder::{
@@ -43,11 +41,12 @@ use vl_vision::{PixelSpec, VisionConfig, VisionEncoder, Vit, VitBlock, VitConfig
 
 use super::config::HfPreprocessorConfig;
 use super::tensors::{layer_norm, linear};
-use super::{weight_files, PREPROCESSOR_FILE};
-use crate::checkpoint::safetensors::open_weights;
+use super::PREPROCESSOR_FILE;
 use crate::checkpoint::tokenizer::load_hf_tokenizer;
-use crate::checkpoint::{read_json, ModelFormat, VlConfig, VlModel, CONFIG_FILE};
-use crate::error::{check_dropouts, config_err, in_file, weights_error, Result};
+use crate::checkpoint::{
+    from_value, read_json, BlockHook, Family, Files, ModelFormat, Plan, VlConfig, CONFIG_FILE,
+};
+use crate::error::{check_dropouts, config_err, in_file, Result};
 
 /// The `model_type` of a BLIP checkpoint.
 pub const MODEL_TYPE: &str = "blip";
@@ -244,6 +243,9 @@ impl HfBlipConfig {
             layer_norm_eps: v.layer_norm_eps,
             image_mean: pixels.mean,
             image_std: pixels.std,
+            rescale_factor: pixels.rescale_factor,
+            resample: pixels.resample,
+            do_resize: pixels.resize,
             hidden_act: v.hidden_act,
             output_size: None,
             attention_dropout: v.attention_dropout,
@@ -280,6 +282,7 @@ impl HfBlipConfig {
             scale_embedding: false,
             layernorm_embedding: true,
             output_transform: true,
+            lm_head_bias: true,
             position_embedding: PositionEmbedding::Learned,
             position_offset: 0,
             position_padding_idx: None,
@@ -370,7 +373,7 @@ pub fn load_vision(vb: VarBuilder, cfg: &VitConfig) -> Result<Vit> {
 pub fn load_text(
     vb: VarBuilder,
     cfg: &DecoderConfig,
-    quantize: Option<GgmlDType>,
+    block_built: &mut crate::checkpoint::BlockHook,
 ) -> Result<VisionLanguageDecoder> {
     let bert = vb.pp("bert");
     let (h, eps) = (cfg.hidden_size, cfg.layer_norm_eps);
@@ -424,7 +427,7 @@ pub fn load_text(
                     cfg.hidden_act,
                 ),
             );
-            crate::checkpoint::quantized_block(i, block, quantize)
+            block_built(i, block)
         })
         .collect::<Result<Vec<_>>>()?;
     let pred = vb.pp("cls").pp("predictions");
@@ -460,63 +463,68 @@ pub fn load_text(
     )?)
 }
 
-/// Loads a BLIP captioning directory onto `device` in `dtype`, its linear
-/// layers quantized to `quantize` part by part (see
-/// [`VlModel::load_quantized`]). Errors name the file, and the field or
-/// tensor.
-pub fn load(
-    dir: &Path,
-    dtype: DType,
-    device: &Device,
-    quantize: Option<GgmlDType>,
-) -> Result<VlModel> {
-    let config_path = dir.join(CONFIG_FILE);
-    let cfg: HfBlipConfig = read_json(&config_path)?;
-    cfg.validate().map_err(in_file(&config_path))?;
-    let pre_path = dir.join(PREPROCESSOR_FILE);
-    let pre = if pre_path.is_file() {
-        read_json(&pre_path)?
-    } else {
-        tracing::warn!(
-            "{}: no such file; using BlipImageProcessor's defaults (bicubic, CLIP mean and std)",
-            pre_path.display()
-        );
-        default_preprocessor()
-    };
-    let pixels = pre
-        .pixel_spec(cfg.vision_config.image_size)
-        .map_err(in_file(&pre_path))?;
-    let vit_cfg = cfg.vit_config(&pixels);
-    vit_cfg.validate().map_err(in_file(&config_path))?;
-    let dec_cfg = cfg.decoder_config();
-    dec_cfg.validate().map_err(in_file(&config_path))?;
-    let generation = cfg.generation_config();
-    generation
-        .check_ids(dec_cfg.vocab_size)
-        .map_err(in_file(&config_path))?;
+impl Family for HfBlipConfig {
+    const FORMAT: ModelFormat = ModelFormat::Blip;
 
-    let tokenizer = load_hf_tokenizer(dir, dec_cfg.vocab_size)?;
-    let (label, files) = weight_files(dir)?;
-    let vb = open_weights(&files, dtype, device)?;
-    let vit = load_vision(vb.pp("vision_model"), &vit_cfg).map_err(weights_error(&label))?;
-    let vision = crate::checkpoint::quantized_vision(VisionEncoder::Vit(vit), quantize)?;
-    let decoder =
-        load_text(vb.pp("text_decoder"), &dec_cfg, quantize).map_err(weights_error(&label))?;
-    let decoder = crate::checkpoint::quantized_decoder(decoder, quantize)?;
-    Ok(VlModel {
-        path: dir.to_path_buf(),
-        config: VlConfig {
-            model_type: crate::checkpoint::native::MODEL_TYPE.into(),
-            decoder: dec_cfg,
-            vision: Some(VisionConfig::Vit(vit_cfg)),
-            resampler: None,
-        },
-        resampler: None,
-        decoder,
-        vision: Some(vision),
-        tokenizer,
-        pixels: Some(pixels),
-        generation,
-        format: ModelFormat::Blip,
-    })
+    fn plan(files: &Files, config: &serde_json::Value) -> Result<Plan<Self>> {
+        let dir = files.dir(Self::FORMAT)?;
+        let config_path = dir.join(CONFIG_FILE);
+        let cfg: HfBlipConfig = from_value(config, &config_path)?;
+        cfg.validate().map_err(in_file(&config_path))?;
+        let pre_path = dir.join(PREPROCESSOR_FILE);
+        let pre = if pre_path.is_file() {
+            read_json(&pre_path)?
+        } else {
+            tracing::warn!(
+                "{}: no such file; using BlipImageProcessor's defaults (bicubic, CLIP mean and std)",
+                pre_path.display()
+            );
+            default_preprocessor()
+        };
+        let pixels = pre
+            .pixel_spec(cfg.vision_config.image_size)
+            .map_err(in_file(&pre_path))?;
+        let vit_cfg = cfg.vit_config(&pixels);
+        vit_cfg.validate().map_err(in_file(&config_path))?;
+        let dec_cfg = cfg.decoder_config();
+        dec_cfg.validate().map_err(in_file(&config_path))?;
+        let generation = cfg.generation_config();
+        generation
+            .check_ids(dec_cfg.vocab_size)
+            .map_err(in_file(&config_path))?;
+        let tokenizer = load_hf_tokenizer(dir, dec_cfg.vocab_size)?;
+        Ok(Plan {
+            family: cfg,
+            config: VlConfig {
+                model_type: crate::checkpoint::native::MODEL_TYPE.into(),
+                decoder: dec_cfg,
+                vision: Some(VisionConfig::Vit(vit_cfg)),
+                resampler: None,
+                quantization: vl_attn::Quantization::None,
+            },
+            generation,
+            tokenizer,
+        })
+    }
+
+    fn vision(
+        &self,
+        vb: &VarBuilder,
+        config: &VlConfig,
+    ) -> Result<Option<(VisionEncoder, Option<Resampler>)>> {
+        let Some(VisionConfig::Vit(vit_cfg)) = &config.vision else {
+            return Ok(None);
+        };
+        let vit = load_vision(vb.pp("vision_model"), vit_cfg)?;
+        Ok(Some((VisionEncoder::Vit(vit), None)))
+    }
+
+    fn decoder(
+        &self,
+        vb: &VarBuilder,
+        config: &VlConfig,
+        block: &mut BlockHook,
+    ) -> Result<VisionLanguageDecoder> {
+        load_text(vb.pp("text_decoder"), &config.decoder, block)
+    }
 }

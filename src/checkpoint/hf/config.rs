@@ -152,6 +152,9 @@ impl HfConfig {
             layer_norm_eps: e.layer_norm_eps,
             image_mean: pixels.mean,
             image_std: pixels.std,
+            rescale_factor: pixels.rescale_factor,
+            resample: pixels.resample,
+            do_resize: pixels.resize,
             hidden_act: e.hidden_act,
             output_size: self
                 .projects_encoder()

@@ -11,7 +11,6 @@
 
 use std::collections::BTreeMap;
 
-use candle_core::quantized::GgmlDType;
 use candle_nn::{Embedding, Linear, VarBuilder};
 use serde::Deserialize;
 use serde_json::Value;
@@ -173,6 +172,7 @@ impl HfGpt2Config {
             scale_embedding: false,
             layernorm_embedding: false,
             output_transform: false,
+            lm_head_bias: false,
             position_embedding: PositionEmbedding::Learned,
             position_offset: 0,
             position_padding_idx: None,
@@ -212,7 +212,7 @@ fn conv1d(vb: VarBuilder, inp: usize, out: usize) -> Result<Linear> {
 pub fn load(
     vb: VarBuilder,
     cfg: &DecoderConfig,
-    quantize: Option<GgmlDType>,
+    block_built: &mut crate::checkpoint::BlockHook,
 ) -> Result<VisionLanguageDecoder> {
     let dec = vb.pp("decoder");
     let t = dec.pp("transformer");
@@ -261,7 +261,7 @@ pub fn load(
                     cfg.hidden_act,
                 ),
             );
-            crate::checkpoint::quantized_block(i, block, quantize)
+            block_built(i, block)
         })
         .collect::<Result<Vec<_>>>()?;
     let final_norm = layer_norm(t.pp("ln_f"), h, eps)?;

@@ -1,6 +1,6 @@
 //! Hugging Face checkpoints: a transformers `VisionEncoderDecoderModel`
 //! directory, loaded onto vl's own [`Vit`](vl_vision::Vit) and
-//! [`VisionLanguageDecoder`](vl_decoder::VisionLanguageDecoder). The
+//! [`VisionLanguageDecoder`]. The
 //! families, each an encoder or a decoder that pairs with any of the
 //! other side:
 //!
@@ -46,15 +46,18 @@ pub mod vit;
 use std::collections::BTreeMap;
 use std::path::{Component, Path, PathBuf};
 
-use candle_core::quantized::GgmlDType;
-use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
 use serde::Deserialize;
+use vl_attn::Resampler;
+use vl_decoder::VisionLanguageDecoder;
 use vl_vision::{VisionConfig, VisionEncoder};
 
-use super::safetensors::open_weights;
 use super::tokenizer::load_hf_tokenizer;
-use super::{read_json, ModelFormat, VlConfig, VlModel, CONFIG_FILE, SUPPORTED, WEIGHTS_FILE};
-use crate::error::{in_file, weights_error, Error, Result};
+use super::{
+    from_value, read_json, BlockHook, Family, Files, ModelFormat, Plan, VlConfig, CONFIG_FILE,
+    SUPPORTED, WEIGHTS_FILE,
+};
+use crate::error::{in_file, Error, Result};
 
 pub use config::{HfConfig, HfDecoderConfig, HfGeneration, HfPreprocessorConfig, MODEL_TYPE};
 
@@ -73,22 +76,16 @@ pub const DECODERS: &[&str] = &["gpt2", "trocr"];
 /// The encoder and decoder families vl loads from a vision-encoder-decoder
 /// checkpoint, checked before the rest of `config.json` is read so that a
 /// checkpoint of another family is named for what it is.
-fn check_families(path: &Path) -> Result<()> {
-    #[derive(Deserialize)]
-    struct Part {
-        model_type: Option<String>,
-    }
-    #[derive(Deserialize)]
-    struct Probe {
-        encoder: Option<Part>,
-        decoder: Option<Part>,
-    }
-    let probe: Probe = read_json(path)?;
+fn check_families(config: &serde_json::Value, path: &Path) -> Result<()> {
     for (what, part, families) in [
-        ("encoder.model_type", probe.encoder, vit::ENCODERS),
-        ("decoder.model_type", probe.decoder, DECODERS),
+        ("encoder.model_type", "encoder", vit::ENCODERS),
+        ("decoder.model_type", "decoder", DECODERS),
     ] {
-        let found = part.and_then(|p| p.model_type);
+        let found = config
+            .get(part)
+            .and_then(|p| p.get("model_type"))
+            .and_then(|t| t.as_str())
+            .map(String::from);
         if !found.as_deref().is_some_and(|f| families.contains(&f)) {
             return Err(Error::UnsupportedModel {
                 path: path.to_path_buf(),
@@ -122,6 +119,12 @@ pub fn weight_files(dir: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
     let single = dir.join(WEIGHTS_FILE);
     if single.is_file() {
         return Ok((single.clone(), vec![single]));
+    }
+    if single.is_dir() {
+        return Err(Error::Weights {
+            path: single,
+            reason: "is a directory, not a safetensors file".into(),
+        });
     }
     let index_path = dir.join(INDEX_FILE);
     if index_path.is_file() {
@@ -172,100 +175,105 @@ pub fn weight_files(dir: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
     })
 }
 
-/// Loads a vision-encoder-decoder checkpoint directory onto `device` in
-/// `dtype`, its linear layers quantized to `quantize` part by part (see
-/// [`VlModel::load_quantized`]). Errors name the file, and the field or
-/// tensor.
-pub fn load(
-    dir: &Path,
-    dtype: DType,
-    device: &Device,
-    quantize: Option<GgmlDType>,
-) -> Result<VlModel> {
-    let config_path = dir.join(CONFIG_FILE);
-    check_families(&config_path)?;
-    let cfg: HfConfig = read_json(&config_path)?;
-    cfg.validate().map_err(in_file(&config_path))?;
+impl Family for HfConfig {
+    const FORMAT: ModelFormat = ModelFormat::VisionEncoderDecoder;
 
-    let generation_path = dir.join(GENERATION_FILE);
-    let (generation, generation_source) = if generation_path.is_file() {
-        (
-            HfGeneration::from_values(read_json(&generation_path)?)
-                .map_err(in_file(&generation_path))?,
-            generation_path,
-        )
-    } else {
-        (
-            HfGeneration::from_model_config(&cfg).map_err(in_file(&config_path))?,
-            config_path.clone(),
-        )
-    };
-    let unsupported = generation.unsupported();
-    if !unsupported.is_empty() {
-        tracing::warn!(
-            "{}: generation settings not implemented, ignored: {}",
-            generation_source.display(),
-            unsupported.join(", ")
-        );
+    fn plan(files: &Files, config: &serde_json::Value) -> Result<Plan<Self>> {
+        let dir = files.dir(Self::FORMAT)?;
+        let config_path = dir.join(CONFIG_FILE);
+        check_families(config, &config_path)?;
+        let cfg: HfConfig = from_value(config, &config_path)?;
+        cfg.validate().map_err(in_file(&config_path))?;
+
+        let generation_path = dir.join(GENERATION_FILE);
+        let (generation, generation_source) = if generation_path.is_file() {
+            (
+                HfGeneration::from_values(read_json(&generation_path)?)
+                    .map_err(in_file(&generation_path))?,
+                generation_path,
+            )
+        } else {
+            (
+                HfGeneration::from_model_config(&cfg).map_err(in_file(&config_path))?,
+                config_path.clone(),
+            )
+        };
+        let unsupported = generation.unsupported();
+        if !unsupported.is_empty() {
+            tracing::warn!(
+                "{}: generation settings not implemented, ignored: {}",
+                generation_source.display(),
+                unsupported.join(", ")
+            );
+        }
+        if generation.beam_sampling() {
+            tracing::warn!(
+                "{}: do_sample with num_beams > 1 (beam sampling) runs as plain beam search",
+                generation_source.display()
+            );
+        }
+        let gen_cfg = generation
+            .to_generation_config()
+            .map_err(in_file(&generation_source))?;
+
+        let pre_path = dir.join(PREPROCESSOR_FILE);
+        let pre: HfPreprocessorConfig = if pre_path.is_file() {
+            read_json(&pre_path)?
+        } else {
+            tracing::warn!(
+                "{}: no such file; using ViT's defaults (resize, mean and std 0.5)",
+                pre_path.display()
+            );
+            HfPreprocessorConfig::default()
+        };
+        let pixels = pre
+            .pixel_spec(cfg.encoder.image_size)
+            .map_err(in_file(&pre_path))?;
+
+        let vit_cfg = cfg.vit_config(&pixels);
+        let dec_cfg = cfg
+            .decoder_config(&gen_cfg)
+            .map_err(in_file(&config_path))?;
+        dec_cfg.validate().map_err(in_file(&generation_source))?;
+        gen_cfg
+            .check_ids(dec_cfg.vocab_size)
+            .map_err(in_file(&generation_source))?;
+        let tokenizer = load_hf_tokenizer(dir, dec_cfg.vocab_size)?;
+        Ok(Plan {
+            family: cfg,
+            config: VlConfig {
+                model_type: super::native::MODEL_TYPE.into(),
+                decoder: dec_cfg,
+                vision: Some(VisionConfig::Vit(vit_cfg)),
+                resampler: None,
+                quantization: vl_attn::Quantization::None,
+            },
+            generation: gen_cfg,
+            tokenizer,
+        })
     }
-    if generation.beam_sampling() {
-        tracing::warn!(
-            "{}: do_sample with num_beams > 1 (beam sampling) runs as plain beam search",
-            generation_source.display()
-        );
+
+    fn vision(
+        &self,
+        vb: &VarBuilder,
+        config: &VlConfig,
+    ) -> Result<Option<(VisionEncoder, Option<Resampler>)>> {
+        let Some(VisionConfig::Vit(vit_cfg)) = &config.vision else {
+            return Ok(None);
+        };
+        let vit = vit::load(vb.clone(), self, vit_cfg)?;
+        Ok(Some((VisionEncoder::Vit(vit), None)))
     }
-    let gen_cfg = generation
-        .to_generation_config()
-        .map_err(in_file(&generation_source))?;
 
-    let pre_path = dir.join(PREPROCESSOR_FILE);
-    let pre: HfPreprocessorConfig = if pre_path.is_file() {
-        read_json(&pre_path)?
-    } else {
-        tracing::warn!(
-            "{}: no such file; using ViT's defaults (resize, mean and std 0.5)",
-            pre_path.display()
-        );
-        HfPreprocessorConfig::default()
-    };
-    let pixels = pre
-        .pixel_spec(cfg.encoder.image_size)
-        .map_err(in_file(&pre_path))?;
-
-    let vit_cfg = cfg.vit_config(&pixels);
-    let dec_cfg = cfg
-        .decoder_config(&gen_cfg)
-        .map_err(in_file(&config_path))?;
-    dec_cfg.validate().map_err(in_file(&generation_source))?;
-    gen_cfg
-        .check_ids(dec_cfg.vocab_size)
-        .map_err(in_file(&generation_source))?;
-
-    let tokenizer = load_hf_tokenizer(dir, dec_cfg.vocab_size)?;
-    let (label, files) = weight_files(dir)?;
-    let vb = open_weights(&files, dtype, device)?;
-    let vit = vit::load(vb.clone(), &cfg, &vit_cfg).map_err(weights_error(&label))?;
-    let vision = super::quantized_vision(VisionEncoder::Vit(vit), quantize)?;
-    let decoder = match &cfg.decoder {
-        HfDecoderConfig::Gpt2(_) => gpt2::load(vb, &dec_cfg, quantize),
-        HfDecoderConfig::Trocr(_) => trocr::load(vb, &dec_cfg, quantize),
+    fn decoder(
+        &self,
+        vb: &VarBuilder,
+        config: &VlConfig,
+        block: &mut BlockHook,
+    ) -> Result<VisionLanguageDecoder> {
+        match &self.decoder {
+            HfDecoderConfig::Gpt2(_) => gpt2::load(vb.clone(), &config.decoder, block),
+            HfDecoderConfig::Trocr(_) => trocr::load(vb.clone(), &config.decoder, block),
+        }
     }
-    .map_err(weights_error(&label))?;
-    let decoder = super::quantized_decoder(decoder, quantize)?;
-    Ok(VlModel {
-        path: dir.to_path_buf(),
-        config: VlConfig {
-            model_type: super::native::MODEL_TYPE.into(),
-            decoder: dec_cfg,
-            vision: Some(VisionConfig::Vit(vit_cfg)),
-            resampler: None,
-        },
-        resampler: None,
-        decoder,
-        vision: Some(vision),
-        tokenizer,
-        pixels: Some(pixels),
-        generation: gen_cfg,
-        format: ModelFormat::VisionEncoderDecoder,
-    })
 }

@@ -18,7 +18,6 @@
 
 use std::collections::BTreeMap;
 
-use candle_core::quantized::GgmlDType;
 use candle_nn::{Embedding, Linear, VarBuilder};
 use serde::Deserialize;
 use serde_json::Value;
@@ -203,6 +202,7 @@ impl HfTrocrConfig {
             scale_embedding: self.scale_embedding,
             layernorm_embedding: self.layernorm_embedding,
             output_transform: false,
+            lm_head_bias: false,
             position_embedding,
             position_offset,
             position_padding_idx,
@@ -218,7 +218,7 @@ impl HfTrocrConfig {
 pub fn load(
     vb: VarBuilder,
     cfg: &DecoderConfig,
-    quantize: Option<GgmlDType>,
+    block_built: &mut crate::checkpoint::BlockHook,
 ) -> Result<VisionLanguageDecoder> {
     let top = vb.pp("decoder");
     let dec = top.pp("model").pp("decoder");
@@ -273,7 +273,7 @@ pub fn load(
                     cfg.hidden_act,
                 ),
             );
-            crate::checkpoint::quantized_block(i, block, quantize)
+            block_built(i, block)
         })
         .collect::<Result<Vec<_>>>()?;
     let lm_head = if cfg.tie_word_embeddings {

@@ -177,6 +177,22 @@ impl PackedQ4K {
         self.data.len()
     }
 
+    /// The blocks in candle's (ggml's) q4_K layout, row by row — what
+    /// [`PackedQ4K::from_qtensor`] packs, byte for byte.
+    pub fn to_blocks(&self) -> Vec<u8> {
+        let blocks = self.k / BLOCK_VALUES;
+        let mut out = vec![0u8; self.n * blocks * BLOCK_BYTES];
+        for row in 0..self.n {
+            let (t, j) = (row / TILE_ROWS, row % TILE_ROWS);
+            for b in 0..blocks {
+                let rec = &self.data[(t * blocks + b) * REC..][..REC];
+                let block = &mut out[(row * blocks + b) * BLOCK_BYTES..][..BLOCK_BYTES];
+                unplace(rec, j, block);
+            }
+        }
+        out
+    }
+
     /// The weight the blocks stand for, `(n, k)` f32: exactly candle's
     /// dequantization of the same blocks (`d·sc·q − dmin·m`, in that
     /// order).
@@ -237,6 +253,35 @@ fn nibble(tile: &[u8], j: usize, v: usize) -> u8 {
 /// Row `j`'s f16 at `at` in a record, widened.
 fn half_at(rec: &[u8], at: usize, j: usize) -> f32 {
     f16::from_bits(u16::from_ne_bytes([rec[at + 2 * j], rec[at + 2 * j + 1]])).to_f32()
+}
+
+/// Row `j`'s block in a record, back in candle's layout: [`place`]
+/// undone, the 6-bit scales and minimums packed as ggml packs them (the
+/// inverse of [`scale_min`]).
+fn unplace(rec: &[u8], j: usize, block: &mut [u8]) {
+    block[0..2].copy_from_slice(&rec[D + 2 * j..][..2]);
+    block[2..4].copy_from_slice(&rec[DMIN + 2 * j..][..2]);
+    let sc = |s: usize| rec[SC + s * TILE_ROWS + j];
+    let m = |s: usize| rec[M + s * TILE_ROWS + j];
+    let scales = &mut block[4..16];
+    for s in 0..4 {
+        scales[s] = sc(s) | ((sc(s + 4) >> 4) << 6);
+        scales[s + 4] = m(s) | ((m(s + 4) >> 4) << 6);
+        scales[s + 8] = (sc(s + 4) & 0xF) | ((m(s + 4) & 0xF) << 4);
+    }
+    let qs = &mut block[16..BLOCK_BYTES];
+    for s in 0..SUBS {
+        let t = &rec[QS + s * TILE_BYTES..][..TILE_BYTES];
+        let dst = &mut qs[(s / 2) * 32..][..32];
+        for (v, byte) in dst.iter_mut().enumerate() {
+            let q = nibble(t, j, v);
+            if s % 2 == 0 {
+                *byte = (*byte & 0xF0) | q;
+            } else {
+                *byte = (*byte & 0x0F) | (q << 4);
+            }
+        }
+    }
 }
 
 /// Places the q4_K blocks of up to 16 rows (`blocks` per row, in candle's
@@ -489,6 +534,8 @@ mod tests {
                 assert_eq!(p.dims(), (n, k));
                 let got = p.dequantize()?.flatten_all()?.to_vec1::<f32>()?;
                 assert_eq!(got, want, "({n}, {k})");
+                // And back to candle's bytes, scales' bit packing included.
+                assert!(p.to_blocks() == *q.data()?, "({n}, {k}): blocks differ");
             }
         }
         Ok(())

@@ -188,6 +188,28 @@ impl PackedQ8 {
         self.qs.len() + 2 * self.d.len()
     }
 
+    /// The blocks in candle's (ggml's) q8_0 layout, row by row: per block
+    /// the f16 scale (little-endian), then 32 signed bytes — what
+    /// [`PackedQ8::from_qtensor`] packs, byte for byte.
+    pub fn to_blocks(&self) -> Vec<u8> {
+        let blocks = self.k / BLOCK_VALUES;
+        let mut out = vec![0u8; self.n * blocks * BLOCK_BYTES];
+        for row in 0..self.n {
+            let (t, j) = (row / TILE_ROWS, row % TILE_ROWS);
+            for b in 0..blocks {
+                let dst = &mut out[(row * blocks + b) * BLOCK_BYTES..][..BLOCK_BYTES];
+                let tb = t * blocks + b;
+                dst[..2].copy_from_slice(&self.d[tb * TILE_ROWS + j].to_le_bytes());
+                let tile = &self.qs[tb * TILE_BYTES..][..TILE_BYTES];
+                for (v, byte) in dst[2..].iter_mut().enumerate() {
+                    let (g, c) = (v / 4, v % 4);
+                    *byte = (tile[(g * TILE_ROWS + j) * 4 + c] as i16 - 128) as i8 as u8;
+                }
+            }
+        }
+        out
+    }
+
     /// The weight the blocks stand for, `(n, k)` f32 (exactly candle's
     /// dequantization of the same blocks).
     pub fn dequantize(&self) -> candle_core::Result<Tensor> {
@@ -971,6 +993,7 @@ mod tests {
             let q = QTensor::quantize(&w, GgmlDType::Q8_0)?;
             let p = PackedQ8::from_qtensor(&q)?;
             assert_eq!(p.dims(), (n, k));
+            assert!(p.to_blocks() == *q.data()?, "({n}, {k}): blocks differ");
             let want: Vec<f32> = q.dequantize(&dev)?.flatten_all()?.to_vec1()?;
             let got: Vec<f32> = p.dequantize()?.flatten_all()?.to_vec1()?;
             assert_eq!(got, want);

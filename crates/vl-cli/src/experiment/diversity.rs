@@ -17,7 +17,7 @@ use std::collections::HashSet;
 use anyhow::Context;
 use candle_core::Tensor;
 use image::DynamicImage;
-use vl::captioner::Captioner;
+use vl::captioner::{Captioner, Request};
 use vl::vl_decoder::Strategy;
 use vl::vl_shapes::{dataset_scene, parse_caption, score};
 
@@ -97,20 +97,23 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let pixels = scenes
         .iter()
         .map(|s| captioner.pixels(&DynamicImage::ImageRgb8(s.render())))
-        .collect::<anyhow::Result<Vec<Tensor>>>()?;
-    let max_tokens = captioner.model.config.decoder.max_position_embeddings - 1;
-    let gen = captioner
-        .greedy_config(max_tokens)
-        .with_strategy(Strategy::Sample {
-            temperature: args.temperature,
-            top_k: None,
-            top_p: None,
-            seed: args.seed,
-        });
+        .collect::<vl::Result<Vec<Tensor>>>()?;
+    let max_tokens = captioner.model().config.decoder.max_position_embeddings - 1;
+    let request = Request {
+        generation: captioner
+            .greedy_config(max_tokens)
+            .with_strategy(Strategy::Sample {
+                temperature: args.temperature,
+                top_k: None,
+                top_p: None,
+                seed: args.seed,
+            }),
+        prompt: None,
+    };
     let mut points = Vec::new();
     for &rate in &args.rates {
         captioner
-            .model
+            .model_mut()
             .decoder
             .set_cross_map_dropout(rate, args.seed)
             .with_context(|| format!("--rates {rate}"))?;
@@ -119,7 +122,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         for (i, (scene, px)) in scenes.iter().zip(&pixels).enumerate() {
             // One image repeated: each row samples from its own stream.
             let batch = vec![px.clone(); args.samples];
-            let caps = captioner.caption_pixels(&batch, &gen, &mut |_| {})?;
+            let caps = captioner.caption_pixels(&batch, &request, &mut |_| {})?;
             let texts: Vec<String> = caps.into_iter().map(|c| c.text).collect();
             distinct += texts.iter().collect::<HashSet<_>>().len();
             distinct_scenes += texts
@@ -146,7 +149,10 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         );
         points.push(point);
     }
-    captioner.model.decoder.set_cross_map_dropout(0.0, 0)?;
+    captioner
+        .model_mut()
+        .decoder
+        .set_cross_map_dropout(0.0, 0)?;
 
     let line = |f: &dyn Fn(&Point) -> f64| -> Vec<(f64, f64)> {
         points.iter().map(|p| (p.rate, f(p))).collect()

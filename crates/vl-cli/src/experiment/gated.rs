@@ -17,9 +17,8 @@
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
 
-use candle_core::{DType, Device};
 use vl::captioner::Captioner;
-use vl::VlModel;
+use vl::LoadOptions;
 
 use super::{command_line, write_json, Output};
 use crate::eval::{count_correct, EVAL_SEED};
@@ -121,8 +120,8 @@ fn train_and_evaluate(args: &Args, gated: bool) -> anyhow::Result<(Summary, Curv
     run.gated = gated;
     run.out = args.models.join(label);
     let trained = train::train(&run, label)?;
-    VlModel::save(&run.out, &trained.cfg, &trained.vars, &trained.tok)?;
-    let captioner = Captioner::load(&run.out, DType::F32, &Device::Cpu)?;
+    vl::checkpoint::native::save(&run.out, &trained.cfg, &trained.vars, &trained.tok)?;
+    let captioner = Captioner::load(&run.out, &LoadOptions::default())?;
     let batch = NonZeroUsize::new(100).expect("100 > 0");
     let correct = count_correct(
         &captioner,

@@ -11,7 +11,6 @@ use vl::shapes;
 use vl::vl_decoder::init::seeded_init;
 use vl::vl_decoder::VisionLanguageDecoder;
 use vl::vl_vision::VisionEncoder;
-use vl::VlModel;
 
 /// Asserts `out` exited 0 (showing its stderr otherwise) and returns its
 /// stdout.
@@ -50,7 +49,8 @@ pub fn tiny_model(dir: &Path) {
     VisionLanguageDecoder::load(vb.pp("decoder"), &cfg.decoder).expect("decoder");
     VisionEncoder::load(vb.pp("vision"), cfg.vision.as_ref().expect("vision")).expect("vision");
     seeded_init(&vars, 0).expect("init");
-    VlModel::save(dir, &cfg, &vars, &shapes::tokenizer().expect("tokenizer")).expect("save");
+    vl::checkpoint::native::save(dir, &cfg, &vars, &shapes::tokenizer().expect("tokenizer"))
+        .expect("save");
 }
 
 /// `n` rendered shapes scenes as `img{i}.png` in `dir`.

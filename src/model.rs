@@ -1,0 +1,170 @@
+//! A loaded model: its decoder, its vision pipeline, its tokenizer and the
+//! checkpoint's defaults, as [`crate::checkpoint::load`] makes it.
+
+use std::path::PathBuf;
+
+use candle_core::Tensor;
+use image::DynamicImage;
+use vl_attn::{Fallback, Quantization, Quantizer};
+use vl_decoder::{GenerationConfig, VisionLanguageDecoder};
+use vl_vision::{PixelSpec, VisionPipeline};
+
+use crate::checkpoint::{fallback_summary, ModelFormat, VlConfig};
+use crate::error::{arg_err, Result};
+
+/// A loaded model.
+#[derive(Debug)]
+pub struct VlModel {
+    /// Where it was loaded from (for a model in memory, its name).
+    pub path: PathBuf,
+    /// Its configuration.
+    pub config: VlConfig,
+    /// The decoder.
+    pub decoder: VisionLanguageDecoder,
+    /// Images → image tokens (pixel spec, encoder, resampler), if the
+    /// model reads images.
+    pub vision: Option<VisionPipeline>,
+    /// The tokenizer.
+    pub tokenizer: tokenizers::Tokenizer,
+    /// The checkpoint's generation defaults (for vl directories: greedy,
+    /// as many tokens as the positions allow).
+    pub generation: GenerationConfig,
+    /// The directory's layout.
+    pub format: ModelFormat,
+    /// The format its linear layers were converted to (each, or the
+    /// format it fell back to: [`VlModel::fallbacks`]).
+    pub quantization: Quantization,
+    /// The layers that could not hold [`VlModel::quantization`] and what
+    /// they hold instead.
+    pub fallbacks: Vec<Fallback>,
+}
+
+impl VlModel {
+    /// Converts the linear layers of the vision pipeline and the decoder
+    /// (the LM head included) to `q`, as [`crate::checkpoint::load`] does
+    /// during a load: a layer `q` cannot hold gets the next format that
+    /// fits, recorded in [`VlModel::fallbacks`] and said once in the log.
+    /// `Quantization::None` changes nothing.
+    ///
+    /// # Errors
+    /// candle's errors; the model is unchanged on error.
+    pub fn quantize(&mut self, q: Quantization) -> Result<()> {
+        if q == Quantization::None {
+            return Ok(());
+        }
+        let quantizer = Quantizer::fitting(q);
+        let vision = match &self.vision {
+            Some(v) => Some(v.quantize(&quantizer)?),
+            None => None,
+        };
+        let decoder = self.decoder.quantize(quantizer.within("decoder"))?;
+        self.vision = vision;
+        self.decoder = decoder;
+        self.quantization = q;
+        self.fallbacks = quantizer.fallbacks();
+        if let Some(summary) = fallback_summary(q, &self.fallbacks) {
+            tracing::warn!("{}: {summary}", self.path.display());
+        }
+        Ok(())
+    }
+
+    /// Writes the model as a vl model directory (`config.json`,
+    /// `model.safetensors`, `tokenizer.json`) that [`crate::checkpoint::load`]
+    /// reads back into the same model, whatever it was loaded from:
+    /// dense tensors are written as they are (bit for bit, in their
+    /// dtype); converted layers (16-bit, `q8_0`, `q4k`) as the f32 values
+    /// they compute with, with the format in `config.json`, so that the
+    /// load converts them back to the same blocks.
+    ///
+    /// The generation defaults of a transformers checkpoint are not
+    /// written: a reloaded model decodes greedily unless told otherwise.
+    ///
+    /// # Errors
+    /// [`crate::Error::Io`] naming the file that cannot be written; candle's
+    /// errors dequantizing a layer.
+    pub fn save(&self, dir: &std::path::Path) -> Result<()> {
+        let mut tensors = vl_attn::named::Named::new();
+        self.decoder.named_tensors("decoder", &mut tensors)?;
+        if let Some(v) = &self.vision {
+            v.encoder().named_tensors("vision", &mut tensors)?;
+            if let Some(r) = v.resampler() {
+                r.named_tensors("resampler", &mut tensors)?;
+            }
+        }
+        let config = VlConfig {
+            quantization: self.quantization,
+            ..self.config.clone()
+        };
+        crate::checkpoint::native::write_dir(dir, &config, &tensors, &self.tokenizer)
+    }
+
+    /// The ids a text prompt puts after the start token, tokenized as the
+    /// checkpoint's own processor does. Only BLIP defines prompts
+    /// (`BlipProcessor`, then `generate`): the text with the tokenizer's
+    /// special tokens, its first (`[CLS]`, whose place the start token `[DEC]`
+    /// takes) and last (`[SEP]`) ids dropped.
+    ///
+    /// # Errors
+    /// [`crate::Error::Argument`] naming `prompt` for a model whose family
+    /// defines no prompt, a text the tokenizer rejects, or one that
+    /// tokenizes to fewer than the two special tokens.
+    pub fn prompt_ids(&self, prompt: &str) -> Result<Vec<u32>> {
+        if self.format != ModelFormat::Blip {
+            return arg_err(
+                "prompt",
+                format!(
+                    "the model in {} ({:?}) defines no prompt handling; only BLIP checkpoints take a prompt",
+                    self.path.display(),
+                    self.format
+                ),
+            );
+        }
+        let enc = match self.tokenizer.encode(prompt, true) {
+            Ok(e) => e,
+            Err(e) => return arg_err("prompt", format!("{prompt:?}: {e}")),
+        };
+        match enc.get_ids() {
+            [_, words @ .., _] => Ok(words.to_vec()),
+            ids => arg_err(
+                "prompt",
+                format!("{prompt:?} tokenizes to {ids:?}, without [CLS] ... [SEP]"),
+            ),
+        }
+    }
+
+    /// The vision pipeline; an error naming `images` when the model reads
+    /// none.
+    pub fn vision(&self) -> Result<&VisionPipeline> {
+        match &self.vision {
+            Some(v) => Ok(v),
+            None => arg_err(
+                "images",
+                format!("the model in {} has no vision encoder", self.path.display()),
+            ),
+        }
+    }
+
+    /// What the vision encoder expects of its pixels; an error when the
+    /// model has no vision encoder.
+    pub fn pixel_spec(&self) -> Result<&PixelSpec> {
+        Ok(self.vision()?.spec())
+    }
+
+    /// Image tokens of decoded images (see [`VisionPipeline`]).
+    ///
+    /// # Shapes
+    /// Returns `(images.len(), tokens, memory_dim)`.
+    pub fn encode_images(&self, images: &[&DynamicImage]) -> Result<Tensor> {
+        Ok(self.vision()?.encode_images(images)?)
+    }
+
+    /// Image tokens of a batch of preprocessed pixels (see
+    /// [`vl_vision::preprocess`]), through the resampler when the model has
+    /// one.
+    ///
+    /// # Shapes
+    /// `pixels: (images, 3, size, size)` → `(images, tokens, memory_dim)`.
+    pub fn encode_pixels(&self, pixels: &Tensor) -> Result<Tensor> {
+        Ok(self.vision()?.encode_batch(pixels)?)
+    }
+}
