@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device};
 use hub_fixture::{etag, within, FixtureHub, Logged, Revision};
 use vl::hub::{check_model_id, check_revision, Hub};
-use vl::{ModelFormat, VlModel};
+use vl::ModelFormat;
 
 const REPO: &str = "vl-test/captioner";
 /// What `hub::fetch` reads of `equal` (the fixture's expected outputs and

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device};
 use candle_nn::{VarBuilder, VarMap};
 use image::{DynamicImage, ImageFormat, Rgb, RgbImage};
-use vl::{VlConfig, VlModel};
+use vl::VlConfig;
 use vl_decoder::VisionLanguageDecoder;
 use vl_vision::VisionEncoder;
 use vl_fuzz::{pack, ModelDirBytes};

@@ -1,7 +1,7 @@
 //! `config.json` parsing and validation: any bytes, as a model directory's
 //! [`VlConfig`] and as a bare [`DecoderConfig`]. Neither may panic; a config
 //! that validates must also yield its derived sizes without overflow and
-//! survive the round trip that `VlModel::save` and `VlModel::load` make.
+//! survive the round trip that `vl::checkpoint::native::save` and `vl::load` make.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

@@ -1,6 +1,6 @@
 //! Model directory loading: the input unpacks (see the crate docs) into
 //! `config.json`, `tokenizer.json` and `model.safetensors`, written into a
-//! temporary directory and loaded with `VlModel::load` in f32 on the CPU.
+//! temporary directory and loaded with `vl::load` in f32 on the CPU.
 //! Any error is fine; a panic, an abort or a huge allocation is a bug. A
 //! model that loads then runs one decoder step over its BOS token and a
 //! two-token zero image.
@@ -10,7 +10,6 @@ use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Tensor};
 use libfuzzer_sys::fuzz_target;
-use vl::VlModel;
 use vl_decoder::ForwardMasks;
 use vl_fuzz::{unpack, write_dir};
 
