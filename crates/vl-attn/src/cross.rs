@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Tensor};
-use candle_nn::{Linear, VarBuilder};
+use candle_nn::VarBuilder;
 
 use crate::attention::{AttnOutput, Backend, Weights};
 use crate::dropout::{Dropout, Mode};
@@ -184,35 +184,19 @@ impl CrossAttention {
         }
     }
 
-    /// Builds from existing projections, e.g. split from a checkpoint's fused
-    /// key/value matrix. Their shapes must match `cfg`.
+    /// Builds from existing projections, dense layers (e.g. split from a
+    /// checkpoint's fused key/value matrix) or [`Proj`]s of any format.
+    /// Their shapes must match `cfg`.
     pub fn from_parts(
-        q_proj: Linear,
-        k_proj: Linear,
-        v_proj: Linear,
-        o_proj: Linear,
-        cfg: &CrossAttentionConfig,
-    ) -> Result<Self> {
-        Self::from_projs(
-            q_proj.into(),
-            k_proj.into(),
-            v_proj.into(),
-            o_proj.into(),
-            cfg,
-        )
-    }
-
-    /// As [`CrossAttention::from_parts`], from dense or quantized
-    /// projections.
-    pub fn from_projs(
-        q_proj: Proj,
-        k_proj: Proj,
-        v_proj: Proj,
-        o_proj: Proj,
+        q_proj: impl Into<Proj>,
+        k_proj: impl Into<Proj>,
+        v_proj: impl Into<Proj>,
+        o_proj: impl Into<Proj>,
         cfg: &CrossAttentionConfig,
     ) -> Result<Self> {
         cfg.validate()?;
-        let core = AttnCore::from_projs([q_proj, k_proj, v_proj, o_proj], &cfg.dims())?;
+        let projs = [q_proj.into(), k_proj.into(), v_proj.into(), o_proj.into()];
+        let core = AttnCore::from_projs(projs, &cfg.dims())?;
         Ok(Self::new(core, cfg))
     }
 

@@ -3,7 +3,7 @@
 
 use crate::quantize::Quantizer;
 use candle_core::Tensor;
-use candle_nn::{Linear, Module, VarBuilder};
+use candle_nn::{Module, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
@@ -71,14 +71,13 @@ impl FeedForward {
         ))
     }
 
-    /// Builds from existing layers.
-    pub fn from_parts(up: Linear, down: Linear, act: Activation) -> Self {
-        Self::from_projs(up.into(), down.into(), act)
-    }
-
-    /// Builds from existing dense or quantized projections.
-    pub fn from_projs(up: Proj, down: Proj, act: Activation) -> Self {
-        Self { up, down, act }
+    /// Builds from existing layers: dense ones or [`Proj`]s of any format.
+    pub fn from_parts(up: impl Into<Proj>, down: impl Into<Proj>, act: Activation) -> Self {
+        Self {
+            up: up.into(),
+            down: down.into(),
+            act,
+        }
     }
 
     /// A copy with `up` and `down` quantized to `format`.

@@ -5,7 +5,7 @@
 use crate::quantize::Quantizer;
 use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
-use candle_nn::{Linear, VarBuilder};
+use candle_nn::VarBuilder;
 
 use crate::attention::{AttnOutput, Backend, Weights};
 use crate::cache::KvCache;
@@ -72,35 +72,19 @@ macro_rules! self_attention_common {
                 })
             }
 
-            /// Builds from existing projections (e.g. split from a fused
-            /// `c_attn`); their shapes must match `cfg`.
+            /// Builds from existing projections, dense layers (e.g. split
+            /// from a fused `c_attn`) or [`Proj`]s of any format; their
+            /// shapes must match `cfg`.
             pub fn from_parts(
-                q_proj: Linear,
-                k_proj: Linear,
-                v_proj: Linear,
-                o_proj: Linear,
-                cfg: &SelfAttentionConfig,
-            ) -> Result<Self> {
-                Self::from_projs(
-                    q_proj.into(),
-                    k_proj.into(),
-                    v_proj.into(),
-                    o_proj.into(),
-                    cfg,
-                )
-            }
-
-            /// As `from_parts`, from dense or quantized projections.
-            pub fn from_projs(
-                q_proj: Proj,
-                k_proj: Proj,
-                v_proj: Proj,
-                o_proj: Proj,
+                q_proj: impl Into<Proj>,
+                k_proj: impl Into<Proj>,
+                v_proj: impl Into<Proj>,
+                o_proj: impl Into<Proj>,
                 cfg: &SelfAttentionConfig,
             ) -> Result<Self> {
                 Ok(Self {
                     core: AttnCore::from_projs(
-                        [q_proj, k_proj, v_proj, o_proj],
+                        [q_proj.into(), k_proj.into(), v_proj.into(), o_proj.into()],
                         &cfg.dims($module),
                     )?,
                     cfg: cfg.clone(),

@@ -56,7 +56,7 @@ fn embedding(n: usize, width: usize, vb: VarBuilder) -> Result<Embedding> {
     ))
 }
 
-/// The pieces of a decoder, for [`VisionLanguageDecoder::from_components`]
+/// The pieces of a decoder, for [`VisionLanguageDecoder::from_parts`]
 /// (checkpoint converters).
 #[derive(Debug, Clone)]
 pub struct DecoderParts {
@@ -148,7 +148,7 @@ impl VisionLanguageDecoder {
             )?;
             Linear::new(weight, bias)
         };
-        Self::from_components(
+        Self::from_parts(
             DecoderParts {
                 embed_tokens,
                 embed_positions,
@@ -156,34 +156,6 @@ impl VisionLanguageDecoder {
                 blocks,
                 final_norm,
                 output_transform,
-                lm_head,
-            },
-            cfg,
-        )
-    }
-
-    /// Builds a decoder with learned positions and a final norm from
-    /// existing parts (checkpoint converters); see
-    /// [`VisionLanguageDecoder::from_components`] for the other layouts.
-    ///
-    /// # Errors
-    /// As [`VisionLanguageDecoder::from_components`].
-    pub fn from_parts(
-        embed_tokens: Embedding,
-        embed_positions: Embedding,
-        blocks: Vec<DecoderBlock>,
-        final_norm: LayerNorm,
-        lm_head: Linear,
-        cfg: &DecoderConfig,
-    ) -> Result<Self> {
-        Self::from_components(
-            DecoderParts {
-                embed_tokens,
-                embed_positions: Some(embed_positions),
-                embedding_norm: None,
-                blocks,
-                final_norm: Some(final_norm),
-                output_transform: None,
                 lm_head,
             },
             cfg,
@@ -205,7 +177,7 @@ impl VisionLanguageDecoder {
     /// has none or missing where it has one, `blocks` not
     /// `num_hidden_layers` blocks with cross-attention every
     /// `cross_attention_every`.
-    pub fn from_components(parts: DecoderParts, cfg: &DecoderConfig) -> Result<Self> {
+    pub fn from_parts(parts: DecoderParts, cfg: &DecoderConfig) -> Result<Self> {
         cfg.validate()?;
         let DecoderParts {
             embed_tokens,

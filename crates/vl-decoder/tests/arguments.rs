@@ -6,8 +6,8 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{Embedding, Linear, VarBuilder, VarMap};
 use vl_attn::mask;
 use vl_decoder::{
-    generate, DecoderBlock, DecoderConfig, DecoderError, ForwardMasks, GenerationConfig, LayerNorm,
-    StepOptions, Strategy, VisionLanguageDecoder,
+    generate, DecoderBlock, DecoderConfig, DecoderError, DecoderParts, ForwardMasks,
+    GenerationConfig, LayerNorm, StepOptions, Strategy, VisionLanguageDecoder,
 };
 
 const VOCAB: usize = 23;
@@ -320,11 +320,15 @@ fn parts_that_do_not_fit_the_config_are_errors() -> anyhow::Result<()> {
     let norm = LayerNorm::load(h, cfg.layer_norm_eps, vb.pp("final_norm"))?;
     let parts = |tok: usize, pos: usize, nblocks: usize, head: usize, cfg: &DecoderConfig| {
         Ok::<_, anyhow::Error>(VisionLanguageDecoder::from_parts(
-            Embedding::new(table(tok)?, h),
-            Embedding::new(table(pos)?, h),
-            blocks(nblocks)?,
-            norm.clone(),
-            Linear::new(table(head)?, None),
+            DecoderParts {
+                embed_tokens: Embedding::new(table(tok)?, h),
+                embed_positions: Some(Embedding::new(table(pos)?, h)),
+                embedding_norm: None,
+                blocks: blocks(nblocks)?,
+                final_norm: Some(norm.clone()),
+                output_transform: None,
+                lm_head: Linear::new(table(head)?, None),
+            },
             cfg,
         ))
     };

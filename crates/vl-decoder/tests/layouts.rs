@@ -300,32 +300,32 @@ fn parts_must_fit_the_layout() -> anyhow::Result<()> {
         Err(DecoderError::Argument { arg, .. }) => arg,
         other => panic!("expected an argument error, got {other:?}"),
     };
-    VisionLanguageDecoder::from_components(full(&learned)?, &learned)?;
+    VisionLanguageDecoder::from_parts(full(&learned)?, &learned)?;
     let mut parts = full(&learned)?;
     parts.embed_positions = Some(candle_nn::Embedding::new(
         Tensor::zeros((64, 32), DType::F32, &Device::Cpu)?,
         32,
     ));
     assert_eq!(
-        arg(VisionLanguageDecoder::from_components(parts, &learned)),
+        arg(VisionLanguageDecoder::from_parts(parts, &learned)),
         "embed_positions"
     );
     let mut parts = full(&learned)?;
     parts.embedding_norm = None;
     assert_eq!(
-        arg(VisionLanguageDecoder::from_components(parts, &learned)),
+        arg(VisionLanguageDecoder::from_parts(parts, &learned)),
         "embedding_norm"
     );
     let parts = full(&learned)?;
     let sinusoidal = trocr_like(PositionEmbedding::Sinusoidal);
     assert_eq!(
-        arg(VisionLanguageDecoder::from_components(parts, &sinusoidal)),
+        arg(VisionLanguageDecoder::from_parts(parts, &sinusoidal)),
         "embed_positions"
     );
     let mut with_norm = learned.clone();
     with_norm.final_norm = true;
     assert_eq!(
-        arg(VisionLanguageDecoder::from_components(
+        arg(VisionLanguageDecoder::from_parts(
             full(&learned)?,
             &with_norm
         )),

@@ -449,7 +449,7 @@ pub fn load_text(
     } else {
         pred.pp("decoder").get((cfg.vocab_size, h), "weight")?
     };
-    Ok(VisionLanguageDecoder::from_components(
+    Ok(VisionLanguageDecoder::from_parts(
         DecoderParts {
             embed_tokens: Embedding::new(words, h),
             embed_positions: Some(Embedding::new(positions, h)),

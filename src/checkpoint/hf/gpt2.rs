@@ -19,7 +19,7 @@ use vl_attn::{
 };
 use vl_decoder::block::{CrossBranch, DecoderBlock};
 use vl_decoder::{
-    Activation, DecoderConfig, GenerationConfig, NormPlacement, PositionEmbedding,
+    Activation, DecoderConfig, DecoderParts, GenerationConfig, NormPlacement, PositionEmbedding,
     VisionLanguageDecoder,
 };
 
@@ -271,11 +271,15 @@ pub fn load(
         Linear::new(dec.pp("lm_head").get((cfg.vocab_size, h), "weight")?, None)
     };
     Ok(VisionLanguageDecoder::from_parts(
-        Embedding::new(wte, h),
-        Embedding::new(wpe, h),
-        blocks,
-        final_norm,
-        lm_head,
+        DecoderParts {
+            embed_tokens: Embedding::new(wte, h),
+            embed_positions: Some(Embedding::new(wpe, h)),
+            embedding_norm: None,
+            blocks,
+            final_norm: Some(final_norm),
+            output_transform: None,
+            lm_head,
+        },
         cfg,
     )?)
 }

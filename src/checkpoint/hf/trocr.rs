@@ -281,7 +281,7 @@ pub fn load(
     } else {
         linear(top.pp("output_projection"), h, cfg.vocab_size, false)?
     };
-    Ok(VisionLanguageDecoder::from_components(
+    Ok(VisionLanguageDecoder::from_parts(
         DecoderParts {
             embed_tokens: Embedding::new(embed_tokens, h),
             embed_positions,
