@@ -7,7 +7,7 @@ mod common;
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use common::{frozen, max_abs_diff, randn};
+use common::{frozen, max_abs_diff, randn, seed_vars, seeded_randn};
 use vl_attn::{mask, Resampler, ResamplerConfig};
 
 /// Image tokens of width 24 (a class token and 8 × 8 patches) into 8
@@ -125,16 +125,26 @@ fn bad_inputs_are_named_errors() -> anyhow::Result<()> {
 
 #[test]
 fn quantized_close_to_dense_and_unfit_widths_named() -> anyhow::Result<()> {
+    // Seeded weights and memory: the bound is about these values.
     let wide = ResamplerConfig::new(64, 64, 8, 2, 4);
-    let (_v, r) = build(&wide);
-    let m = randn(&[2, 17, 64]);
+    let vars = VarMap::new();
+    Resampler::load(
+        VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu),
+        &wide,
+    )?;
+    seed_vars(&vars, 11);
+    let r = Resampler::load(frozen(&vars, DType::F32), &wide)?;
+    let m = seeded_randn(&[2, 17, 64], 5);
     let dense = r.forward(&m, None)?;
     let q = r.quantize(GgmlDType::Q8_0)?.forward(&m, None)?;
-    // Relative L2 error of 8-bit blocks through 2 layers.
+    // Relative L2 error of 8-bit blocks through 2 layers (0.0155 on these
+    // seeded values with AVX-512 VNNI; the bound leaves room for other ISAs'
+    // rounding of the activations).
     let rel = ((&q - &dense)?.sqr()?.sum_all()?.to_scalar::<f32>()?
         / dense.sqr()?.sum_all()?.to_scalar::<f32>()?)
     .sqrt();
-    assert!(rel <= 0.04, "{rel}");
+    eprintln!("q8_0 resampler: relative L2 {rel}");
+    assert!(rel <= 0.025, "{rel}");
     let (_v, narrow) = build(&cfg());
     let err = narrow.quantize(GgmlDType::Q8_0).unwrap_err().to_string();
     // Width 32 fits the blocks; the memory's 24 does not.

@@ -78,3 +78,47 @@ pub fn seeded_mask(shape: &[usize], seed: u64, density: f32) -> Tensor {
         .lt((density - 0.5) * 2.0)
         .expect("mask")
 }
+
+/// `shape` filled from a seeded generator (splitmix64), roughly normal
+/// (a sum of four uniforms, variance 1): for tests whose bound depends on
+/// the values, which candle's unseeded `randn` would make flaky.
+pub fn seeded_randn(shape: &[usize], seed: u64) -> Tensor {
+    let mut state = seed;
+    let mut next = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 11) as f32 / (1u64 << 53) as f32 - 0.5
+    };
+    let n: usize = shape.iter().product();
+    // Four uniforms on [-0.5, 0.5): variance 4/12, scaled to 1.
+    let values: Vec<f32> = (0..n)
+        .map(|_| (next() + next() + next() + next()) * 3f32.sqrt())
+        .collect();
+    Tensor::from_vec(values, shape, &Device::Cpu).expect("seeded tensor")
+}
+
+/// Every variable of `vars` (by sorted name) set from [`seeded_randn`]:
+/// norms' weights to 1, biases to 0, other weights scaled by
+/// `1/sqrt(fan_in)`, so that a model built on `vars` is the same on every
+/// run.
+pub fn seed_vars(vars: &candle_nn::VarMap, seed: u64) {
+    let data = vars.data().lock().expect("vars");
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    for (i, name) in names.into_iter().enumerate() {
+        let var = &data[name];
+        let dims = var.as_tensor().dims().to_vec();
+        let t = if name.contains("norm") && name.ends_with("weight") {
+            Tensor::ones(dims.as_slice(), DType::F32, &Device::Cpu).expect("ones")
+        } else if name.ends_with("bias") {
+            Tensor::zeros(dims.as_slice(), DType::F32, &Device::Cpu).expect("zeros")
+        } else {
+            let fan_in = *dims.last().unwrap_or(&1) as f64;
+            (seeded_randn(&dims, seed.wrapping_add(i as u64)) / fan_in.sqrt()).expect("scale")
+        };
+        var.set(&t.to_dtype(var.as_tensor().dtype()).expect("dtype"))
+            .expect("set");
+    }
+}
