@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use parity::fixture;
+use parity::{fixture, logits};
 use vl::vl_attn::named::Named;
 use vl::vl_attn::Quantization;
 use vl::{LoadOptions, ModelFormat, VlModel};
@@ -47,23 +47,6 @@ fn tensors(model: &VlModel) -> anyhow::Result<Named> {
 fn bits(t: &Tensor) -> anyhow::Result<Vec<u64>> {
     let t = t.flatten_all()?.to_dtype(DType::F64)?;
     Ok(t.to_vec1::<f64>()?.iter().map(|v| v.to_bits()).collect())
-}
-
-/// The model's logits for fixed tokens over its own encoding of a fixed
-/// image.
-fn logits(model: &VlModel) -> anyhow::Result<Tensor> {
-    let side = model.pixel_spec()?.image_size;
-    let n = 3 * side * side;
-    let pixels = Tensor::arange(0f32, n as f32, &Device::Cpu)?
-        .affine(1.0 / n as f64, -0.5)?
-        .reshape((1, 3, side, side))?;
-    let memory = model.encode_pixels(&pixels)?;
-    let vocab = model.decoder.config().vocab_size as u32;
-    let ids: Vec<u32> = (0..6u32).map(|i| (i * 7 + 3) % vocab).collect();
-    let tokens = Tensor::from_vec(ids, (1, 6), &Device::Cpu)?;
-    Ok(model
-        .decoder
-        .forward(&tokens, Some(&memory), Default::default())?)
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {

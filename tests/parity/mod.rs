@@ -119,3 +119,20 @@ pub fn check_forward<E>(
     );
     Ok(ctx)
 }
+
+/// The model's logits for a fixed token sequence over its own encoding of
+/// a fixed image.
+pub fn logits(model: &VlModel) -> anyhow::Result<Tensor> {
+    let side = model.pixel_spec()?.image_size;
+    let n = 3 * side * side;
+    let pixels = Tensor::arange(0f32, n as f32, &Device::Cpu)?
+        .affine(1.0 / n as f64, -0.5)?
+        .reshape((1, 3, side, side))?;
+    let memory = model.encode_pixels(&pixels)?;
+    let vocab = model.decoder.config().vocab_size as u32;
+    let ids: Vec<u32> = (0..6u32).map(|i| (i * 7 + 3) % vocab).collect();
+    let tokens = Tensor::from_vec(ids, (1, 6), &Device::Cpu)?;
+    Ok(model
+        .decoder
+        .forward(&tokens, Some(&memory), Default::default())?)
+}

@@ -37,7 +37,7 @@ use vl_decoder::{
     Activation, DecoderConfig, DecoderParts, GenerationConfig, NormPlacement, OutputTransform,
     PositionEmbedding, VisionLanguageDecoder,
 };
-use vl_vision::{PixelSpec, VisionConfig, VisionEncoder, Vit, VitBlock, VitConfig};
+use vl_vision::{PixelSpec, VisionEncoder, Vit, VitBlock, VitConfig};
 
 use super::config::HfPreprocessorConfig;
 use super::tensors::{layer_norm, linear};
@@ -495,13 +495,7 @@ impl Family for HfBlipConfig {
         let tokenizer = load_hf_tokenizer(dir, dec_cfg.vocab_size)?;
         Ok(Plan {
             family: cfg,
-            config: VlConfig {
-                model_type: crate::checkpoint::native::MODEL_TYPE.into(),
-                decoder: dec_cfg,
-                vision: Some(VisionConfig::Vit(vit_cfg)),
-                resampler: None,
-                quantization: vl_attn::Quantization::None,
-            },
+            config: super::vit_model(dec_cfg, vit_cfg),
             generation,
             tokenizer,
         })
@@ -512,11 +506,7 @@ impl Family for HfBlipConfig {
         vb: &VarBuilder,
         config: &VlConfig,
     ) -> Result<Option<(VisionEncoder, Option<Resampler>)>> {
-        let Some(VisionConfig::Vit(vit_cfg)) = &config.vision else {
-            return Ok(None);
-        };
-        let vit = load_vision(vb.pp("vision_model"), vit_cfg)?;
-        Ok(Some((VisionEncoder::Vit(vit), None)))
+        super::vit_vision(config, |cfg| load_vision(vb.pp("vision_model"), cfg))
     }
 
     fn decoder(

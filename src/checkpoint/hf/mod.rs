@@ -61,6 +61,30 @@ use crate::error::{in_file, Error, Result};
 
 pub use config::{HfConfig, HfDecoderConfig, HfGeneration, HfPreprocessorConfig, MODEL_TYPE};
 
+/// A transformers checkpoint in vl's terms: a ViT (`vit`) and a decoder,
+/// no resampler, weights as stored.
+pub(crate) fn vit_model(decoder: vl_decoder::DecoderConfig, vit: vl_vision::VitConfig) -> VlConfig {
+    VlConfig {
+        model_type: super::native::MODEL_TYPE.into(),
+        decoder,
+        vision: Some(VisionConfig::Vit(vit)),
+        resampler: None,
+        quantization: vl_attn::Quantization::None,
+    }
+}
+
+/// The vision side of a transformers checkpoint: its ViT, read by `load`
+/// with the config's [`vl_vision::VitConfig`], and no resampler.
+pub(crate) fn vit_vision(
+    config: &VlConfig,
+    load: impl FnOnce(&vl_vision::VitConfig) -> Result<vl_vision::Vit>,
+) -> Result<Option<(VisionEncoder, Option<Resampler>)>> {
+    match &config.vision {
+        Some(VisionConfig::Vit(cfg)) => Ok(Some((VisionEncoder::Vit(load(cfg)?), None))),
+        _ => Ok(None),
+    }
+}
+
 /// The generation defaults of newer checkpoints.
 pub const GENERATION_FILE: &str = "generation_config.json";
 /// The image processor's settings.
@@ -241,13 +265,7 @@ impl Family for HfConfig {
         let tokenizer = load_hf_tokenizer(dir, dec_cfg.vocab_size)?;
         Ok(Plan {
             family: cfg,
-            config: VlConfig {
-                model_type: super::native::MODEL_TYPE.into(),
-                decoder: dec_cfg,
-                vision: Some(VisionConfig::Vit(vit_cfg)),
-                resampler: None,
-                quantization: vl_attn::Quantization::None,
-            },
+            config: vit_model(dec_cfg, vit_cfg),
             generation: gen_cfg,
             tokenizer,
         })
@@ -258,11 +276,7 @@ impl Family for HfConfig {
         vb: &VarBuilder,
         config: &VlConfig,
     ) -> Result<Option<(VisionEncoder, Option<Resampler>)>> {
-        let Some(VisionConfig::Vit(vit_cfg)) = &config.vision else {
-            return Ok(None);
-        };
-        let vit = vit::load(vb.clone(), self, vit_cfg)?;
-        Ok(Some((VisionEncoder::Vit(vit), None)))
+        vit_vision(config, |cfg| vit::load(vb.clone(), self, cfg))
     }
 
     fn decoder(
