@@ -77,25 +77,15 @@
 //! # }
 //! ```
 
-pub mod attention;
-pub mod cache;
-pub mod co_attn;
-pub mod co_block;
-pub mod cross;
-pub mod dropout;
 pub mod error;
-pub mod ffn;
-pub mod gate;
-mod heads;
 pub mod kernels;
-pub mod mask;
-pub mod named;
-pub mod norm;
-pub mod pool;
-pub mod proj;
-pub mod quantize;
-pub mod resampler;
-pub mod self_attn;
+pub mod layers;
+
+use layers::heads;
+pub use layers::{
+    attention, cache, co_attn, co_block, cross, dropout, ffn, gate, mask, named, norm, pool, proj,
+    quantize, resampler, self_attn,
+};
 
 pub use attention::{AttnOutput, Backend, Weights};
 pub use cache::KvCache;
