@@ -139,6 +139,96 @@ impl Bf16Isa {
     }
 }
 
+/// The cache hint of the prefetches that vl's weight-streaming kernels
+/// issue ahead of the bytes they multiply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefetchHint {
+    /// `PREFETCHNTA`: into the nearest cache, marked to leave first.
+    NonTemporal,
+    /// `PREFETCHT0`: into every level.
+    T0,
+    /// No software prefetch (the hardware's alone).
+    Off,
+}
+
+/// The choices of vl's kernels that depend on the CPU model rather than on
+/// its instruction sets, made once at detection ([`Tuning::for_cpu`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tuning {
+    /// The hint of the weight streams' prefetches.
+    pub prefetch: PrefetchHint,
+    /// How many bytes ahead of the weights being multiplied they ask.
+    pub prefetch_ahead: usize,
+}
+
+impl Tuning {
+    /// The prefetch distance measured best on every host so far: the
+    /// hardware's stream prefetcher starts over at every 4 KB page, and
+    /// each product starts a new stream. Interleaved `vl bench` runs of
+    /// vit-gpt2 on a 2-core Zen 5 against no prefetch, ms/token: q8_0
+    /// 3.42–3.76 vs 3.74–4.49 (4 pairs), bf16 weights 5.16–5.69 vs
+    /// 5.81–6.60, `--dtype bf16` 6.00–6.42 vs 6.74–7.18, f32 12.06–12.38 vs
+    /// 14.21–14.98 (3 pairs each); 2 KB and 8 KB ahead gained less or as
+    /// much.
+    pub const PREFETCH_AHEAD: usize = 4096;
+
+    /// The tuning for a CPU of `vendor` (BENCHMARKS.md, "Tuning per CPU"):
+    ///
+    /// - AMD (Zen 4, Zen 5): non-temporal prefetches 4 KB ahead — the
+    ///   measurements above;
+    /// - Intel (Sapphire Rapids class Xeon, model 207) and any other x86
+    ///   CPU: `PREFETCHT0` 4 KB ahead. On that Xeon the non-temporal hint
+    ///   lost most of what the prefetch gains (`vl bench --quick
+    ///   --threads 2`, q8_0 ms/token: NTA 15.8–17.5, none 11.96–14.2, T0
+    ///   9.1–11.3; f32: NTA 43.5–64, T0 42.8–43.3);
+    /// - aarch64: no x86 prefetch exists (the hint is not used).
+    ///
+    /// `VL_PREFETCH=nta|t0|off[:BYTES]` in the environment overrides it (to
+    /// measure a new CPU); a value that does not parse is ignored with a
+    /// warning on stderr.
+    pub fn for_cpu(vendor: Vendor) -> Self {
+        let prefetch = match vendor {
+            Vendor::Amd => PrefetchHint::NonTemporal,
+            Vendor::Intel | Vendor::Other | Vendor::Arm => PrefetchHint::T0,
+        };
+        let tuning = Self {
+            prefetch,
+            prefetch_ahead: Self::PREFETCH_AHEAD,
+        };
+        match std::env::var("VL_PREFETCH") {
+            Ok(v) => match tuning.with_override(&v) {
+                Some(t) => t,
+                None => {
+                    eprintln!(
+                        "vl: VL_PREFETCH={v:?} ignored: expected nta, t0 or off, optionally :BYTES (e.g. t0:4096)"
+                    );
+                    tuning
+                }
+            },
+            Err(_) => tuning,
+        }
+    }
+
+    /// `self` with the prefetch of `spec` (`nta`, `t0` or `off`, optionally
+    /// `:BYTES`); `None` when it does not parse.
+    pub fn with_override(self, spec: &str) -> Option<Self> {
+        let (hint, ahead) = match spec.split_once(':') {
+            Some((h, a)) => (h, Some(a.trim().parse::<usize>().ok()?)),
+            None => (spec, None),
+        };
+        let prefetch = match hint.trim().to_ascii_lowercase().as_str() {
+            "nta" => PrefetchHint::NonTemporal,
+            "t0" => PrefetchHint::T0,
+            "off" | "none" => PrefetchHint::Off,
+            _ => return None,
+        };
+        Some(Self {
+            prefetch,
+            prefetch_ahead: ahead.unwrap_or(self.prefetch_ahead),
+        })
+    }
+}
+
 /// The CPU as vl's kernels see it, detected once per process.
 #[derive(Debug, Clone)]
 pub struct CpuFeatures {
@@ -168,6 +258,9 @@ pub struct CpuFeatures {
     pub neon: bool,
     /// aarch64 dot product (`sdot`, `udot`).
     pub dotprod: bool,
+    /// The choices that depend on the CPU model (prefetch hint and
+    /// distance), made once at detection.
+    pub tuning: Tuning,
     /// The best tokens, chosen once at detection (each product asks).
     best: (Isa, Q8Isa, Bf16Isa),
 }
@@ -193,6 +286,10 @@ impl CpuFeatures {
             fma: false,
             neon: false,
             dotprod: false,
+            tuning: Tuning {
+                prefetch: PrefetchHint::T0,
+                prefetch_ahead: Tuning::PREFETCH_AHEAD,
+            },
             best: (Isa::portable(), Q8Isa::portable(), Bf16Isa::portable()),
         };
         #[cfg(target_arch = "x86_64")]
@@ -221,6 +318,7 @@ impl CpuFeatures {
             cpu.model_name = proc_cpuinfo_model().unwrap_or_default();
         }
         cpu.best = (cpu.isas()[0], cpu.q8_isas()[0], cpu.bf16_isas()[0]);
+        cpu.tuning = Tuning::for_cpu(cpu.vendor);
         cpu
     }
 
@@ -321,7 +419,8 @@ impl CpuFeatures {
 }
 
 impl fmt::Display for CpuFeatures {
-    /// `MODEL NAME (vendor, family F model M): flags; kernels f32 X, q8_0 Y, bf16 Z`.
+    /// `MODEL NAME (vendor, family F model M): flags; kernels f32 X, q8_0
+    /// Y, bf16 Z; prefetch HINT N B ahead`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let name = if self.model_name.is_empty() {
             "unknown CPU"
@@ -330,14 +429,16 @@ impl fmt::Display for CpuFeatures {
         };
         write!(
             f,
-            "{name} ({:?}, family {} model {}): {}; kernels f32 {:?}, q8_0 {:?}, bf16 {:?}",
+            "{name} ({:?}, family {} model {}): {}; kernels f32 {:?}, q8_0 {:?}, bf16 {:?}; prefetch {:?} {} B ahead",
             self.vendor,
             self.family,
             self.model,
             self.flags().join(" "),
             self.isa().simd(),
             self.q8_isa().simd(),
-            self.bf16_isa().simd()
+            self.bf16_isa().simd(),
+            self.tuning.prefetch,
+            self.tuning.prefetch_ahead
         )
     }
 }
@@ -466,5 +567,41 @@ mod tests {
         assert!(cpu.to_string().contains("kernels f32"));
         // The CPU a test run saw, in its log (`--nocapture`).
         eprintln!("{cpu}");
+    }
+
+    /// The prefetch is chosen by vendor (non-temporal on AMD, T0
+    /// elsewhere), 4 KB ahead; `VL_PREFETCH`'s forms parse, anything else
+    /// is refused; the detected CPU says its choice.
+    #[test]
+    fn tuning_per_vendor_and_its_override() {
+        let base = |prefetch| Tuning {
+            prefetch,
+            prefetch_ahead: Tuning::PREFETCH_AHEAD,
+        };
+        if std::env::var_os("VL_PREFETCH").is_none() {
+            assert_eq!(
+                Tuning::for_cpu(Vendor::Amd),
+                base(PrefetchHint::NonTemporal)
+            );
+            for v in [Vendor::Intel, Vendor::Other, Vendor::Arm] {
+                assert_eq!(Tuning::for_cpu(v), base(PrefetchHint::T0), "{v:?}");
+            }
+            let cpu = CpuFeatures::get();
+            assert_eq!(cpu.tuning, Tuning::for_cpu(cpu.vendor));
+            assert!(cpu.to_string().contains("B ahead"), "{cpu}");
+        }
+        let t = base(PrefetchHint::NonTemporal);
+        assert_eq!(t.with_override("t0"), Some(base(PrefetchHint::T0)));
+        assert_eq!(t.with_override("OFF"), Some(base(PrefetchHint::Off)));
+        assert_eq!(
+            t.with_override("nta:2048"),
+            Some(Tuning {
+                prefetch: PrefetchHint::NonTemporal,
+                prefetch_ahead: 2048
+            })
+        );
+        for bad in ["", "t1", "t0:", "t0:4k", "nta:-1"] {
+            assert_eq!(t.with_override(bad), None, "{bad:?}");
+        }
     }
 }

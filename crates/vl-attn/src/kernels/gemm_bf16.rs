@@ -590,7 +590,8 @@ mod avx512 {
     use half::bf16;
 
     use super::{Out, MR, NR};
-    use crate::kernels::gemv::{prefetch, PREFETCH_AHEAD};
+    use crate::kernels::gemv::prefetch;
+    use crate::kernels::CpuFeatures;
 
     /// Rows `x (rows, k)` times panels `first .. last` (given as
     /// `packed`, from panel `first` on) into `y`, which points at the
@@ -685,6 +686,8 @@ mod avx512 {
     ) {
         let pairs = k / 2;
         let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+        let tune = CpuFeatures::get().tuning;
+        let (ahead, hint) = (tune.prefetch_ahead, tune.prefetch);
         for (j, panel) in (first..last).zip(packed.chunks_exact(pairs * NR)) {
             let cols = NR.min(n - j * NR);
             for (r, xr) in x.chunks_exact(k).take(m).enumerate() {
@@ -693,8 +696,8 @@ mod avx512 {
                     // SAFETY: the panel holds `pairs * NR` u32, `p < pairs`.
                     let (b0, b1) = unsafe {
                         let ptr = panel.as_ptr().add(p * NR) as *const __m512i;
-                        prefetch(ptr, PREFETCH_AHEAD);
-                        prefetch(ptr, PREFETCH_AHEAD + 64);
+                        prefetch(ptr, ahead, hint);
+                        prefetch(ptr, ahead + 64, hint);
                         (_mm512_loadu_si512(ptr), _mm512_loadu_si512(ptr.add(1)))
                     };
                     let (xa, xb) = (_mm512_set1_ps(xp[0]), _mm512_set1_ps(xp[1]));

@@ -27,7 +27,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::features::{CpuFeatures, Isa, Simd};
+use super::features::{CpuFeatures, Isa, PrefetchHint, Simd};
 use crate::kernels::host::contiguous;
 
 /// The most rows of `x` the kernel takes; more go to candle's matmul.
@@ -40,34 +40,27 @@ const LANES: usize = 16;
 /// would leave cores idle, many tiny ones cost scheduling.
 const MIN_TASK_ROWS: usize = 16;
 
-/// How far ahead of the weight bytes they are multiplying vl's
-/// weight-streaming kernels (this module's rows, the q8_0 tiles, the
-/// packed bf16 panels) ask for the bytes to come: 4 KB, with the
-/// non-temporal hint. The hardware's stream prefetcher starts over at
-/// every 4 KB page, and each product starts a new stream.
-///
-/// Interleaved `vl bench` runs of vit-gpt2 on the 2-core Zen 5 machine of
-/// BENCHMARKS.md, against no prefetch, ms/token: q8_0 3.42–3.76 vs
-/// 3.74–4.49 (4 pairs), bf16 weights 5.16–5.69 vs 5.81–6.60, `--dtype
-/// bf16` 6.00–6.42 vs 6.74–7.18, f32 12.06–12.38 vs 14.21–14.98 (3 pairs
-/// each); every pair was faster, and q8_0 encode too. 2 KB and 8 KB ahead
-/// gained less or as much.
-pub(crate) const PREFETCH_AHEAD: usize = 4096;
-
-/// Asks for the cache line holding `p + ahead` bytes (non-temporal). A
-/// prefetch never faults, whatever the address; a no-op off x86-64.
+/// Asks for the cache line holding `p + ahead` bytes with `hint` (the
+/// CPU's [`Tuning`](crate::kernels::Tuning), read once per product or
+/// tile by the caller). A prefetch never faults, whatever the address; a
+/// no-op off x86-64.
 #[inline(always)]
-pub(crate) fn prefetch<T>(p: *const T, ahead: usize) {
+pub(crate) fn prefetch<T>(p: *const T, ahead: usize, hint: PrefetchHint) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: PREFETCHNTA reads nothing architecturally and never faults
-    // (any address, mapped or not, is allowed); SSE is in the x86-64
-    // baseline. The address is formed with wrapping arithmetic.
+    // SAFETY: PREFETCHNTA and PREFETCHT0 read nothing architecturally and
+    // never fault (any address, mapped or not, is allowed); SSE is in the
+    // x86-64 baseline. The address is formed with wrapping arithmetic.
     unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_NTA};
-        _mm_prefetch::<_MM_HINT_NTA>(p.cast::<i8>().wrapping_add(ahead));
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_NTA, _MM_HINT_T0};
+        let at = p.cast::<i8>().wrapping_add(ahead);
+        match hint {
+            PrefetchHint::NonTemporal => _mm_prefetch::<_MM_HINT_NTA>(at),
+            PrefetchHint::T0 => _mm_prefetch::<_MM_HINT_T0>(at),
+            PrefetchHint::Off => {}
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, ahead);
+    let _ = (p, ahead, hint);
 }
 
 /// An element vl's kernels read and widen to f32: a weight here, keys
@@ -137,8 +130,9 @@ impl Weight for f16 {
 fn dot_rows<W: Weight, const R: usize>(x: [&[f32]; R], w: &[W], out: &mut [f32; R]) {
     let mut acc = [[0f32; LANES]; R];
     let body = w.len() / LANES * LANES;
+    let tune = CpuFeatures::get().tuning;
     for (c, wc) in w[..body].chunks_exact(LANES).enumerate() {
-        prefetch(wc.as_ptr(), PREFETCH_AHEAD);
+        prefetch(wc.as_ptr(), tune.prefetch_ahead, tune.prefetch);
         let mut wf = [0f32; LANES];
         for (f, &v) in wf.iter_mut().zip(wc) {
             *f = v.to_f32();
@@ -519,14 +513,21 @@ mod tests {
     #[test]
     fn prefetch_anywhere_is_harmless() {
         let w = [1u8; 64];
-        for (p, ahead) in [
-            (w.as_ptr(), PREFETCH_AHEAD),
-            (w.as_ptr(), usize::MAX),
-            (std::ptr::null(), 0),
-            (std::ptr::null(), PREFETCH_AHEAD),
-            (usize::MAX as *const u8, PREFETCH_AHEAD),
+        let ahead4k = crate::kernels::Tuning::PREFETCH_AHEAD;
+        for hint in [
+            PrefetchHint::NonTemporal,
+            PrefetchHint::T0,
+            PrefetchHint::Off,
         ] {
-            prefetch(p, ahead);
+            for (p, ahead) in [
+                (w.as_ptr(), ahead4k),
+                (w.as_ptr(), usize::MAX),
+                (std::ptr::null(), 0),
+                (std::ptr::null(), ahead4k),
+                (usize::MAX as *const u8, ahead4k),
+            ] {
+                prefetch(p, ahead, hint);
+            }
         }
     }
 

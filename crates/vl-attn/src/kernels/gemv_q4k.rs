@@ -33,7 +33,7 @@ use rayon::prelude::*;
 use super::features::Q8Simd;
 use super::features::{CpuFeatures, Q8Isa};
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::gemv::{prefetch, PREFETCH_AHEAD};
+use crate::kernels::gemv::prefetch;
 use crate::kernels::gemv_q8::{
     bias_tensor, checked_bias, matmul_tiled, SummedActivations, Tiled, TILE_ROWS,
 };
@@ -434,6 +434,8 @@ unsafe fn tile_vnni<const R: usize>(
         a.rows,
         a.k
     );
+    let tune = CpuFeatures::get().tuning;
+    let (ahead, hint) = (tune.prefetch_ahead, tune.prefetch);
     // SAFETY: every offset below is within the tile `t` of `p` and the rows
     // `r0..r0 + R` of `a` (checked above).
     unsafe {
@@ -442,11 +444,11 @@ unsafe fn tile_vnni<const R: usize>(
         let recs = p.data.as_ptr().add(t * blocks * REC);
         for b in 0..blocks {
             let rec = recs.add(b * REC);
-            // Every line of the stream is asked for `PREFETCH_AHEAD`
-            // bytes before it is read: the head's 5 here, each
-            // sub-block's 4 below.
+            // Every line of the stream is asked for `ahead` bytes
+            // before it is read: the head's 5 here, each sub-block's 4
+            // below.
             for line in 0..QS / 64 {
-                prefetch(rec, PREFETCH_AHEAD + 64 * line);
+                prefetch(rec, ahead + 64 * line, hint);
             }
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(D) as *const _));
             let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(DMIN) as *const _));
@@ -454,7 +456,7 @@ unsafe fn tile_vnni<const R: usize>(
                 let s = b * SUBS + j;
                 let tile = rec.add(QS + j * TILE_BYTES);
                 for line in 0..TILE_BYTES / 64 {
-                    prefetch(tile, PREFETCH_AHEAD + 64 * line);
+                    prefetch(tile, ahead + 64 * line, hint);
                 }
                 let v: [__m512i; 4] =
                     std::array::from_fn(|g| _mm512_loadu_si512(tile.add(g * 64) as *const _));

@@ -37,7 +37,7 @@ use rayon::prelude::*;
 use super::features::Simd;
 use super::features::{CpuFeatures, Isa, Q8Isa, Q8Simd};
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::gemv::{prefetch, PREFETCH_AHEAD};
+use crate::kernels::gemv::prefetch;
 use crate::kernels::micro::{madd, Kernel};
 
 /// Values per q8_0 block.
@@ -797,6 +797,8 @@ unsafe fn tile_vnni<const R: usize>(
 ) {
     use std::arch::x86_64::*;
     let blocks = check_tile(p, a, t, r0..r0 + R);
+    let tune = CpuFeatures::get().tuning;
+    let (ahead, hint) = (tune.prefetch_ahead, tune.prefetch);
     // SAFETY: every offset below is within the tile `t` of `p` and the rows
     // `r0..r0 + R` of `a` (checked above).
     unsafe {
@@ -805,13 +807,13 @@ unsafe fn tile_vnni<const R: usize>(
         let ds = p.d.as_ptr().add(t * blocks * TILE_ROWS);
         for b in 0..blocks {
             let tile = qs.add(b * TILE_BYTES);
-            // The tiles `PREFETCH_AHEAD` bytes on, and the scales as far
-            // ahead in blocks (a line holds two blocks' scales).
+            // The tiles `ahead` bytes on, and the scales as far ahead in
+            // blocks (a line holds two blocks' scales).
             for line in 0..TILE_BYTES / 64 {
-                prefetch(tile, PREFETCH_AHEAD + 64 * line);
+                prefetch(tile, ahead + 64 * line, hint);
             }
             if b % 2 == 0 {
-                prefetch(ds.add(b * TILE_ROWS), PREFETCH_AHEAD / 16);
+                prefetch(ds.add(b * TILE_ROWS), ahead / 16, hint);
             }
             let w: [__m512i; 8] =
                 std::array::from_fn(|g| _mm512_loadu_si512(tile.add(g * 64) as *const _));

@@ -40,5 +40,7 @@ pub mod norm;
 pub(crate) mod q4k;
 pub(crate) mod tiled;
 
-pub use features::{Bf16Isa, Bf16Simd, CpuFeatures, Isa, Q8Isa, Q8Simd, Simd, Vendor};
+pub use features::{
+    Bf16Isa, Bf16Simd, CpuFeatures, Isa, PrefetchHint, Q8Isa, Q8Simd, Simd, Tuning, Vendor,
+};
 pub use host::{on_pool, with_values};
