@@ -178,6 +178,28 @@ def run_json(cmd, env):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def machine():
+    """The machine this run measured: `lscpu`'s model name, vendor, family,
+    model and SIMD flags (BENCHMARKS.md keeps a table per CPU), and the load
+    average at the start (what "quiet" meant; the end's is added after the
+    runs)."""
+    info = {}
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("Model name", "Vendor ID", "CPU family", "Model", "CPU(s)", "Flags"):
+                info[key] = value.strip()
+    except (OSError, subprocess.CalledProcessError) as e:
+        info["lscpu"] = f"unavailable: {e}"
+    flags = set(info.pop("Flags", "").split())
+    info["simd"] = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni",
+                                         "avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags)
+    info["load average"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return info
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -216,7 +238,8 @@ def main():
           "--repeats", str(args.repeats), "--batch", str(args.batch)]
     vl_bin = str(ROOT / "target" / "release" / "vl")
     att_bin = str(ROOT / "target" / "release" / "examples" / "bench_attention")
-    results = {}
+    results = {"machine": machine()}
+    print(f"machine: {results['machine']}", file=sys.stderr)
     columns = []
     for cid, (name, dtype) in TORCH_CONFIGS.items():
         if cid in configs:
@@ -332,6 +355,11 @@ def main():
         print(f"  CrossAttention 1024x16384 peak RSS {fmt(peak, '.0f', 1)} MB "
               f"(a score tensor alone: {fmt(score, '.0f', 1)} MB)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    results["machine"]["load average, end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    m = results["machine"]
+    print(f"\nmachine: {m.get('Model name', '?')} (vendor {m.get('Vendor ID', '?')}, family "
+          f"{m.get('CPU family', '?')} model {m.get('Model', '?')}; {m.get('simd', '')}); load "
+          f"{m['load average']} -> {m['load average, end']}")
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nraw figures: {args.out}")
 
