@@ -76,8 +76,9 @@ impl VlModel {
     /// they compute with, with the format in `config.json`, so that the
     /// load converts them back to the same blocks.
     ///
-    /// The generation defaults of a transformers checkpoint are not
-    /// written: a reloaded model decodes greedily unless told otherwise.
+    /// The generation defaults (beams, lengths, special tokens, penalties)
+    /// are written too, so that a saved transformers checkpoint decodes as
+    /// it did.
     ///
     /// # Errors
     /// [`crate::Error::Io`] naming the file that cannot be written; candle's
@@ -93,6 +94,7 @@ impl VlModel {
         }
         let config = VlConfig {
             quantization: self.quantization,
+            generation: Some(self.generation.clone()),
             ..self.config.clone()
         };
         crate::checkpoint::native::write_dir(dir, &config, &tensors, &self.tokenizer)

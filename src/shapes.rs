@@ -110,6 +110,7 @@ pub fn captioner_config(hidden: usize, layers: usize, patch_size: usize) -> VlCo
         })),
         resampler: None,
         quantization: vl_attn::Quantization::None,
+        generation: None,
     }
 }
 

@@ -82,6 +82,7 @@ fn vl_config(cfg: &DecoderConfig) -> VlConfig {
         })),
         resampler: None,
         quantization: vl::vl_attn::Quantization::None,
+        generation: None,
     }
 }
 

@@ -65,6 +65,7 @@ fn a_dense_model_round_trips_bit_for_bit() -> anyhow::Result<()> {
         assert_eq!(back.config.decoder, model.config.decoder, "{name}");
         assert_eq!(back.config.vision, model.config.vision, "{name}");
         assert_eq!(back.pixel_spec()?, model.pixel_spec()?, "{name}");
+        assert_eq!(back.generation, model.generation, "{name}");
         let (want, got) = (tensors(&model)?, tensors(&back)?);
         assert_eq!(
             want.keys().collect::<Vec<_>>(),

@@ -44,6 +44,11 @@ pub struct VlConfig {
     /// format gives them back.
     #[serde(default, skip_serializing_if = "Quantization::is_none")]
     pub quantization: Quantization,
+    /// The generation defaults (default: greedy, as many tokens as the
+    /// positions allow); [`crate::VlModel::save`] writes a checkpoint's own
+    /// (a transformers checkpoint's beams and lengths).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<GenerationConfig>,
 }
 
 impl VlConfig {
@@ -125,8 +130,17 @@ impl Family for VlConfig {
                 parse_tokenizer(text, &tok_path, vocab)?
             }
         };
-        let generation =
-            GenerationConfig::greedy(&config.decoder, config.decoder.max_position_embeddings - 1);
+        let generation = match &config.generation {
+            Some(g) => {
+                g.validate().map_err(in_file(&config_path))?;
+                g.check_ids(vocab).map_err(in_file(&config_path))?;
+                g.clone()
+            }
+            None => GenerationConfig::greedy(
+                &config.decoder,
+                config.decoder.max_position_embeddings - 1,
+            ),
+        };
         Ok(Plan {
             family: config.clone(),
             config,

@@ -70,6 +70,7 @@ pub(crate) fn vit_model(decoder: vl_decoder::DecoderConfig, vit: vl_vision::VitC
         vision: Some(VisionConfig::Vit(vit)),
         resampler: None,
         quantization: vl_attn::Quantization::None,
+        generation: None,
     }
 }
 

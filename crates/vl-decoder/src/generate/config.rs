@@ -11,7 +11,8 @@ pub const MIN_SAMPLING_TEMPERATURE: f64 = 1e-7;
 
 /// When beam search may stop before `max_new_tokens`, as transformers'
 /// `early_stopping` (`True`, `False`, `"never"`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum EarlyStopping {
     /// Stop an image as soon as it has `num_beams` finished hypotheses.
     True,
@@ -26,7 +27,8 @@ pub enum EarlyStopping {
 }
 
 /// How the next token is chosen.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
 pub enum Strategy {
     /// The most likely token (ties: the lowest id, as `torch.argmax`).
     Greedy,
@@ -72,8 +74,9 @@ impl Strategy {
 }
 
 /// Everything [`generate`](super::generate) needs besides the model and the
-/// images.
-#[derive(Debug, Clone, PartialEq)]
+/// images. Serialised (a vl model directory's `generation`) without
+/// [`GenerationConfig::cross_attention_of`], which is a per-call choice.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GenerationConfig {
     /// Most tokens generated per image, EOS included; `>= 1`.
     pub max_new_tokens: usize,
@@ -103,6 +106,7 @@ pub struct GenerationConfig {
     /// [`Generated::cross_attention`](super::Generated::cross_attention) —
     /// the heatmaps of a caption, from the pass that made it (transformers'
     /// `output_attentions` for cross-attention). `None`: nothing recorded.
+    #[serde(skip)]
     pub cross_attention_of: Option<usize>,
 }
 
