@@ -214,9 +214,9 @@ impl fmt::Debug for Quantizer {
 }
 
 /// Blocks a checkpoint holds already (a model saved after conversion):
-/// [`Quantizer::proj`] takes a layer's from here rather than quantizing its
-/// values again (`q4k`'s search for scales does not give back the same
-/// blocks from dequantized values).
+/// [`Quantizer::proj`] takes a CPU layer's from here rather than quantizing
+/// its values again (`q4k`'s search for scales does not give back the same
+/// blocks from dequantized values). Blocks are handed over on the CPU.
 pub trait StoredBlocks: Send + Sync {
     /// The blocks of the weight `name` (e.g.
     /// `"decoder.blocks.0.ffn.down.weight"`) in `format`, `None` when the
@@ -332,9 +332,12 @@ impl Quantizer {
         }
         match format {
             Some(f) => {
+                // Stored blocks are read on the CPU, where vl packs them;
+                // a layer on another device is quantized from its values.
                 let stored = self
                     .stored
                     .as_ref()
+                    .filter(|_| proj.device().is_cpu())
                     .and_then(|s| s.blocks(&format!("{layer}.weight"), f));
                 match stored {
                     Some(blocks) => {
