@@ -228,7 +228,7 @@ impl Captioner {
             let mut captions: Vec<Option<Result<Caption>>> =
                 (0..chunk.len()).map(|_| None).collect();
             if !pixels.is_empty() {
-                match self.caption_batch(&pixels, gen, &prompt_ids) {
+                match self.caption_tokens(&pixels, gen, &prompt_ids, &mut |_| {}) {
                     Ok(done) => {
                         for (i, c) in batch.iter().zip(done) {
                             captions[*i] = Some(Ok(c));
@@ -240,7 +240,12 @@ impl Captioner {
                     Err(_) => {
                         for (i, p) in batch.iter().zip(&pixels) {
                             let one = self
-                                .caption_batch(std::slice::from_ref(p), gen, &prompt_ids)
+                                .caption_tokens(
+                                    std::slice::from_ref(p),
+                                    gen,
+                                    &prompt_ids,
+                                    &mut |_| {},
+                                )
                                 .map(|mut c| c.remove(0));
                             captions[*i] = Some(one);
                         }
@@ -297,15 +302,6 @@ impl Captioner {
             None => Vec::new(),
         };
         self.caption_tokens(pixels, &request.generation, &prompt_ids, on_token)
-    }
-
-    fn caption_batch(
-        &self,
-        pixels: &[Tensor],
-        gen: &GenerationConfig,
-        prompt_ids: &[u32],
-    ) -> Result<Vec<Caption>> {
-        self.caption_tokens(pixels, gen, prompt_ids, &mut |_| {})
     }
 
     fn caption_tokens(

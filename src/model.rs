@@ -4,12 +4,11 @@
 use std::path::PathBuf;
 
 use candle_core::Tensor;
-use image::DynamicImage;
 use vl_attn::{Fallback, Quantization, Quantizer};
 use vl_decoder::{GenerationConfig, VisionLanguageDecoder};
 use vl_vision::{PixelSpec, VisionPipeline};
 
-use crate::checkpoint::{fallback_summary, ModelFormat, VlConfig};
+use crate::checkpoint::{reported_fallbacks, ModelFormat, VlConfig};
 use crate::error::{arg_err, Result};
 
 /// A loaded model.
@@ -61,11 +60,26 @@ impl VlModel {
         self.vision = vision;
         self.decoder = decoder;
         self.quantization = q;
-        self.fallbacks = quantizer.fallbacks();
-        if let Some(summary) = fallback_summary(q, &self.fallbacks) {
-            tracing::warn!("{}: {summary}", self.path.display());
-        }
+        self.fallbacks = reported_fallbacks(&quantizer, q, &self.path);
         Ok(())
+    }
+
+    /// The model's tensors by the names a vl directory holds them under
+    /// (`decoder.…`, `vision.…`, `resampler.…`): what [`VlModel::save`]
+    /// writes (see [`vl_attn::named`]).
+    ///
+    /// # Errors
+    /// candle's errors dequantizing a layer.
+    pub fn named_tensors(&self) -> Result<vl_attn::named::Named> {
+        let mut tensors = vl_attn::named::Named::new();
+        self.decoder.named_tensors("decoder", &mut tensors)?;
+        if let Some(v) = &self.vision {
+            v.encoder().named_tensors("vision", &mut tensors)?;
+            if let Some(r) = v.resampler() {
+                r.named_tensors("resampler", &mut tensors)?;
+            }
+        }
+        Ok(tensors)
     }
 
     /// Writes the model as a vl model directory (`config.json`,
@@ -84,14 +98,7 @@ impl VlModel {
     /// [`crate::Error::Io`] naming the file that cannot be written; candle's
     /// errors dequantizing a layer.
     pub fn save(&self, dir: &std::path::Path) -> Result<()> {
-        let mut tensors = vl_attn::named::Named::new();
-        self.decoder.named_tensors("decoder", &mut tensors)?;
-        if let Some(v) = &self.vision {
-            v.encoder().named_tensors("vision", &mut tensors)?;
-            if let Some(r) = v.resampler() {
-                r.named_tensors("resampler", &mut tensors)?;
-            }
-        }
+        let tensors = self.named_tensors()?;
         let config = VlConfig {
             quantization: self.quantization,
             generation: Some(self.generation.clone()),
@@ -150,14 +157,6 @@ impl VlModel {
     /// model has no vision encoder.
     pub fn pixel_spec(&self) -> Result<&PixelSpec> {
         Ok(self.vision()?.spec())
-    }
-
-    /// Image tokens of decoded images (see [`VisionPipeline`]).
-    ///
-    /// # Shapes
-    /// Returns `(images.len(), tokens, memory_dim)`.
-    pub fn encode_images(&self, images: &[&DynamicImage]) -> Result<Tensor> {
-        Ok(self.vision()?.encode_images(images)?)
     }
 
     /// Image tokens of a batch of preprocessed pixels (see

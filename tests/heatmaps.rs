@@ -46,7 +46,7 @@ fn tiny_captioner() -> anyhow::Result<Captioner> {
 /// heads averaged, class token dropped: the replay the CLI used to do.
 fn replay(c: &Captioner, image: &DynamicImage, tokens: &[u32]) -> anyhow::Result<Vec<Vec<f32>>> {
     let dec = &c.model().decoder;
-    let memory = c.model().encode_images(&[image])?;
+    let memory = c.model().vision()?.encode_images(&[image])?;
     let ctx = dec.image_context(&memory, None)?;
     let mut state = dec.start(&ctx, 1)?;
     let mut input = vec![c.model().config.decoder.bos_token_id];

@@ -13,7 +13,7 @@ use vl_decoder::{GenerationConfig, VisionLanguageDecoder};
 use vl_vision::{VisionEncoder, VisionPipeline};
 
 use super::{
-    hf, parse_json, read_json, safetensors, ModelBytes, ModelFormat, VlConfig, CONFIG_FILE,
+    hf, native, parse_json, read_json, safetensors, ModelBytes, ModelFormat, VlConfig, CONFIG_FILE,
     WEIGHTS_FILE,
 };
 use crate::error::{weights_error, Error, Result};
@@ -87,37 +87,10 @@ impl LoadOptions {
     }
 }
 
-/// A model's files, as its family file reads them.
-pub(crate) enum Files<'a> {
-    Dir(&'a Path),
-    Memory {
-        name: &'a Path,
-        files: ModelBytes<'a>,
-    },
-}
-
-impl<'a> Files<'a> {
-    fn new(source: Source<'a>) -> Result<Self> {
-        Ok(match source {
-            Source::Dir(dir) => {
-                if !dir.is_dir() {
-                    return Err(Error::Io {
-                        path: dir.to_path_buf(),
-                        source: std::io::Error::new(
-                            std::io::ErrorKind::NotFound,
-                            "not a model directory",
-                        ),
-                    });
-                }
-                Self::Dir(dir)
-            }
-            Source::Memory { name, files } => Self::Memory { name, files },
-        })
-    }
-
+impl<'a> Source<'a> {
     /// The directory, or the name standing for it.
     pub(crate) fn root(&self) -> &'a Path {
-        match self {
+        match *self {
             Self::Dir(dir) => dir,
             Self::Memory { name, .. } => name,
         }
@@ -130,7 +103,7 @@ impl<'a> Files<'a> {
 
     /// The directory of a format that only loads from one.
     pub(crate) fn dir(&self, format: ModelFormat) -> Result<&'a Path> {
-        match self {
+        match *self {
             Self::Dir(dir) => Ok(dir),
             Self::Memory { name, .. } => Err(Error::Argument {
                 arg: "source",
@@ -203,7 +176,7 @@ pub(crate) trait Family: Sized {
     /// Parses and checks the config (read once, by [`load`]) and everything
     /// else that is not weights: generation defaults, preprocessing,
     /// tokenizer.
-    fn plan(files: &Files, config: &serde_json::Value) -> Result<Plan<Self>>;
+    fn plan(source: &Source, config: &serde_json::Value) -> Result<Plan<Self>>;
 
     /// The vision encoder and the resampler, dense; `None` for a model
     /// without images.
@@ -250,17 +223,25 @@ pub(crate) trait Family: Sized {
 /// [`Error::Config`] naming the field (and file) of an impossible config;
 /// [`Error::Weights`] naming the file and the tensor; [`Error::Tokenizer`].
 pub fn load<'a>(source: impl Into<Source<'a>>, options: &LoadOptions) -> Result<VlModel> {
-    let files = Files::new(source.into())?;
-    let config = files.config()?;
-    match ModelFormat::of(&config, &files.path(CONFIG_FILE))? {
-        ModelFormat::Vl => load_family::<VlConfig>(&files, &config, options),
-        ModelFormat::VisionEncoderDecoder => load_family::<hf::HfConfig>(&files, &config, options),
-        ModelFormat::Blip => load_family::<hf::blip::HfBlipConfig>(&files, &config, options),
+    let source = source.into();
+    if let Source::Dir(dir) = source {
+        if !dir.is_dir() {
+            return Err(Error::Io {
+                path: dir.to_path_buf(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "not a model directory"),
+            });
+        }
+    }
+    let config = source.config()?;
+    match ModelFormat::of(&config, &source.path(CONFIG_FILE))? {
+        ModelFormat::Vl => load_family::<native::Native>(&source, &config, options),
+        ModelFormat::VisionEncoderDecoder => load_family::<hf::HfConfig>(&source, &config, options),
+        ModelFormat::Blip => load_family::<hf::blip::HfBlipConfig>(&source, &config, options),
     }
 }
 
 fn load_family<F: Family>(
-    files: &Files,
+    source: &Source,
     config: &serde_json::Value,
     options: &LoadOptions,
 ) -> Result<VlModel> {
@@ -269,7 +250,7 @@ fn load_family<F: Family>(
         config,
         generation,
         tokenizer,
-    } = F::plan(files, config)?;
+    } = F::plan(source, config)?;
     // A model saved converted says its format; a format asked overrides it.
     let asked = if options.quantization.is_none() {
         config.quantization
@@ -280,10 +261,10 @@ fn load_family<F: Family>(
     if quantization != asked {
         tracing::debug!(
             "{}: bf16 weights held as {quantization} for vl's bf16 kernels",
-            files.root().display()
+            source.root().display()
         );
     }
-    let (label, vb, stored) = files.weights(options.dtype, &options.device)?;
+    let (label, vb, stored) = source.weights(options.dtype, &options.device)?;
     let quantizer = match stored {
         Some(s) => Quantizer::fitting(quantization).with_stored(std::sync::Arc::new(s)),
         None => Quantizer::fitting(quantization),
@@ -318,12 +299,9 @@ fn load_family<F: Family>(
     } else {
         decoder
     };
-    let fallbacks = quantizer.fallbacks();
-    if let Some(summary) = fallback_summary(quantization, &fallbacks) {
-        tracing::warn!("{}: {summary}", files.root().display());
-    }
+    let fallbacks = reported_fallbacks(&quantizer, quantization, source.root());
     Ok(VlModel {
-        path: files.root().to_path_buf(),
+        path: source.root().to_path_buf(),
         config,
         decoder,
         vision,
@@ -333,6 +311,20 @@ fn load_family<F: Family>(
         quantization,
         fallbacks,
     })
+}
+
+/// The layers that fell back while `quantizer` converted the model at
+/// `path` to `q`, said once in the log.
+pub(crate) fn reported_fallbacks(
+    quantizer: &Quantizer,
+    q: Quantization,
+    path: &Path,
+) -> Vec<Fallback> {
+    let fallbacks = quantizer.fallbacks();
+    if let Some(summary) = fallback_summary(q, &fallbacks) {
+        tracing::warn!("{}: {summary}", path.display());
+    }
+    fallbacks
 }
 
 /// One line saying which layers could not hold `q` and what they hold

@@ -48,7 +48,7 @@ pub use tokenizers::Tokenizer;
 use crate::error::{Error, Result};
 
 pub use load::{fallback_summary, load, LoadOptions, Source};
-pub(crate) use load::{BlockHook, Family, Files, Plan};
+pub(crate) use load::{reported_fallbacks, BlockHook, Family, Plan};
 pub use native::{ModelBytes, VlConfig};
 
 /// The weights file of a model directory.

@@ -16,7 +16,7 @@ use vl_vision::{VisionConfig, VisionEncoder};
 
 use super::tokenizer::{load_tokenizer, parse_tokenizer};
 use super::{
-    from_value, BlockHook, Family, Files, ModelFormat, Plan, CONFIG_FILE, TOKENIZER_FILE,
+    from_value, BlockHook, Family, ModelFormat, Plan, Source, CONFIG_FILE, TOKENIZER_FILE,
     WEIGHTS_FILE,
 };
 use crate::error::{in_file, Error, Result};
@@ -111,18 +111,22 @@ pub struct ModelBytes<'a> {
     pub tokenizer: &'a [u8],
 }
 
-impl Family for VlConfig {
+/// vl's own directories as a [`Family`]: the config is vl's already, and
+/// the tensors carry vl's names.
+pub(crate) struct Native;
+
+impl Family for Native {
     const FORMAT: ModelFormat = ModelFormat::Vl;
 
-    fn plan(files: &Files, config: &serde_json::Value) -> Result<Plan<Self>> {
-        let config_path = files.path(CONFIG_FILE);
+    fn plan(source: &Source, config: &serde_json::Value) -> Result<Plan<Self>> {
+        let config_path = source.path(CONFIG_FILE);
         let config: VlConfig = from_value(config, &config_path)?;
         config.validate().map_err(in_file(&config_path))?;
-        let tok_path = files.path(TOKENIZER_FILE);
+        let tok_path = source.path(TOKENIZER_FILE);
         let vocab = config.decoder.vocab_size;
-        let tokenizer = match files {
-            Files::Dir(_) => load_tokenizer(&tok_path, vocab)?,
-            Files::Memory { files, .. } => {
+        let tokenizer = match source {
+            Source::Dir(_) => load_tokenizer(&tok_path, vocab)?,
+            Source::Memory { files, .. } => {
                 let text = std::str::from_utf8(files.tokenizer).map_err(|e| Error::Tokenizer {
                     path: tok_path.clone(),
                     reason: format!("not UTF-8: {e}"),
@@ -142,7 +146,7 @@ impl Family for VlConfig {
             ),
         };
         Ok(Plan {
-            family: config.clone(),
+            family: Native,
             config,
             generation,
             tokenizer,
@@ -152,13 +156,13 @@ impl Family for VlConfig {
     fn vision(
         &self,
         vb: &VarBuilder,
-        _: &VlConfig,
+        config: &VlConfig,
     ) -> Result<Option<(VisionEncoder, Option<Resampler>)>> {
-        let Some(v) = &self.vision else {
+        let Some(v) = &config.vision else {
             return Ok(None);
         };
         let encoder = VisionEncoder::load(vb.pp("vision"), v)?;
-        let resampler = match &self.resampler {
+        let resampler = match &config.resampler {
             None => None,
             Some(r) => Some(Resampler::load(vb.pp("resampler"), r)?),
         };
@@ -170,12 +174,12 @@ impl Family for VlConfig {
     fn decoder(
         &self,
         vb: &VarBuilder,
-        _: &VlConfig,
+        config: &VlConfig,
         _: &mut BlockHook,
     ) -> Result<VisionLanguageDecoder> {
         Ok(VisionLanguageDecoder::load(
             vb.pp("decoder"),
-            &self.decoder,
+            &config.decoder,
         )?)
     }
 }

@@ -7,13 +7,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 use half::vec::HalfBitsVecExt;
+use vl_attn::named::blocks_name;
 use vl_attn::{Quantization, StoredBlocks};
 
 use crate::error::{arg_err, Error, Result};
@@ -69,6 +70,9 @@ struct Entry {
 struct CheckedSafetensors {
     files: Vec<SafetensorsFile>,
     entries: HashMap<String, Entry>,
+    /// Stored blocks read already to give a module its dense values, kept
+    /// until the quantizer takes them (each is read from the file once).
+    blocks_read: Mutex<HashMap<String, QTensor>>,
 }
 
 impl CheckedSafetensors {
@@ -106,6 +110,7 @@ impl CheckedSafetensors {
         Ok(Self {
             files: opened,
             entries,
+            blocks_read: Mutex::default(),
         })
     }
 
@@ -186,7 +191,7 @@ impl CheckedSafetensors {
         shape: Option<&Shape>,
     ) -> Option<candle_core::Result<QTensor>> {
         let ggml = format.ggml_dtype()?;
-        let key = format!("{name}.{}", format.name());
+        let key = blocks_name(name, format);
         let e = self.entries.get(&key)?;
         Some((|| {
             let (rows, row_bytes) = match e.shape[..] {
@@ -223,9 +228,19 @@ pub struct SharedWeights(Arc<CheckedSafetensors>);
 impl StoredBlocks for SharedWeights {
     fn blocks(&self, name: &str, format: GgmlDType) -> Option<vl_attn::Result<QTensor>> {
         let q = Quantization::of(Some(format))?;
-        self.0
-            .stored(name, q, None)
-            .map(|r| r.map_err(vl_attn::AttnError::from))
+        let read = self
+            .0
+            .blocks_read
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&blocks_name(name, q));
+        match read {
+            Some(blocks) => Some(Ok(blocks)),
+            None => self
+                .0
+                .stored(name, q, None)
+                .map(|r| r.map_err(vl_attn::AttnError::from)),
+        }
     }
 }
 
@@ -264,7 +279,13 @@ impl SimpleBackend for CheckedSafetensors {
         if !self.entries.contains_key(name) {
             for format in BLOCK_FORMATS {
                 if let Some(q) = self.stored(name, format, Some(&s)) {
-                    return q?.dequantize(dev)?.to_dtype(dtype);
+                    let q = q?;
+                    let values = q.dequantize(dev)?.to_dtype(dtype)?;
+                    self.blocks_read
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .insert(blocks_name(name, format), q);
+                    return Ok(values);
                 }
             }
         }

@@ -44,7 +44,7 @@ use super::tensors::{layer_norm, linear};
 use super::PREPROCESSOR_FILE;
 use crate::checkpoint::tokenizer::load_hf_tokenizer;
 use crate::checkpoint::{
-    from_value, read_json, BlockHook, Family, Files, ModelFormat, Plan, VlConfig, CONFIG_FILE,
+    from_value, read_json, BlockHook, Family, ModelFormat, Plan, Source, VlConfig, CONFIG_FILE,
 };
 use crate::error::{check_dropouts, config_err, in_file, Result};
 
@@ -466,8 +466,8 @@ pub fn load_text(
 impl Family for HfBlipConfig {
     const FORMAT: ModelFormat = ModelFormat::Blip;
 
-    fn plan(files: &Files, config: &serde_json::Value) -> Result<Plan<Self>> {
-        let dir = files.dir(Self::FORMAT)?;
+    fn plan(source: &Source, config: &serde_json::Value) -> Result<Plan<Self>> {
+        let dir = source.dir(Self::FORMAT)?;
         let config_path = dir.join(CONFIG_FILE);
         let cfg: HfBlipConfig = from_value(config, &config_path)?;
         cfg.validate().map_err(in_file(&config_path))?;

@@ -54,7 +54,7 @@ use vl_vision::{VisionConfig, VisionEncoder};
 
 use super::tokenizer::load_hf_tokenizer;
 use super::{
-    from_value, read_json, BlockHook, Family, Files, ModelFormat, Plan, VlConfig, CONFIG_FILE,
+    from_value, read_json, BlockHook, Family, ModelFormat, Plan, Source, VlConfig, CONFIG_FILE,
     SUPPORTED, WEIGHTS_FILE,
 };
 use crate::error::{in_file, Error, Result};
@@ -203,8 +203,8 @@ pub fn weight_files(dir: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
 impl Family for HfConfig {
     const FORMAT: ModelFormat = ModelFormat::VisionEncoderDecoder;
 
-    fn plan(files: &Files, config: &serde_json::Value) -> Result<Plan<Self>> {
-        let dir = files.dir(Self::FORMAT)?;
+    fn plan(source: &Source, config: &serde_json::Value) -> Result<Plan<Self>> {
+        let dir = source.dir(Self::FORMAT)?;
         let config_path = dir.join(CONFIG_FILE);
         check_families(config, &config_path)?;
         let cfg: HfConfig = from_value(config, &config_path)?;

@@ -27,7 +27,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::features::{CpuFeatures, Isa, PrefetchHint, Simd};
+use super::features::{CpuFeatures, Isa, PrefetchHint, Simd, Tuning};
 use crate::kernels::host::contiguous;
 
 /// The most rows of `x` the kernel takes; more go to candle's matmul.
@@ -127,10 +127,9 @@ impl Weight for f16 {
 
 /// `out[r] = x[r] · w` for the `R` rows of `x` (each `w.len()` long).
 #[inline(always)]
-fn dot_rows<W: Weight, const R: usize>(x: [&[f32]; R], w: &[W], out: &mut [f32; R]) {
+fn dot_rows<W: Weight, const R: usize>(x: [&[f32]; R], w: &[W], out: &mut [f32; R], tune: Tuning) {
     let mut acc = [[0f32; LANES]; R];
     let body = w.len() / LANES * LANES;
-    let tune = CpuFeatures::get().tuning;
     for (c, wc) in w[..body].chunks_exact(LANES).enumerate() {
         prefetch(wc.as_ptr(), tune.prefetch_ahead, tune.prefetch);
         let mut wf = [0f32; LANES];
@@ -190,12 +189,17 @@ fn dot_rows_neon<W: Weight, const R: usize>(x: [&[f32]; R], w: &[W], out: &mut [
 
 /// [`dot_rows`], or [`dot_rows_neon`] when `NEON` (on aarch64).
 #[inline(always)]
-fn dot<W: Weight, const NEON: bool, const R: usize>(x: [&[f32]; R], w: &[W], out: &mut [f32; R]) {
+fn dot<W: Weight, const NEON: bool, const R: usize>(
+    x: [&[f32]; R],
+    w: &[W],
+    out: &mut [f32; R],
+    tune: Tuning,
+) {
     #[cfg(target_arch = "aarch64")]
     if NEON {
         return dot_rows_neon(x, w, out);
     }
-    dot_rows(x, w, out)
+    dot_rows(x, w, out, tune)
 }
 
 /// `yt[o * rows + r] = x[r] · w[o]` for the output rows `o` of one task:
@@ -204,6 +208,8 @@ fn dot<W: Weight, const NEON: bool, const R: usize>(x: [&[f32]; R], w: &[W], out
 #[inline(always)]
 fn task<W: Weight, const NEON: bool>(x: &[f32], rows: usize, inp: usize, w: &[W], yt: &mut [f32]) {
     let xr = |r: usize| &x[r * inp..(r + 1) * inp];
+    // Read once per task, not per weight row.
+    let tune = CpuFeatures::get().tuning;
     for (wo, yo) in w.chunks_exact(inp).zip(yt.chunks_exact_mut(rows)) {
         // Groups of 4, 2, 1 rows: the weight row stays in L1 between them.
         let mut r = 0;
@@ -211,19 +217,19 @@ fn task<W: Weight, const NEON: bool>(x: &[f32], rows: usize, inp: usize, w: &[W]
             match rows - r {
                 n if n >= 4 => {
                     let mut o = [0f32; 4];
-                    dot::<W, NEON, 4>(std::array::from_fn(|i| xr(r + i)), wo, &mut o);
+                    dot::<W, NEON, 4>(std::array::from_fn(|i| xr(r + i)), wo, &mut o, tune);
                     yo[r..r + 4].copy_from_slice(&o);
                     r += 4;
                 }
                 n if n >= 2 => {
                     let mut o = [0f32; 2];
-                    dot::<W, NEON, 2>(std::array::from_fn(|i| xr(r + i)), wo, &mut o);
+                    dot::<W, NEON, 2>(std::array::from_fn(|i| xr(r + i)), wo, &mut o, tune);
                     yo[r..r + 2].copy_from_slice(&o);
                     r += 2;
                 }
                 _ => {
                     let mut o = [0f32; 1];
-                    dot::<W, NEON, 1>([xr(r)], wo, &mut o);
+                    dot::<W, NEON, 1>([xr(r)], wo, &mut o, tune);
                     yo[r] = o[0];
                     r += 1;
                 }

@@ -14,6 +14,13 @@ use candle_core::Tensor;
 /// Tensors by name.
 pub type Named = BTreeMap<String, Tensor>;
 
+/// The name a weight `weight` (e.g. `"decoder.lm_head.weight"`) held as
+/// `format`'s blocks is written under: `weight.q8_0`, `weight.q4k` — a
+/// `u8` tensor `(rows, bytes per row)` in candle's (ggml's) block layout.
+pub fn blocks_name(weight: &str, format: crate::Quantization) -> String {
+    format!("{weight}.{}", format.name())
+}
+
 /// `prefix.name`, or `name` under an empty prefix.
 pub fn join(prefix: &str, name: &str) -> String {
     if prefix.is_empty() {

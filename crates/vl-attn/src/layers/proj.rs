@@ -29,7 +29,7 @@ use crate::error::{AttnError, Result};
 use crate::kernels::gemm_bf16::PackedBf16;
 use crate::kernels::gemv_q4k::PackedQ4K;
 use crate::kernels::gemv_q8::PackedQ8;
-use crate::named::{join, Named};
+use crate::named::{blocks_name, join, Named};
 use crate::quantize::Quantization;
 
 /// The row multiple quantized weights are padded to (candle's x86 tiles).
@@ -349,19 +349,12 @@ impl Proj {
     /// dequantized to f32.
     pub fn named_tensors(&self, prefix: &str, out: &mut Named) -> Result<()> {
         let (out_dim, in_dim) = self.dims();
-        let blocks = |format: GgmlDType, bytes: Vec<u8>| -> Result<(String, Tensor)> {
-            let name = join(
-                prefix,
-                &format!(
-                    "weight.{}",
-                    Quantization::of(Some(format)).map_or("", |q| q.name())
-                ),
-            );
-            let per_row = in_dim / format.block_size() * format.type_size();
-            Ok((
-                name,
-                Tensor::from_vec(bytes, (out_dim, per_row), &Device::Cpu)?,
-            ))
+        // A row's bytes in `q`'s blocks (q8_0 or q4k).
+        let row_bytes =
+            |q: Quantization| in_dim / q.block_size() * q.ggml_dtype().map_or(0, |f| f.type_size());
+        let blocks = |q: Quantization, bytes: Vec<u8>| -> Result<(String, Tensor)> {
+            let rows = Tensor::from_vec(bytes, (out_dim, row_bytes(q)), &Device::Cpu)?;
+            Ok((blocks_name(&join(prefix, "weight"), q), rows))
         };
         let (weight, bias) = match &self.inner {
             Inner::Dense(l) => (
@@ -374,22 +367,28 @@ impl Proj {
             Inner::Packed { weight, .. } => {
                 ((join(prefix, "weight"), weight.unpack()?), weight.bias()?)
             }
-            Inner::Q8 { weight, .. } => {
-                (blocks(GgmlDType::Q8_0, weight.to_blocks())?, weight.bias()?)
-            }
-            Inner::Q4K { weight, .. } => {
-                (blocks(GgmlDType::Q4K, weight.to_blocks())?, weight.bias()?)
-            }
+            Inner::Q8 { weight, .. } => (
+                blocks(Quantization::Q8_0, weight.to_blocks())?,
+                weight.bias()?,
+            ),
+            Inner::Q4K { weight, .. } => (
+                blocks(Quantization::Q4K, weight.to_blocks())?,
+                weight.bias()?,
+            ),
             Inner::Quantized {
                 weight: QMatMul::QTensor(q),
                 format: format @ (GgmlDType::Q8_0 | GgmlDType::Q4K),
                 bias,
                 ..
             } => {
+                let held = if *format == GgmlDType::Q8_0 {
+                    Quantization::Q8_0
+                } else {
+                    Quantization::Q4K
+                };
                 // Without the padding rows' blocks.
-                let row = in_dim / format.block_size() * format.type_size();
-                let bytes = q.data()?[..out_dim * row].to_vec();
-                (blocks(*format, bytes)?, bias.clone())
+                let bytes = q.data()?[..out_dim * row_bytes(held)].to_vec();
+                (blocks(held, bytes)?, bias.clone())
             }
             Inner::Quantized { .. } => {
                 let (w, b) = self.weight_and_bias()?;

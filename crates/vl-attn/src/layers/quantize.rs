@@ -282,19 +282,6 @@ impl Quantizer {
         }
     }
 
-    /// The formats tried, in order: the one asked, then (when falling
-    /// back) `q8_0` for block sizes above its 32, then dense.
-    fn chain(&self) -> Vec<Option<GgmlDType>> {
-        let mut chain = vec![self.format];
-        if self.fall_back && self.format.is_some() {
-            if self.format.is_some_and(|f| f.block_size() > 32) {
-                chain.push(Some(GgmlDType::Q8_0));
-            }
-            chain.push(None);
-        }
-        chain
-    }
-
     /// `proj` (the layer `name` of the module) in the format this
     /// quantizer gives it. A layer already in that format is shared, not
     /// converted again; with no format asked, `proj` is returned as it is.
@@ -303,52 +290,53 @@ impl Quantizer {
     /// [`AttnError::Quantize`] naming the layer's whole path when a strict
     /// quantizer's format cannot hold it; candle's errors.
     pub fn proj(&self, name: &str, proj: &Proj) -> Result<Proj> {
+        let Some(asked) = self.format else {
+            return Ok(proj.clone());
+        };
         let layer = self.name(name);
         let in_dim = proj.dims().1;
-        let chain = self.chain();
-        let fits = chain
-            .iter()
-            .copied()
-            .find(|f| f.is_none_or(|f| in_dim.is_multiple_of(f.block_size())));
-        let Some(format) = fits.filter(|_| self.format.is_some()) else {
-            return match self.format {
-                // Nothing asked.
-                None => Ok(proj.clone()),
-                // Strict, and the format does not fit: its error.
-                Some(f) => proj.quantize(&layer, f),
-            };
-        };
-        if format != self.format {
-            let fallback = Fallback {
-                layer: layer.clone(),
-                wanted: self.format,
-                got: format,
-                in_dim,
-            };
+        let fits = |f: GgmlDType| in_dim.is_multiple_of(f.block_size());
+        // The formats tried, in order: the one asked; when falling back,
+        // q8_0 for block sizes above its 32, then dense (`None`).
+        let format = if fits(asked) {
+            Some(asked)
+        } else if !self.fall_back {
+            // Strict: the format's own error, naming the layer.
+            return proj.quantize(&layer, asked);
+        } else {
+            let q8 = GgmlDType::Q8_0;
+            let got = (asked.block_size() > q8.block_size() && fits(q8)).then_some(q8);
             self.fell_back
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .insert(layer.clone(), fallback);
-        }
-        match format {
-            Some(f) => {
-                // Stored blocks are read on the CPU, where vl packs them;
-                // a layer on another device is quantized from its values.
-                let stored = self
-                    .stored
-                    .as_ref()
-                    .filter(|_| proj.device().is_cpu())
-                    .and_then(|s| s.blocks(&format!("{layer}.weight"), f));
-                match stored {
-                    Some(blocks) => {
-                        let (_, bias) = proj.weight_and_bias()?;
-                        Proj::from_blocks(blocks?, bias.as_ref(), proj.dtype())
-                    }
-                    None => proj.quantize(&layer, f),
-                }
-            }
+                .insert(
+                    layer.clone(),
+                    Fallback {
+                        layer: layer.clone(),
+                        wanted: Some(asked),
+                        got,
+                        in_dim,
+                    },
+                );
+            got
+        };
+        let Some(f) = format else {
             // Dense: as the layer is (a layer quantized before stays so).
-            None => Ok(proj.clone()),
+            return Ok(proj.clone());
+        };
+        // Stored blocks are read on the CPU, where vl packs them; a layer on
+        // another device is quantized from its values.
+        let stored = self
+            .stored
+            .as_ref()
+            .filter(|_| proj.device().is_cpu())
+            .and_then(|s| s.blocks(&format!("{layer}.weight"), f));
+        match stored {
+            Some(blocks) => {
+                let (_, bias) = proj.weight_and_bias()?;
+                Proj::from_blocks(blocks?, bias.as_ref(), proj.dtype())
+            }
+            None => proj.quantize(&layer, f),
         }
     }
 
