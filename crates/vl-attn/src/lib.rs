@@ -83,12 +83,13 @@ pub mod layers;
 
 use layers::heads;
 pub use layers::{
-    attention, cache, co_attn, co_block, cross, dropout, ffn, gate, mask, named, norm, pool, proj,
+    attention, cache, conv, co_attn, co_block, cross, dropout, ffn, gate, mask, named, norm, pool, proj,
     quantize, resampler, self_attn,
 };
 
 pub use attention::{AttnOutput, Backend, Weights};
 pub use cache::KvCache;
+pub use conv::DepthwiseConv;
 pub use co_attn::{CoAttention, CoAttentionConfig, CoAttentionOutput};
 pub use co_block::{CoAttentionBlock, CoAttentionBlockConfig, CoAttentionBlockOutput};
 pub use cross::{CrossAttention, CrossAttentionConfig, CrossKv};

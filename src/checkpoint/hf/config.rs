@@ -322,8 +322,6 @@ pub const UNSUPPORTED_GENERATION: &[&str] = &[
     "diversity_penalty",
     "bad_words_ids",
     "force_words_ids",
-    "forced_bos_token_id",
-    "forced_eos_token_id",
     "encoder_no_repeat_ngram_size",
     "suppress_tokens",
     "begin_suppress_tokens",
@@ -412,6 +410,10 @@ pub struct HfGeneration {
     pub repetition_penalty: Option<f64>,
     /// Never repeat an n-gram of this size.
     pub no_repeat_ngram_size: Option<usize>,
+    /// The first generated token.
+    pub forced_bos_token_id: Option<u32>,
+    /// The last token `max_length` allows.
+    pub forced_eos_token_id: Option<u32>,
     /// Every other key (model settings in `config.json`, settings vl does
     /// not implement).
     #[serde(flatten)]
@@ -533,6 +535,8 @@ impl HfGeneration {
             repetition_penalty: self.repetition_penalty.unwrap_or(1.0) as f32,
             no_repeat_ngram_size: self.no_repeat_ngram_size.unwrap_or(0),
             strategy,
+            forced_bos_token_id: self.forced_bos_token_id,
+            forced_eos_token_id: self.forced_eos_token_id,
             cross_attention_of: None,
         };
         cfg.validate()?;

@@ -19,6 +19,7 @@
 //! | LayerNorm | [`norm::layer_norm`] | AVX-512F (f32), AVX512_BF16 (bf16), portable |
 //! | bf16 addition | [`add::add`] | AVX512_BF16, portable |
 //! | GELU (erf and tanh) | `gelu::forward` (through [`crate::FeedForward`]) | AVX-512F, AVX2+FMA, portable |
+//! | depth-wise convolution, channels-last | [`dwconv::depthwise_nhwc`] | portable (vectorised by the compiler) |
 //! | q4_K quantizer | `q4k` (through [`crate::Proj::quantize`]) | AVX-512F, AVX2+FMA, portable |
 //!
 //! The products split across the rayon pool. Called from a thread
@@ -27,6 +28,7 @@
 //! through [`on_pool`] to pay that once (vl's decoder and ViT do).
 
 pub mod add;
+pub mod dwconv;
 pub(crate) mod attention;
 pub mod features;
 pub(crate) mod gelu;

@@ -6,6 +6,7 @@
 
 pub mod attention;
 pub mod cache;
+pub mod conv;
 pub mod co_attn;
 pub mod co_block;
 pub mod cross;

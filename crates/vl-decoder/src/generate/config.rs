@@ -101,6 +101,15 @@ pub struct GenerationConfig {
     pub no_repeat_ngram_size: usize,
     /// How the next token is chosen.
     pub strategy: Strategy,
+    /// transformers' `forced_bos_token_id`: the first generated token is
+    /// this one (every other score `-inf`, its own 0). `None` = off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forced_bos_token_id: Option<u32>,
+    /// transformers' `forced_eos_token_id`: the last token
+    /// `max_new_tokens` allows is this one (every other score `-inf`, its
+    /// own 0). `None` = off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forced_eos_token_id: Option<u32>,
     /// Also return, per generated token, block `i`'s cross-attention
     /// weights (heads averaged) of the position that chose it, in
     /// [`Generated::cross_attention`](super::Generated::cross_attention) —
@@ -123,6 +132,8 @@ impl GenerationConfig {
             repetition_penalty: 1.0,
             no_repeat_ngram_size: 0,
             strategy: Strategy::Greedy,
+            forced_bos_token_id: None,
+            forced_eos_token_id: None,
             cross_attention_of: None,
         }
     }
@@ -208,7 +219,9 @@ impl GenerationConfig {
             ("pad_token_id", self.pad_token_id),
         ]
         .into_iter()
-        .chain(self.eos_token_ids.iter().map(|&id| ("eos_token_ids", id)));
+        .chain(self.eos_token_ids.iter().map(|&id| ("eos_token_ids", id)))
+        .chain(self.forced_bos_token_id.map(|id| ("forced_bos_token_id", id)))
+        .chain(self.forced_eos_token_id.map(|id| ("forced_eos_token_id", id)));
         for (field, id) in ids {
             if id as usize >= vocab {
                 return arg_err(

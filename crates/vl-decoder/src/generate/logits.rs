@@ -1,6 +1,6 @@
 //! Score processing shared by every strategy (transformers' logits
 //! processors, in their order: repetition penalty, no repeated n-grams,
-//! then `min_new_tokens`),
+//! `min_new_tokens`, then the forced first and last tokens),
 //! and the token choice of greedy decoding and sampling.
 
 use candle_core::{Device, Tensor};
@@ -47,6 +47,26 @@ pub(crate) fn process(
                 *s = f32::NEG_INFINITY;
             }
         }
+    }
+    // transformers' ForcedBOS/ForcedEOSTokenLogitsProcessor: at `cur_len`
+    // 1 (only the start token fed), and at `max_length - 1`.
+    let cur_len = prefix.len() + generated.len();
+    if let Some(bos) = cfg.forced_bos_token_id.filter(|_| cur_len == 1) {
+        force(scores, bos);
+    }
+    if let Some(eos) = cfg
+        .forced_eos_token_id
+        .filter(|_| generated.len() + 1 == cfg.max_new_tokens)
+    {
+        force(scores, eos);
+    }
+}
+
+/// Every score `-inf` but `token`'s, which becomes 0.
+fn force(scores: &mut [f32], token: u32) {
+    scores.fill(f32::NEG_INFINITY);
+    if let Some(s) = scores.get_mut(token as usize) {
+        *s = 0.0;
     }
 }
 
@@ -193,6 +213,8 @@ mod tests {
             repetition_penalty: 2.0,
             no_repeat_ngram_size: 0,
             strategy: Strategy::Greedy,
+            forced_bos_token_id: None,
+            forced_eos_token_id: None,
             cross_attention_of: None,
         };
         let mut s = [4.0, -1.0, 1.0, 5.0];
@@ -202,6 +224,27 @@ mod tests {
         process(&mut s, &[cfg.start_token_id], &[1], &cfg);
         assert_eq!(s[3], f32::NEG_INFINITY);
         assert_eq!(argmax(&[1.0, 2.0, 2.0]), 1);
+    }
+
+    /// The forced first token only at the first step, the forced last
+    /// token only at the last step `max_new_tokens` allows; each leaves
+    /// its own score 0 and every other `-inf`, as transformers.
+    #[test]
+    fn forced_first_and_last_tokens() {
+        let mut cfg = GenerationConfig::greedy(&crate::DecoderConfig::tiny(5, 8), 3);
+        cfg.forced_bos_token_id = Some(1);
+        cfg.forced_eos_token_id = Some(2);
+        let start = [cfg.start_token_id];
+        let ninf = f32::NEG_INFINITY;
+        let mut s = [0.5f32, -3.0, 1.0, 2.0, 4.0];
+        process(&mut s, &start, &[], &cfg);
+        assert_eq!(s, [ninf, 0.0, ninf, ninf, ninf]);
+        let mut s = [0.5f32, -3.0, 1.0, 2.0, 4.0];
+        process(&mut s, &start, &[1], &cfg);
+        assert_eq!(s, [0.5, -3.0, 1.0, 2.0, 4.0]);
+        let mut s = [0.5f32, -3.0, 1.0, 2.0, 4.0];
+        process(&mut s, &start, &[1, 4], &cfg);
+        assert_eq!(s, [ninf, ninf, 0.0, ninf, ninf]);
     }
 
     #[test]
