@@ -27,6 +27,7 @@ pub mod heatmap;
 pub mod hub;
 pub mod model;
 pub mod settings;
+pub mod tasks;
 pub mod shapes;
 
 pub use checkpoint::{load, LoadOptions, ModelFormat, Source, VlConfig};
