@@ -18,6 +18,7 @@ use crate::checkpoint::{LoadOptions, Source};
 use crate::error::{arg_err, Error, Result};
 use crate::heatmap;
 use crate::model::VlModel;
+use crate::tasks::{Task, TaskOutput};
 
 /// One image's caption.
 #[derive(Debug, Clone, PartialEq)]
@@ -37,6 +38,9 @@ pub struct Caption {
     /// # Shapes
     /// `token_ids.len()` rows of `patches` weights.
     pub heatmaps: Vec<Vec<f32>>,
+    /// A task's parsed output (Florence-2 with [`Request::task`]): text,
+    /// or boxes, quadrilaterals or polygons in the input image's pixels.
+    pub task: Option<TaskOutput>,
 }
 
 /// An image to caption: a file, or an image decoded already.
@@ -73,9 +77,33 @@ pub struct Request<'a> {
     /// Decoding settings (see [`Captioner::generation`] for the
     /// checkpoint's defaults).
     pub generation: GenerationConfig,
-    /// Text to continue (BLIP checkpoints only; see
-    /// [`VlModel::prompt_ids`]).
+    /// BLIP: text to continue (see [`VlModel::prompt_ids`]). Florence-2:
+    /// the task's text input (a phrase, a region as location tokens), or
+    /// without a task a free prompt for its encoder.
     pub prompt: Option<&'a str>,
+    /// Florence-2's task (default [`Task::Caption`]); other models take
+    /// none.
+    pub task: Option<Task>,
+}
+
+impl<'a> Request<'a> {
+    /// `generation` with no prompt and no task.
+    pub fn new(generation: GenerationConfig) -> Self {
+        Self {
+            generation,
+            prompt: None,
+            task: None,
+        }
+    }
+}
+
+/// Where a request's prompt goes.
+enum Prompted {
+    /// After the decoder's start token (BLIP), or nowhere.
+    Decoder(Vec<u32>),
+    /// Into the text encoder after the image tokens (Florence-2), with the
+    /// task whose output is parsed.
+    Encoder { ids: Vec<u32>, task: Option<Task> },
 }
 
 /// One input's outcome, handed to [`Captioner::caption_each`]'s callback
@@ -197,10 +225,7 @@ impl Captioner {
         F: FnMut(Captioned<'_>) -> Result<()>,
     {
         let vision = self.model.vision()?;
-        let prompt_ids = match request.prompt {
-            Some(p) => self.model.prompt_ids(p)?,
-            None => Vec::new(),
-        };
+        let prompted = self.prompted(request)?;
         let gen = &request.generation;
         for (chunk_index, chunk) in inputs.chunks(self.batch_size.get()).enumerate() {
             let first = chunk_index * self.batch_size.get();
@@ -214,12 +239,14 @@ impl Captioner {
                 })
                 .collect();
             let mut pixels = Vec::with_capacity(chunk.len());
+            let mut sizes = Vec::with_capacity(chunk.len());
             let mut batch = Vec::with_capacity(chunk.len());
             for (i, img) in read.iter_mut().enumerate() {
                 let Ok(image) = img else { continue };
                 match vision.pixels(image) {
                     Ok(p) => {
                         pixels.push(p);
+                        sizes.push((image.width(), image.height()));
                         batch.push(i);
                     }
                     Err(e) => *img = Err(e.into()),
@@ -228,7 +255,7 @@ impl Captioner {
             let mut captions: Vec<Option<Result<Caption>>> =
                 (0..chunk.len()).map(|_| None).collect();
             if !pixels.is_empty() {
-                match self.caption_tokens(&pixels, gen, &prompt_ids, &mut |_| {}) {
+                match self.caption_tokens(&pixels, &sizes, gen, &prompted, &mut |_| {}) {
                     Ok(done) => {
                         for (i, c) in batch.iter().zip(done) {
                             captions[*i] = Some(Ok(c));
@@ -238,12 +265,13 @@ impl Captioner {
                     Err(e) if pixels.len() == 1 => captions[batch[0]] = Some(Err(e)),
                     // A failed batch is retried image by image.
                     Err(_) => {
-                        for (i, p) in batch.iter().zip(&pixels) {
+                        for ((i, p), size) in batch.iter().zip(&pixels).zip(&sizes) {
                             let one = self
                                 .caption_tokens(
                                     std::slice::from_ref(p),
+                                    std::slice::from_ref(size),
                                     gen,
-                                    &prompt_ids,
+                                    &prompted,
                                     &mut |_| {},
                                 )
                                 .map(|mut c| c.remove(0));
@@ -284,9 +312,10 @@ impl Captioner {
     }
 
     /// Captions one batch of preprocessed images (from
-    /// [`Captioner::pixels`]) continuing `prompt` (BLIP checkpoints only),
-    /// streaming each token to `on_token`. No per-image recovery: one
-    /// error fails the batch.
+    /// [`Captioner::pixels`]) as `request` says, streaming each token to
+    /// `on_token`. No per-image recovery: one error fails the batch. A
+    /// task's locations are in the pixels' frame (the model's input size),
+    /// the original image's size being unknown here.
     ///
     /// # Errors
     /// As [`VlModel::prompt_ids`], naming `prompt`; encoding and generation
@@ -297,50 +326,119 @@ impl Captioner {
         request: &Request,
         on_token: &mut dyn FnMut(TokenEvent),
     ) -> Result<Vec<Caption>> {
-        let prompt_ids = match request.prompt {
-            Some(p) => self.model.prompt_ids(p)?,
-            None => Vec::new(),
+        let prompted = self.prompted(request)?;
+        let side = self.model.vision()?.spec().image_size as u32;
+        let sizes = vec![(side, side); pixels.len()];
+        self.caption_tokens(pixels, &sizes, &request.generation, &prompted, on_token)
+    }
+
+    /// Where `request`'s prompt goes, checked against the model before any
+    /// image is read.
+    fn prompted(&self, request: &Request) -> Result<Prompted> {
+        let model = &self.model;
+        if model.text_encoder.is_none() {
+            if let Some(task) = request.task {
+                return arg_err(
+                    "task",
+                    format!(
+                        "{task}: the model in {} ({:?}) takes no task; only Florence-2 checkpoints do",
+                        model.path.display(),
+                        model.format
+                    ),
+                );
+            }
+            return Ok(Prompted::Decoder(match request.prompt {
+                Some(p) => model.prompt_ids(p)?,
+                None => Vec::new(),
+            }));
+        }
+        let (prompt, task) = match (request.task, request.prompt) {
+            (Some(t), input) => (t.prompt(input)?, Some(t)),
+            (None, Some(free)) => (free.to_string(), None),
+            (None, None) => (Task::Caption.prompt(None)?, Some(Task::Caption)),
         };
-        self.caption_tokens(pixels, &request.generation, &prompt_ids, on_token)
+        Ok(Prompted::Encoder {
+            ids: model.encoder_prompt_ids(&prompt)?,
+            task,
+        })
     }
 
     fn caption_tokens(
         &self,
         pixels: &[Tensor],
+        sizes: &[(u32, u32)],
         gen: &GenerationConfig,
-        prompt_ids: &[u32],
+        prompted: &Prompted,
         on_token: &mut dyn FnMut(TokenEvent),
     ) -> Result<Vec<Caption>> {
         let vision = self.model.vision()?;
-        let memory = vision.encode(pixels)?;
+        let image_tokens = vision.encode(pixels)?;
+        let image_len = image_tokens.dim(1)?;
+        let (memory, prompt_ids) = match prompted {
+            Prompted::Decoder(ids) => (image_tokens, ids.as_slice()),
+            Prompted::Encoder { ids, .. } => (
+                self.model.encoder_memory(&image_tokens, ids)?,
+                &[] as &[u32],
+            ),
+        };
         let decoder = &self.model.decoder;
         let ctx = decoder.image_context(&memory, None)?;
         let generated = generate_from(decoder, &ctx, gen, prompt_ids, on_token)?;
         // Image tokens before the patches: CLS (and DeiT's distillation
-        // token); heatmaps are refused for resampled tokens.
+        // token), DaViT's pooled token; heatmaps are refused for resampled
+        // tokens. A text encoder's memory has the prompt after the patches.
         let prefix = vision.patches_from().unwrap_or(0);
+        let patches = prefix..image_len.max(prefix);
+        let decode = |ids: &[u32], skip_special: bool| {
+            self.model
+                .tokenizer
+                .decode(ids, skip_special)
+                .map_err(|e| Error::Tokenizer {
+                    path: self.model.path.clone(),
+                    reason: format!("cannot decode {ids:?}: {e}"),
+                })
+        };
         generated
             .into_iter()
-            .map(|g| {
-                // The prompt's words, then the caption (the start token is
-                // special, skipped either way).
-                let all: Vec<u32> = prompt_ids.iter().chain(&g.tokens).copied().collect();
-                let text =
-                    self.model
-                        .tokenizer
-                        .decode(&all, true)
-                        .map_err(|e| Error::Tokenizer {
-                            path: self.model.path.clone(),
-                            reason: format!("cannot decode {all:?}: {e}"),
-                        })?;
+            .zip(sizes)
+            .map(|(g, &size)| {
+                let (text, task) = match prompted {
+                    // The prompt's words, then the caption (the start token
+                    // is special, skipped either way).
+                    Prompted::Decoder(ids) => {
+                        let all: Vec<u32> = ids.iter().chain(&g.tokens).copied().collect();
+                        (decode(&all, true)?, None)
+                    }
+                    // As the processor: decoded with the special tokens
+                    // (locations among them), then parsed for the task.
+                    Prompted::Encoder { task, .. } => {
+                        let raw = decode(&g.tokens, false)?;
+                        let cfg = self.model.config.tasks.clone().unwrap_or_default();
+                        let parsed = task.map(|t| crate::tasks::parse(&raw, t, size, &cfg));
+                        let text = match &parsed {
+                            Some(TaskOutput::Text(t)) => t.clone(),
+                            _ => raw
+                                .replace("<s>", "")
+                                .replace("</s>", "")
+                                .trim()
+                                .to_string(),
+                        };
+                        (text, parsed)
+                    }
+                };
                 Ok(Caption {
                     text,
                     token_ids: g.tokens,
                     heatmaps: g
                         .cross_attention
                         .into_iter()
-                        .map(|w| w.get(prefix..).map(<[f32]>::to_vec).unwrap_or_default())
+                        .map(|w| {
+                            w.get(patches.clone())
+                                .map(<[f32]>::to_vec)
+                                .unwrap_or_default()
+                        })
                         .collect(),
+                    task,
                 })
             })
             .collect()

@@ -27,8 +27,8 @@ pub mod heatmap;
 pub mod hub;
 pub mod model;
 pub mod settings;
-pub mod tasks;
 pub mod shapes;
+pub mod tasks;
 
 pub use checkpoint::{load, LoadOptions, ModelFormat, Source, VlConfig};
 pub use error::{Error, Result};

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use candle_core::Tensor;
 use vl_attn::{Fallback, Quantization, Quantizer};
-use vl_decoder::{GenerationConfig, VisionLanguageDecoder};
+use vl_decoder::{GenerationConfig, TextEncoder, VisionLanguageDecoder};
 use vl_vision::{PixelSpec, VisionPipeline};
 
 use crate::checkpoint::{reported_fallbacks, ModelFormat, VlConfig};
@@ -20,6 +20,9 @@ pub struct VlModel {
     pub config: VlConfig,
     /// The decoder.
     pub decoder: VisionLanguageDecoder,
+    /// The text encoder whose output the decoder reads, for models that
+    /// have one (Florence-2): it reads the image tokens and the prompt.
+    pub text_encoder: Option<TextEncoder>,
     /// Images → image tokens (pixel spec, encoder, resampler), if the
     /// model reads images.
     pub vision: Option<VisionPipeline>,
@@ -57,8 +60,13 @@ impl VlModel {
             None => None,
         };
         let decoder = self.decoder.quantize(quantizer.within("decoder"))?;
+        let text_encoder = match &self.text_encoder {
+            Some(te) => Some(te.quantize(quantizer.within("text_encoder"))?),
+            None => None,
+        };
         self.vision = vision;
         self.decoder = decoder;
+        self.text_encoder = text_encoder;
         self.quantization = q;
         self.fallbacks = reported_fallbacks(&quantizer, q, &self.path);
         Ok(())
@@ -73,6 +81,9 @@ impl VlModel {
     pub fn named_tensors(&self) -> Result<vl_attn::named::Named> {
         let mut tensors = vl_attn::named::Named::new();
         self.decoder.named_tensors("decoder", &mut tensors)?;
+        if let Some(te) = &self.text_encoder {
+            te.named_tensors("text_encoder", &mut tensors)?;
+        }
         if let Some(v) = &self.vision {
             v.encoder().named_tensors("vision", &mut tensors)?;
             if let Some(r) = v.resampler() {
@@ -139,6 +150,55 @@ impl VlModel {
                 format!("{prompt:?} tokenizes to {ids:?}, without [CLS] ... [SEP]"),
             ),
         }
+    }
+
+    /// The ids of a text encoder's prompt (Florence-2): `<s>` prompt `</s>`
+    /// tokenized without adding special tokens, as `Florence2Processor`
+    /// does after its image placeholders.
+    ///
+    /// # Errors
+    /// [`crate::Error::Argument`] naming `prompt` for a model without a
+    /// text encoder or a text the tokenizer rejects.
+    pub fn encoder_prompt_ids(&self, prompt: &str) -> Result<Vec<u32>> {
+        if self.text_encoder.is_none() {
+            return arg_err(
+                "prompt",
+                format!(
+                    "the model in {} has no text encoder to read a prompt",
+                    self.path.display()
+                ),
+            );
+        }
+        match self.tokenizer.encode(format!("<s>{prompt}</s>"), false) {
+            Ok(e) => Ok(e.get_ids().to_vec()),
+            Err(e) => arg_err("prompt", format!("{prompt:?}: {e}")),
+        }
+    }
+
+    /// The memory the decoder reads for `image_tokens` and a text
+    /// encoder's prompt `ids` (the same prompt for every image): the text
+    /// encoder's output over `[image tokens; prompt]`.
+    ///
+    /// # Shapes
+    /// `image_tokens: (images, tokens, width)` → `(images, tokens +
+    /// ids.len(), width)`.
+    ///
+    /// # Errors
+    /// [`crate::Error::Argument`] naming `prompt` for a model without a
+    /// text encoder; the encoder's errors (an id outside the vocabulary, a
+    /// sequence longer than its positions).
+    pub fn encoder_memory(&self, image_tokens: &Tensor, ids: &[u32]) -> Result<Tensor> {
+        let Some(te) = &self.text_encoder else {
+            return arg_err(
+                "prompt",
+                format!("the model in {} has no text encoder", self.path.display()),
+            );
+        };
+        let n = image_tokens.dim(0)?;
+        let prompt = Tensor::new(ids, image_tokens.device())?
+            .unsqueeze(0)?
+            .repeat((n, 1))?;
+        Ok(te.forward(Some(image_tokens), &prompt)?)
     }
 
     /// The vision pipeline; an error naming `images` when the model reads

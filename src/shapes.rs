@@ -111,6 +111,8 @@ pub fn captioner_config(hidden: usize, layers: usize, patch_size: usize) -> VlCo
         resampler: None,
         quantization: vl_attn::Quantization::None,
         generation: None,
+        text_encoder: None,
+        tasks: None,
     }
 }
 

@@ -120,14 +120,24 @@ impl Task {
     fn spec(self) -> (&'static str, &'static str, &'static str, ParseKind) {
         use ParseKind as K;
         match self {
-            Task::Ocr => ("<OCR>", "ocr", "What is the text in the image?", K::PureText),
+            Task::Ocr => (
+                "<OCR>",
+                "ocr",
+                "What is the text in the image?",
+                K::PureText,
+            ),
             Task::OcrWithRegion => (
                 "<OCR_WITH_REGION>",
                 "ocr-with-region",
                 "What is the text in the image, with regions?",
                 K::Ocr,
             ),
-            Task::Caption => ("<CAPTION>", "caption", "What does the image describe?", K::PureText),
+            Task::Caption => (
+                "<CAPTION>",
+                "caption",
+                "What does the image describe?",
+                K::PureText,
+            ),
             Task::DetailedCaption => (
                 "<DETAILED_CAPTION>",
                 "detailed-caption",
@@ -297,8 +307,7 @@ impl Default for TaskConfig {
 }
 
 /// The OCR pattern the processor uses when the config names none.
-pub const DEFAULT_OCR_PATTERN: &str =
-    r"(.+?)<loc_(\d+)><loc_(\d+)><loc_(\d+)><loc_(\d+)><loc_(\d+)><loc_(\d+)><loc_(\d+)><loc_(\d+)>";
+pub const DEFAULT_OCR_PATTERN: &str = r"(.+?)<loc_(\d+)><loc_(\d+)><loc_(\d+)><loc_(\d+)><loc_(\d+)><loc_(\d+)><loc_(\d+)><loc_(\d+)>";
 
 impl TaskConfig {
     /// From `post_processor_config` (a `processor_config.json` key).
@@ -472,7 +481,9 @@ fn boxes_in(phrase_text: &str, size: (u32, u32)) -> Vec<[i32; 4]> {
 /// an image of `size` = (width, height) pixels.
 pub fn parse(text: &str, task: Task, size: (u32, u32), cfg: &TaskConfig) -> TaskOutput {
     match task.kind() {
-        ParseKind::PureText => TaskOutput::Text(strip(&text.replace("<s>", "").replace("</s>", ""))),
+        ParseKind::PureText => {
+            TaskOutput::Text(strip(&text.replace("<s>", "").replace("</s>", "")))
+        }
         ParseKind::Ocr => {
             let (quad_boxes, labels) = parse_ocr(text, size, cfg).into_iter().unzip();
             TaskOutput::Quads { quad_boxes, labels }
@@ -567,7 +578,9 @@ fn parse_phrase_grounding(
     let phrase_text_re = re(PHRASE_TEXT);
     let mut out = Vec::new();
     for phrase_text in findall(&re(r"([^<]+(?:<loc_\d+>){4,})"), &text) {
-        let phrase_text = phrase_text.replacen("<ground>", "", 1).replacen("<obj>", "", 1);
+        let phrase_text = phrase_text
+            .replacen("<ground>", "", 1)
+            .replacen("<obj>", "", 1);
         if phrase_text.is_empty() {
             continue;
         }
@@ -575,7 +588,7 @@ fn parse_phrase_grounding(
             continue;
         };
         let phrase = strip(m.as_str());
-        if cfg.banned_grounding_tokens.iter().any(|b| *b == phrase) {
+        if cfg.banned_grounding_tokens.contains(&phrase) {
             continue;
         }
         let boxes = boxes_in(&phrase_text, size);
@@ -597,7 +610,9 @@ fn parse_boxes(text: &str, size: (u32, u32), allow_empty: bool) -> Vec<([i32; 4]
     let phrase_text_re = re(PHRASE_TEXT);
     let mut out = Vec::new();
     for phrase_text in findall(&pattern, &text) {
-        let phrase_text = phrase_text.replacen("<ground>", "", 1).replacen("<obj>", "", 1);
+        let phrase_text = phrase_text
+            .replacen("<ground>", "", 1)
+            .replacen("<obj>", "", 1);
         if phrase_text.is_empty() && !allow_empty {
             continue;
         }
@@ -626,9 +641,7 @@ fn parse_polygons(text: &str, size: (u32, u32), allow_empty: bool) -> Vec<(Vec<V
     let leading_loc = re(r"^<loc_\d+>");
     let mut out = Vec::new();
     for phrase_text in findall(&pattern, &text) {
-        let stripped = leading_loc
-            .replace(&phrase_text, "")
-            .into_owned();
+        let stripped = leading_loc.replace(&phrase_text, "").into_owned();
         if stripped.is_empty() && !allow_empty {
             continue;
         }

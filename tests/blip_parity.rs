@@ -114,6 +114,7 @@ fn run_parity(kind: &str) -> anyhow::Result<()> {
     let request = Request {
         generation: captioner.generation().clone(),
         prompt: Some(&e.prompt),
+        task: None,
     };
     let caps = captioner.caption_pixels(&[pixels], &request, &mut |_| {})?;
     assert_eq!(

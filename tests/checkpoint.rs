@@ -83,6 +83,8 @@ fn vl_config(cfg: &DecoderConfig) -> VlConfig {
         resampler: None,
         quantization: vl::vl_attn::Quantization::None,
         generation: None,
+        text_encoder: None,
+        tasks: None,
     }
 }
 

@@ -10,7 +10,10 @@ use serde_json::Value;
 use vl::tasks::{parse, Task, TaskConfig};
 
 fn fixtures() -> &'static Path {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/florence2"))
+    Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/florence2"
+    ))
 }
 
 fn tasks_json() -> anyhow::Result<Value> {
@@ -23,7 +26,9 @@ fn tiny_a_config() -> anyhow::Result<TaskConfig> {
     let p: Value = serde_json::from_str(&std::fs::read_to_string(
         fixtures().join("tiny-a/processor_config.json"),
     )?)?;
-    Ok(TaskConfig::from_post_processor(&p["post_processor_config"])?)
+    Ok(TaskConfig::from_post_processor(
+        &p["post_processor_config"],
+    )?)
 }
 
 fn tokenizer() -> anyhow::Result<tokenizers::Tokenizer> {
@@ -77,7 +82,9 @@ fn post_processing_is_the_processors() -> anyhow::Result<()> {
             continue;
         };
         let ids: Vec<u32> = serde_json::from_value(c["sequence"].clone())?;
-        let text = tok.decode(&ids, false).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let text = tok
+            .decode(&ids, false)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         assert_eq!(text, c["text"].as_str().unwrap(), "{name}: decoded text");
         let got = serde_json::to_value(parse(&text, task, size, &cfg))?;
         assert_eq!(got, c["from_text"], "{name} ({task})");
@@ -98,7 +105,9 @@ fn ocr_area_threshold_is_the_processors() -> anyhow::Result<()> {
     let tok = tokenizer()?;
     for c in a["cases"].as_array().unwrap() {
         let ids: Vec<u32> = serde_json::from_value(c["sequence"].clone())?;
-        let text = tok.decode(&ids, false).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let text = tok
+            .decode(&ids, false)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         let got = parse(&text, Task::OcrWithRegion, image_size(&t), &cfg);
         let want: Vec<(Vec<i32>, String)> = c["ocr"]
             .as_array()
@@ -114,11 +123,8 @@ fn ocr_area_threshold_is_the_processors() -> anyhow::Result<()> {
         let vl::tasks::TaskOutput::Quads { quad_boxes, labels } = got else {
             panic!("OCR with regions gives quadrilaterals");
         };
-        let got: Vec<(Vec<i32>, String)> = quad_boxes
-            .iter()
-            .map(|q| q.to_vec())
-            .zip(labels)
-            .collect();
+        let got: Vec<(Vec<i32>, String)> =
+            quad_boxes.iter().map(|q| q.to_vec()).zip(labels).collect();
         assert_eq!(got, want, "{}", c["name"]);
     }
     Ok(())
@@ -128,14 +134,22 @@ fn ocr_area_threshold_is_the_processors() -> anyhow::Result<()> {
 #[test]
 fn bad_tasks_and_inputs_are_named() {
     let err = "segment".parse::<Task>().unwrap_err().to_string();
-    assert!(err.contains("unknown task \"segment\"") && err.contains("phrase-grounding"), "{err}");
+    assert!(
+        err.contains("unknown task \"segment\"") && err.contains("phrase-grounding"),
+        "{err}"
+    );
     let err = Task::PhraseGrounding.prompt(None).unwrap_err().to_string();
-    assert!(err.contains("text") && err.contains("needs a text input"), "{err}");
+    assert!(
+        err.contains("text") && err.contains("needs a text input"),
+        "{err}"
+    );
     let err = Task::Od.prompt(Some("a dog")).unwrap_err().to_string();
     assert!(err.contains("takes no text input"), "{err}");
     assert_eq!("<OD>".parse::<Task>().unwrap(), Task::Od);
     assert_eq!("od".parse::<Task>().unwrap(), Task::Od);
     let bad = serde_json::json!({"ocr": {"PATTERN": "(unclosed"}});
-    let err = TaskConfig::from_post_processor(&bad).unwrap_err().to_string();
+    let err = TaskConfig::from_post_processor(&bad)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("ocr.PATTERN"), "{err}");
 }

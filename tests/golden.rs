@@ -41,6 +41,7 @@ fn captions_the_samples(model: &str) -> anyhow::Result<()> {
     let request = Request {
         generation: captioner.greedy_config(15),
         prompt: None,
+        task: None,
     };
     let samples: Vec<(std::path::PathBuf, &str)> = listing
         .lines()

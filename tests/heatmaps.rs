@@ -33,6 +33,7 @@ fn tiny_captioner() -> anyhow::Result<Captioner> {
         path: "tiny".into(),
         generation: GenerationConfig::greedy(&cfg.decoder, 6),
         decoder,
+        text_encoder: None,
         vision: Some(VisionPipeline::new(vision, None, &Device::Cpu)?),
         tokenizer: shapes::tokenizer()?,
         format: ModelFormat::Vl,
@@ -109,6 +110,7 @@ fn recorded_heatmaps_equal_the_replay() -> anyhow::Result<()> {
             &Request {
                 generation: gen,
                 prompt: None,
+                task: None,
             },
         )?;
         for (cap, img) in captions.into_iter().zip(&images) {
@@ -130,6 +132,7 @@ fn recorded_heatmaps_equal_the_replay() -> anyhow::Result<()> {
             &Request {
                 generation: base.clone().with_strategy(strategy),
                 prompt: None,
+                task: None,
             },
         )?;
         for p in plain {

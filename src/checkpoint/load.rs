@@ -9,7 +9,7 @@ use candle_nn::VarBuilder;
 use tokenizers::Tokenizer;
 use vl_attn::{Fallback, Quantization, Quantizer, Resampler};
 use vl_decoder::block::DecoderBlock;
-use vl_decoder::{GenerationConfig, VisionLanguageDecoder};
+use vl_decoder::{GenerationConfig, TextEncoder, VisionLanguageDecoder};
 use vl_vision::{VisionEncoder, VisionPipeline};
 
 use super::{
@@ -194,6 +194,19 @@ pub(crate) trait Family: Sized {
         config: &VlConfig,
         block: &mut BlockHook,
     ) -> Result<VisionLanguageDecoder>;
+
+    /// The text encoder between the vision side and the decoder, dense
+    /// (Florence-2's); `None` (the default) for a decoder that reads the
+    /// image tokens directly. `decoder` is built already: a text encoder
+    /// may share its token table.
+    fn text_encoder(
+        &self,
+        _vb: &VarBuilder,
+        _config: &VlConfig,
+        _decoder: &VisionLanguageDecoder,
+    ) -> Result<Option<TextEncoder>> {
+        Ok(None)
+    }
 }
 
 /// Loads a model from `source` (a directory of any format vl reads, or a
@@ -237,6 +250,9 @@ pub fn load<'a>(source: impl Into<Source<'a>>, options: &LoadOptions) -> Result<
         ModelFormat::Vl => load_family::<native::Native>(&source, &config, options),
         ModelFormat::VisionEncoderDecoder => load_family::<hf::HfConfig>(&source, &config, options),
         ModelFormat::Blip => load_family::<hf::blip::HfBlipConfig>(&source, &config, options),
+        ModelFormat::Florence2 => {
+            load_family::<hf::florence2::HfFlorence2>(&source, &config, options)
+        }
     }
 }
 
@@ -299,11 +315,19 @@ fn load_family<F: Family>(
     } else {
         decoder
     };
+    let text_encoder = match family
+        .text_encoder(&vb, &config, &decoder)
+        .map_err(weights_error(&label))?
+    {
+        Some(te) if converts => Some(te.quantize(quantizer.within("text_encoder"))?),
+        other => other,
+    };
     let fallbacks = reported_fallbacks(&quantizer, quantization, source.root());
     Ok(VlModel {
         path: source.root().to_path_buf(),
         config,
         decoder,
+        text_encoder,
         vision,
         tokenizer,
         generation,

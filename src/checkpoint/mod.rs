@@ -28,6 +28,7 @@
 //! | `vl` | [`native`] | vl's own directories (the shipped shapes captioner) |
 //! | `vision-encoder-decoder` | [`hf`] | transformers ViT/DeiT + GPT-2/TrOCR checkpoints |
 //! | `blip` | [`hf::blip`] | transformers `BlipForConditionalGeneration` captioners |
+//! | `florence2` | [`hf::florence2`] | Florence-2, transformers' layout or microsoft's original |
 //!
 //! Anything else is refused with [`Error::UnsupportedModel`], naming what
 //! was found and what vl loads. The family files only map a format's names
@@ -63,6 +64,7 @@ pub const SUPPORTED: &[&str] = &[
     "`vl` (vl's own directories)",
     "`vision-encoder-decoder` with a `vit` or `deit` encoder and a `gpt2` or `trocr` decoder",
     "`blip` (BlipForConditionalGeneration)",
+    "`florence2` (Florence2ForConditionalGeneration, or microsoft's original Florence-2 layout)",
 ];
 
 /// Reads a JSON file into `T`, naming the file in errors.
@@ -104,6 +106,9 @@ pub enum ModelFormat {
     VisionEncoderDecoder,
     /// A transformers `BlipForConditionalGeneration`: see [`hf::blip`].
     Blip,
+    /// A Florence-2 checkpoint (transformers' or microsoft's original
+    /// layout): see [`hf::florence2`].
+    Florence2,
 }
 
 impl ModelFormat {
@@ -128,6 +133,7 @@ impl ModelFormat {
             Some(native::MODEL_TYPE) => Ok(Self::Vl),
             Some(hf::MODEL_TYPE) => Ok(Self::VisionEncoderDecoder),
             Some(hf::blip::MODEL_TYPE) => Ok(Self::Blip),
+            Some(hf::florence2::MODEL_TYPE) => Ok(Self::Florence2),
             other => Err(Error::UnsupportedModel {
                 path: path.to_path_buf(),
                 what: "model_type",

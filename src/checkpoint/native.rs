@@ -11,7 +11,9 @@ use std::path::Path;
 use candle_nn::{VarBuilder, VarMap};
 use serde::{Deserialize, Serialize};
 use vl_attn::{Quantization, Resampler, ResamplerConfig};
-use vl_decoder::{DecoderConfig, GenerationConfig, VisionLanguageDecoder};
+use vl_decoder::{
+    DecoderConfig, GenerationConfig, TextEncoder, TextEncoderConfig, VisionLanguageDecoder,
+};
 use vl_vision::{VisionConfig, VisionEncoder};
 
 use super::tokenizer::{load_tokenizer, parse_tokenizer};
@@ -49,6 +51,16 @@ pub struct VlConfig {
     /// (a transformers checkpoint's beams and lengths).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub generation: Option<GenerationConfig>,
+    /// A text encoder between the vision side and the decoder (Florence-2's
+    /// BART encoder): it reads the image tokens and the prompt, and the
+    /// decoder's cross-attention reads its output; weights under
+    /// `text_encoder.`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text_encoder: Option<TextEncoderConfig>,
+    /// The tasks' post-processing settings of a model prompted by task
+    /// (Florence-2; see [`crate::tasks`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks: Option<crate::tasks::TaskConfig>,
 }
 
 impl VlConfig {
@@ -61,6 +73,30 @@ impl VlConfig {
             });
         }
         self.decoder.validate()?;
+        if let Some(t) = &self.tasks {
+            t.validate()?;
+        }
+        if let Some(te) = &self.text_encoder {
+            te.validate()?;
+            if te.hidden_size != self.decoder.memory_dim {
+                return Err(Error::Config {
+                    field: "text_encoder.hidden_size",
+                    reason: format!(
+                        "{} does not match decoder.memory_dim {}",
+                        te.hidden_size, self.decoder.memory_dim
+                    ),
+                });
+            }
+            if te.vocab_size != self.decoder.vocab_size && te.shares_decoder_embeddings {
+                return Err(Error::Config {
+                    field: "text_encoder.vocab_size",
+                    reason: format!(
+                        "{} does not match the decoder's vocab_size {} whose table it shares",
+                        te.vocab_size, self.decoder.vocab_size
+                    ),
+                });
+            }
+        }
         let Some(vision) = &self.vision else {
             return Ok(());
         };
@@ -82,17 +118,19 @@ impl VlConfig {
                 r.width
             }
         };
-        if image_width != self.decoder.memory_dim {
+        // With a text encoder, the image tokens are its input.
+        let (reads, reader) = match &self.text_encoder {
+            Some(te) => (te.hidden_size, "text_encoder.hidden_size"),
+            None => (self.decoder.memory_dim, "decoder.memory_dim"),
+        };
+        if image_width != reads {
             return Err(Error::Config {
                 field: if self.resampler.is_some() {
                     "resampler.width"
                 } else {
                     "vision.hidden_size"
                 },
-                reason: format!(
-                    "{image_width} does not match decoder.memory_dim {}",
-                    self.decoder.memory_dim
-                ),
+                reason: format!("{image_width} does not match {reader} {reads}"),
             });
         }
         Ok(())
@@ -181,6 +219,22 @@ impl Family for Native {
             vb.pp("decoder"),
             &config.decoder,
         )?)
+    }
+
+    fn text_encoder(
+        &self,
+        vb: &VarBuilder,
+        config: &VlConfig,
+        decoder: &VisionLanguageDecoder,
+    ) -> Result<Option<TextEncoder>> {
+        match &config.text_encoder {
+            None => Ok(None),
+            Some(c) => Ok(Some(TextEncoder::load(
+                vb.pp("text_encoder"),
+                c,
+                decoder.token_table(),
+            )?)),
+        }
     }
 }
 

@@ -83,15 +83,15 @@ pub mod layers;
 
 use layers::heads;
 pub use layers::{
-    attention, cache, conv, co_attn, co_block, cross, dropout, ffn, gate, mask, named, norm, pool, proj,
-    quantize, resampler, self_attn,
+    attention, cache, co_attn, co_block, conv, cross, dropout, ffn, gate, mask, named, norm, pool,
+    proj, quantize, resampler, self_attn,
 };
 
 pub use attention::{AttnOutput, Backend, Weights};
 pub use cache::KvCache;
-pub use conv::DepthwiseConv;
 pub use co_attn::{CoAttention, CoAttentionConfig, CoAttentionOutput};
 pub use co_block::{CoAttentionBlock, CoAttentionBlockConfig, CoAttentionBlockOutput};
+pub use conv::DepthwiseConv;
 pub use cross::{CrossAttention, CrossAttentionConfig, CrossKv};
 pub use dropout::{Dropout, DropoutRng, Mode};
 pub use error::{AttnError, Result};

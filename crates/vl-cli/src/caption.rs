@@ -19,6 +19,7 @@ use anyhow::{bail, Context};
 use image::DynamicImage;
 use indicatif::{ProgressBar, ProgressDrawTarget};
 use vl::captioner::{Caption, Captioner, ImageInput, Request};
+use vl::tasks::{Task, TaskOutput};
 use vl::VlModel;
 
 use crate::args::{GenerationArgs, ModelArgs};
@@ -64,9 +65,31 @@ pub struct Args {
     #[arg(long)]
     attention_map: Option<PathBuf>,
     /// Continue this text (BLIP checkpoints: conditional captioning, e.g. "a picture of");
-    /// the caption printed is the whole text, token_ids the generated ones.
-    #[arg(long, value_name = "TEXT")]
+    /// the caption printed is the whole text, token_ids the generated ones. Florence-2: a free
+    /// prompt instead of a task's.
+    #[arg(long, value_name = "TEXT", conflicts_with = "task")]
     prompt: Option<String>,
+    /// Florence-2's task: caption, detailed-caption, more-detailed-caption, ocr,
+    /// ocr-with-region, od, dense-region-caption, region-proposal, phrase-grounding,
+    /// referring-expression-segmentation, region-to-segmentation, open-vocabulary-detection,
+    /// region-to-category, region-to-description, region-to-ocr [default: caption].
+    #[arg(long, value_name = "NAME", value_parser = parse_task)]
+    task: Option<Task>,
+    /// The task's text input: the caption to ground, the object to find, or a region as
+    /// four location tokens ("<loc_100><loc_200><loc_500><loc_700>").
+    #[arg(long, value_name = "TEXT", requires = "task")]
+    text: Option<String>,
+    /// Write, per image, a PNG with the task's boxes, quadrilaterals or polygons and their
+    /// labels drawn on it.
+    #[arg(long, value_name = "DIR", requires = "task")]
+    draw: Option<PathBuf>,
+}
+
+fn parse_task(s: &str) -> Result<Task, String> {
+    s.parse::<Task>().map_err(|e| match e {
+        vl::Error::Argument { reason, .. } => reason,
+        other => other.to_string(),
+    })
 }
 
 /// A usage or model problem: exit code 2.
@@ -150,6 +173,7 @@ impl ResultsFile {
 
 struct Output {
     json: bool,
+    task: Option<Task>,
     several: bool,
     failed: usize,
     file: Option<ResultsFile>,
@@ -157,14 +181,27 @@ struct Output {
 
 impl Output {
     fn ok(&mut self, path: &Path, c: &Caption) -> anyhow::Result<()> {
-        let line = serde_json::json!({"image": path.display().to_string(), "caption": c.text, "token_ids": c.token_ids});
+        let mut line = serde_json::json!({"image": path.display().to_string(), "caption": c.text, "token_ids": c.token_ids});
+        // A task's output under the processor's key, as it returns it.
+        if let (Some(task), Some(parsed)) = (self.task, &c.task) {
+            line[task.token()] = serde_json::to_value(parsed)?;
+        }
+        let shown = match &c.task {
+            Some(
+                parsed @ (TaskOutput::Boxes { .. }
+                | TaskOutput::Quads { .. }
+                | TaskOutput::Polygons { .. }
+                | TaskOutput::BoxesOrPolygons { .. }),
+            ) => crate::draw::summary(parsed),
+            _ => c.text.clone(),
+        };
         let mut out = std::io::stdout().lock();
         if self.json {
             writeln!(out, "{line}")?;
         } else if self.several {
-            writeln!(out, "{}: {}", path.display(), c.text)?;
+            writeln!(out, "{}: {shown}", path.display())?;
         } else {
-            writeln!(out, "{}", c.text)?;
+            writeln!(out, "{shown}")?;
         }
         out.flush()?;
         if let Some(f) = &mut self.file {
@@ -275,15 +312,27 @@ fn caption(args: &Args) -> Result<usize, Fatal> {
     };
     // A model without prompt handling is refused before any image is read.
     if let Some(p) = &args.prompt {
-        captioner
-            .model()
-            .prompt_ids(p)
-            .context("--prompt")
+        let model = captioner.model();
+        let checked = match model.text_encoder {
+            Some(_) => model.encoder_prompt_ids(p),
+            None => model.prompt_ids(p),
+        };
+        checked.context("--prompt").map_err(Fatal)?;
+    }
+    if let Some(task) = args.task {
+        if captioner.model().text_encoder.is_none() {
+            return Err(Fatal(anyhow::anyhow!(
+                "--task {task}: the model takes no task; only Florence-2 checkpoints do"
+            )));
+        }
+        task.prompt(args.text.as_deref())
+            .context("--text")
             .map_err(Fatal)?;
     }
     let request = Request {
         generation,
-        prompt: args.prompt.as_deref(),
+        prompt: args.text.as_deref().or(args.prompt.as_deref()),
+        task: args.task,
     };
     let mut listed = args.inputs.clone();
     if let Some(list) = &args.files_from {
@@ -319,6 +368,7 @@ fn caption(args: &Args) -> Result<usize, Fatal> {
     };
     let mut out = Output {
         json: args.json,
+        task: args.task,
         several: inputs.len() > 1,
         failed: 0,
         file,
@@ -335,6 +385,9 @@ fn caption(args: &Args) -> Result<usize, Fatal> {
         let caption = done.caption.map_err(anyhow::Error::from).and_then(|c| {
             if let (Some(dir), Some(img)) = (&args.attention_map, done.image) {
                 write_maps(&captioner, dir, path, img, &c).context("attention map")?;
+            }
+            if let (Some(dir), Some(img), Some(parsed)) = (&args.draw, done.image, &c.task) {
+                crate::draw::write(dir, path, img, parsed).context("--draw")?;
             }
             Ok(c)
         });

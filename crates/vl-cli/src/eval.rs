@@ -65,6 +65,7 @@ pub fn count_correct(
     let request = Request {
         generation: captioner.greedy_config(max_tokens),
         prompt: None,
+        task: None,
     };
     let mut correct = 0u64;
     let mut start = 0;

@@ -21,6 +21,7 @@ use clap::{Parser, Subcommand};
 pub mod args;
 pub mod bench;
 pub mod caption;
+pub mod draw;
 pub mod embedded;
 pub mod eval;
 pub mod experiment;
@@ -46,7 +47,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Caption images (the embedded shapes captioner unless --model is given).
-    Caption(caption::Args),
+    Caption(Box<caption::Args>),
     /// Measure a captioner's scene accuracy on fresh shapes scenes.
     EvalShapes(eval::Args),
     /// Train the shapes captioner and write a model directory.

@@ -18,7 +18,17 @@ use plotters::style::{register_font, FontStyle};
 /// The compiled-in font.
 const FONT: &[u8] = include_bytes!("../assets/DejaVuSansMono.ttf");
 /// The family name the font is registered under.
-const FAMILY: &str = "sans-serif";
+pub(crate) const FAMILY: &str = "sans-serif";
+
+/// Registers the compiled-in font under [`FAMILY`], once per process.
+pub(crate) fn ensure_font() {
+    static FONT_ONCE: Once = Once::new();
+    FONT_ONCE.call_once(|| {
+        // The bytes are compiled in and known to parse; a failure would
+        // show as missing text, and drawing would report it.
+        let _ = register_font(FAMILY, FontStyle::Normal, FONT);
+    });
+}
 
 /// Line colours, in series order (colour-blind safe, Okabe–Ito).
 const PALETTE: [RGBColor; 7] = [
@@ -140,12 +150,7 @@ pub fn write_png(
     cols: usize,
     panel_size: (u32, u32),
 ) -> anyhow::Result<()> {
-    static FONT_ONCE: Once = Once::new();
-    FONT_ONCE.call_once(|| {
-        // The bytes are compiled in and known to parse; a failure would
-        // show as missing text, and `draw` would report it.
-        let _ = register_font(FAMILY, FontStyle::Normal, FONT);
-    });
+    ensure_font();
     anyhow::ensure!(!panels.is_empty() && cols > 0, "nothing to plot");
     let cols = cols.min(panels.len());
     let rows = panels.len().div_ceil(cols);

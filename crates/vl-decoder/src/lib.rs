@@ -39,6 +39,7 @@
 pub mod block;
 pub mod config;
 pub mod context;
+pub mod encoder;
 pub mod error;
 pub mod generate;
 pub mod head;
@@ -51,6 +52,7 @@ pub mod state;
 pub use block::DecoderBlock;
 pub use config::{Activation, DecoderConfig, Dropouts, NormPlacement};
 pub use context::ImageContext;
+pub use encoder::{EncoderLayer, TextEncoder, TextEncoderConfig, TextEncoderParts};
 pub use error::{DecoderError, Result};
 pub use generate::{
     generate, generate_from, EarlyStopping, Generated, GenerationConfig, StopReason, Strategy,

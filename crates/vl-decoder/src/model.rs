@@ -369,6 +369,12 @@ impl VisionLanguageDecoder {
         self.lm_head.quantization()
     }
 
+    /// The token table `(vocab_size, hidden_size)` (shared with a text
+    /// encoder that reads the same vocabulary).
+    pub fn token_table(&self) -> &Tensor {
+        self.embed_tokens.embeddings()
+    }
+
     /// The LM head (dense or quantized as the blocks' linear layers are).
     pub fn lm_head(&self) -> &Proj {
         &self.lm_head

@@ -5,6 +5,7 @@ use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 use vl_attn::Quantizer;
 
+use crate::davit::{DavitConfig, Florence2Vision};
 use crate::error::Result;
 use crate::mock_vit::{MockVit, MockVitConfig};
 use crate::preprocess::PixelSpec;
@@ -18,6 +19,9 @@ pub enum VisionConfig {
     MockVit(MockVitConfig),
     /// A trained [`Vit`], weights under `vision.`.
     Vit(VitConfig),
+    /// Florence-2's DaViT and projector ([`Florence2Vision`]), weights
+    /// under `vision.backbone.` and `vision.projector.`.
+    Davit(DavitConfig),
 }
 
 impl VisionConfig {
@@ -26,6 +30,7 @@ impl VisionConfig {
         match self {
             Self::MockVit(c) => c.validate(),
             Self::Vit(c) => c.validate(),
+            Self::Davit(c) => c.validate(),
         }
     }
 
@@ -34,14 +39,15 @@ impl VisionConfig {
         match self {
             Self::MockVit(c) => c.hidden_size,
             Self::Vit(c) => c.output_width(),
+            Self::Davit(c) => c.projection_dim,
         }
     }
 
     /// Tokens before the patches in the encoder's output: the CLS token, and
-    /// DeiT's distillation token after it.
+    /// DeiT's distillation token after it; DaViT's pooled token.
     pub fn num_prefix_tokens(&self) -> usize {
         match self {
-            Self::MockVit(_) => 1,
+            Self::MockVit(_) | Self::Davit(_) => 1,
             Self::Vit(c) => c.num_prefix_tokens(),
         }
     }
@@ -52,6 +58,7 @@ impl VisionConfig {
         match self {
             Self::MockVit(c) => PixelSpec::new(c.image_size, [0.5; 3], [0.5; 3]),
             Self::Vit(c) => c.pixel_spec(),
+            Self::Davit(c) => c.pixel_spec(),
         }
     }
 }
@@ -66,6 +73,8 @@ pub enum VisionEncoder {
     MockVit(MockVit),
     /// A trained ViT.
     Vit(Vit),
+    /// Florence-2's DaViT and projector.
+    Florence2(Florence2Vision),
 }
 
 impl VisionEncoder {
@@ -74,6 +83,11 @@ impl VisionEncoder {
         Ok(match cfg {
             VisionConfig::MockVit(c) => Self::MockVit(MockVit::new(c, vb.dtype(), vb.device())?),
             VisionConfig::Vit(c) => Self::Vit(Vit::load(vb, c)?),
+            VisionConfig::Davit(c) => Self::Florence2(Florence2Vision::load(
+                vb.pp("backbone"),
+                vb.pp("projector"),
+                c,
+            )?),
         })
     }
 
@@ -89,6 +103,7 @@ impl VisionEncoder {
         Ok(match self {
             Self::MockVit(m) => Self::MockVit(m.clone()),
             Self::Vit(v) => Self::Vit(v.quantize(q.within("vision"))?),
+            Self::Florence2(f) => Self::Florence2(f.quantize(&q.within("vision"))?),
         })
     }
 
@@ -96,7 +111,9 @@ impl VisionEncoder {
     /// [`crate::Vit::set_mode`]); the mock encoder has no dropout.
     pub fn set_mode(&mut self, mode: vl_attn::Mode) {
         match self {
-            Self::MockVit(_) => {}
+            // DaViT's only training-time layer is stochastic depth, which
+            // vl does not train.
+            Self::MockVit(_) | Self::Florence2(_) => {}
             Self::Vit(v) => v.set_mode(mode),
         }
     }
@@ -111,6 +128,7 @@ impl VisionEncoder {
         match self {
             Self::MockVit(_) => Ok(()),
             Self::Vit(v) => v.named_tensors(prefix, out),
+            Self::Florence2(f) => f.named_tensors(prefix, out),
         }
     }
 
@@ -119,6 +137,7 @@ impl VisionEncoder {
         match self {
             Self::MockVit(m) => VisionConfig::MockVit(m.config().clone()),
             Self::Vit(v) => VisionConfig::Vit(v.config().clone()),
+            Self::Florence2(f) => VisionConfig::Davit(f.config().clone()),
         }
     }
 
@@ -130,6 +149,7 @@ impl VisionEncoder {
         match self {
             Self::MockVit(m) => m.forward(pixels),
             Self::Vit(v) => v.forward(pixels),
+            Self::Florence2(f) => f.forward(pixels),
         }
     }
 }

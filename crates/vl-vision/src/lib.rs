@@ -22,6 +22,7 @@
 //! # }
 //! ```
 
+pub mod davit;
 pub mod encoder;
 pub mod error;
 pub mod mock_vit;
@@ -29,6 +30,7 @@ pub mod pipeline;
 pub mod preprocess;
 pub mod vit;
 
+pub use davit::{Davit, DavitConfig, Florence2Projector, Florence2Vision};
 pub use encoder::{VisionConfig, VisionEncoder};
 pub use error::{Result, VisionError};
 pub use mock_vit::{MockVit, MockVitConfig};

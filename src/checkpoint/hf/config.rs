@@ -489,7 +489,9 @@ impl HfGeneration {
         let max_new_tokens = match (self.max_new_tokens, self.max_length) {
             (Some(n), _) => n,
             (None, Some(l)) => l.saturating_sub(1),
-            (None, None) => 19,
+            // transformers 5: "by default let's always generate 20 new
+            // tokens" (see HfGeneration::cap_default_length).
+            (None, None) => 20,
         };
         if max_new_tokens == 0 {
             return config_err(
@@ -541,6 +543,19 @@ impl HfGeneration {
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// With no length set, transformers caps its 20 new tokens so that
+    /// the start token and them fit in the decoder's positions; this does
+    /// the same to `cfg` (made by [`HfGeneration::to_generation_config`]).
+    pub fn cap_default_length(&self, cfg: &mut GenerationConfig, max_positions: usize) {
+        if self.max_new_tokens.is_none() && self.max_length.is_none() {
+            cfg.max_new_tokens = cfg
+                .max_new_tokens
+                .min(max_positions.saturating_sub(1))
+                .max(1);
+            cfg.min_new_tokens = cfg.min_new_tokens.min(cfg.max_new_tokens);
+        }
     }
 
     /// Whether the settings ask for sampling with beams (transformers'

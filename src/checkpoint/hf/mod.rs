@@ -38,6 +38,7 @@
 
 pub mod blip;
 pub mod config;
+pub mod florence2;
 pub mod gpt2;
 mod tensors;
 pub mod trocr;
@@ -71,6 +72,8 @@ pub(crate) fn vit_model(decoder: vl_decoder::DecoderConfig, vit: vl_vision::VitC
         resampler: None,
         quantization: vl_attn::Quantization::None,
         generation: None,
+        text_encoder: None,
+        tasks: None,
     }
 }
 
@@ -237,7 +240,7 @@ impl Family for HfConfig {
                 generation_source.display()
             );
         }
-        let gen_cfg = generation
+        let mut gen_cfg = generation
             .to_generation_config()
             .map_err(in_file(&generation_source))?;
 
@@ -260,6 +263,7 @@ impl Family for HfConfig {
             .decoder_config(&gen_cfg)
             .map_err(in_file(&config_path))?;
         dec_cfg.validate().map_err(in_file(&generation_source))?;
+        generation.cap_default_length(&mut gen_cfg, dec_cfg.max_position_embeddings);
         gen_cfg
             .check_ids(dec_cfg.vocab_size)
             .map_err(in_file(&generation_source))?;

@@ -222,9 +222,36 @@ pub fn load(
 ) -> Result<VisionLanguageDecoder> {
     let top = vb.pp("decoder");
     let dec = top.pp("model").pp("decoder");
+    let embed_tokens = dec
+        .pp("embed_tokens")
+        .get((cfg.vocab_size, cfg.hidden_size), "weight")?;
+    let lm_head = if cfg.tie_word_embeddings {
+        Linear::new(embed_tokens.clone(), None)
+    } else {
+        linear(
+            top.pp("output_projection"),
+            cfg.hidden_size,
+            cfg.vocab_size,
+            false,
+        )?
+    };
+    bart_decoder(dec, embed_tokens, lm_head, cfg, block_built)
+}
+
+/// BART's decoder layout under `dec` (`embed_positions`,
+/// `layernorm_embedding`, `layers.{i}.{self_attn,encoder_attn}.*`,
+/// `fc1`, `fc2` and the three post-LN norms) onto vl's decoder, with the
+/// token table and the LM head the family found (TrOCR's own,
+/// Florence-2's shared ones).
+pub(super) fn bart_decoder(
+    dec: VarBuilder,
+    embed_tokens: candle_core::Tensor,
+    lm_head: Linear,
+    cfg: &DecoderConfig,
+    block_built: &mut crate::checkpoint::BlockHook,
+) -> Result<VisionLanguageDecoder> {
     let h = cfg.hidden_size;
     let eps = cfg.layer_norm_eps;
-    let embed_tokens = dec.pp("embed_tokens").get((cfg.vocab_size, h), "weight")?;
     let embed_positions = match cfg.position_embedding {
         PositionEmbedding::Learned => Some(Embedding::new(
             dec.pp("embed_positions").get(
@@ -242,20 +269,12 @@ pub fn load(
     };
     let self_cfg = SelfAttentionConfig::new(h, cfg.num_attention_heads);
     let cross_cfg = CrossAttentionConfig::new(h, cfg.memory_dim, cfg.num_attention_heads);
-    let attention = |a: VarBuilder, kv_width: usize| -> Result<[Linear; 4]> {
-        Ok([
-            linear(a.pp("q_proj"), h, h, true)?,
-            linear(a.pp("k_proj"), kv_width, h, true)?,
-            linear(a.pp("v_proj"), kv_width, h, true)?,
-            linear(a.pp("out_proj"), h, h, true)?,
-        ])
-    };
     let blocks = (0..cfg.num_hidden_layers)
         .map(|i| {
             let l = dec.pp("layers").pp(i);
-            let [q, k, v, o] = attention(l.pp("self_attn"), h)?;
+            let [q, k, v, o] = bart_attention(l.pp("self_attn"), h, h)?;
             let self_attn = CausalSelfAttention::from_parts(q, k, v, o, &self_cfg)?;
-            let [q, k, v, o] = attention(l.pp("encoder_attn"), cfg.memory_dim)?;
+            let [q, k, v, o] = bart_attention(l.pp("encoder_attn"), h, cfg.memory_dim)?;
             let cross = CrossBranch {
                 cross_attn_norm: layer_norm(l.pp("encoder_attn_layer_norm"), h, eps)?,
                 cross_attn: CrossAttention::from_parts(q, k, v, o, &cross_cfg)?,
@@ -276,11 +295,6 @@ pub fn load(
             block_built(i, block)
         })
         .collect::<Result<Vec<_>>>()?;
-    let lm_head = if cfg.tie_word_embeddings {
-        Linear::new(embed_tokens.clone(), None)
-    } else {
-        linear(top.pp("output_projection"), h, cfg.vocab_size, false)?
-    };
     Ok(VisionLanguageDecoder::from_parts(
         DecoderParts {
             embed_tokens: Embedding::new(embed_tokens, h),
@@ -293,4 +307,15 @@ pub fn load(
         },
         cfg,
     )?)
+}
+
+/// BART's `q_proj`, `k_proj`, `v_proj`, `out_proj` under `a`, with biases;
+/// keys and values read `kv_width`-wide tokens.
+pub(super) fn bart_attention(a: VarBuilder, h: usize, kv_width: usize) -> Result<[Linear; 4]> {
+    Ok([
+        linear(a.pp("q_proj"), h, h, true)?,
+        linear(a.pp("k_proj"), kv_width, h, true)?,
+        linear(a.pp("v_proj"), kv_width, h, true)?,
+        linear(a.pp("out_proj"), h, h, true)?,
+    ])
 }

@@ -57,43 +57,45 @@ pub fn depthwise_nhwc(
     let pad = k / 2;
     let row = width * c;
     let mut out = vec![0f32; x.len()];
-    out.par_chunks_mut(row).enumerate().for_each(|(r, out_row)| {
-        let (img, y) = (r / height, r % height);
-        let image = &x[img * height * row..(img + 1) * height * row];
-        // Start from the bias and the residual.
-        for (px, o) in out_row.chunks_exact_mut(c).enumerate() {
-            match bias {
-                Some(b) => o.copy_from_slice(b),
-                None => o.fill(0.0),
-            }
-            if residual {
-                let xin = &image[y * row + px * c..][..c];
-                for (o, v) in o.iter_mut().zip(xin) {
-                    *o += v;
+    out.par_chunks_mut(row)
+        .enumerate()
+        .for_each(|(r, out_row)| {
+            let (img, y) = (r / height, r % height);
+            let image = &x[img * height * row..(img + 1) * height * row];
+            // Start from the bias and the residual.
+            for (px, o) in out_row.chunks_exact_mut(c).enumerate() {
+                match bias {
+                    Some(b) => o.copy_from_slice(b),
+                    None => o.fill(0.0),
                 }
-            }
-        }
-        for ky in 0..k {
-            let Some(iy) = (y + ky).checked_sub(pad).filter(|&iy| iy < height) else {
-                continue;
-            };
-            let in_row = &image[iy * row..(iy + 1) * row];
-            for kx in 0..k {
-                let w = &taps[(ky * k + kx) * c..][..c];
-                // Output columns whose input column `x + kx - pad` exists.
-                let first = pad.saturating_sub(kx);
-                let last = (width + pad).saturating_sub(kx).min(width);
-                for px in first..last {
-                    let ix = px + kx - pad;
-                    let src = &in_row[ix * c..][..c];
-                    let dst = &mut out_row[px * c..][..c];
-                    for ((d, s), w) in dst.iter_mut().zip(src).zip(w) {
-                        *d += s * w;
+                if residual {
+                    let xin = &image[y * row + px * c..][..c];
+                    for (o, v) in o.iter_mut().zip(xin) {
+                        *o += v;
                     }
                 }
             }
-        }
-    });
+            for ky in 0..k {
+                let Some(iy) = (y + ky).checked_sub(pad).filter(|&iy| iy < height) else {
+                    continue;
+                };
+                let in_row = &image[iy * row..(iy + 1) * row];
+                for kx in 0..k {
+                    let w = &taps[(ky * k + kx) * c..][..c];
+                    // Output columns whose input column `x + kx - pad` exists.
+                    let first = pad.saturating_sub(kx);
+                    let last = (width + pad).saturating_sub(kx).min(width);
+                    for px in first..last {
+                        let ix = px + kx - pad;
+                        let src = &in_row[ix * c..][..c];
+                        let dst = &mut out_row[px * c..][..c];
+                        for ((d, s), w) in dst.iter_mut().zip(src).zip(w) {
+                            *d += s * w;
+                        }
+                    }
+                }
+            }
+        });
     out
 }
 

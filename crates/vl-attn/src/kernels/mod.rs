@@ -28,8 +28,8 @@
 //! through [`on_pool`] to pay that once (vl's decoder and ViT do).
 
 pub mod add;
-pub mod dwconv;
 pub(crate) mod attention;
+pub mod dwconv;
 pub mod features;
 pub(crate) mod gelu;
 pub mod gemm_bf16;

@@ -160,7 +160,9 @@ mod tests {
         let mut s = seed;
         let v: Vec<f32> = (0..n)
             .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
             })
             .collect();
@@ -190,7 +192,11 @@ mod tests {
             let x = seeded(&[b, h, w, c], seed + 2);
             let fast = conv.forward(&x)?;
             let slow = conv.forward_reference(&x)?;
-            let diff = (fast - slow)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            let diff = (fast - slow)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
             assert!(diff <= 1e-6, "case {i}: max |fast - reference| = {diff}");
         }
         Ok(())
@@ -203,7 +209,10 @@ mod tests {
         assert!(even.unwrap_err().to_string().contains("odd k"));
         let conv = DepthwiseConv::new(seeded(&[4, 1, 3, 3], 1), None)?;
         let err = conv.forward(&seeded(&[1, 2, 2, 5], 2)).unwrap_err();
-        assert!(err.to_string().contains("(batch, height, width, 4)"), "{err}");
+        assert!(
+            err.to_string().contains("(batch, height, width, 4)"),
+            "{err}"
+        );
         Ok(())
     }
 }

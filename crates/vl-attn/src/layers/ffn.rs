@@ -95,6 +95,17 @@ impl FeedForward {
         })
     }
 
+    /// The activation between the projections.
+    pub fn activation(&self) -> Activation {
+        self.act
+    }
+
+    /// The up and down projections (a checkpoint's names for them differ:
+    /// `fc1`/`fc2`, `up`/`down`).
+    pub fn parts(&self) -> (&Proj, &Proj) {
+        (&self.up, &self.down)
+    }
+
     /// Adds `up` and `down` under `prefix` (see [`crate::named`]).
     pub fn named_tensors(&self, prefix: &str, out: &mut crate::named::Named) -> Result<()> {
         use crate::named::join;

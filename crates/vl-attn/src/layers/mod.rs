@@ -6,9 +6,9 @@
 
 pub mod attention;
 pub mod cache;
-pub mod conv;
 pub mod co_attn;
 pub mod co_block;
+pub mod conv;
 pub mod cross;
 pub mod dropout;
 pub mod ffn;

@@ -109,6 +109,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
                 seed: args.seed,
             }),
         prompt: None,
+        task: None,
     };
     let mut points = Vec::new();
     for &rate in &args.rates {

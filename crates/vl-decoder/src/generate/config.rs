@@ -220,8 +220,14 @@ impl GenerationConfig {
         ]
         .into_iter()
         .chain(self.eos_token_ids.iter().map(|&id| ("eos_token_ids", id)))
-        .chain(self.forced_bos_token_id.map(|id| ("forced_bos_token_id", id)))
-        .chain(self.forced_eos_token_id.map(|id| ("forced_eos_token_id", id)));
+        .chain(
+            self.forced_bos_token_id
+                .map(|id| ("forced_bos_token_id", id)),
+        )
+        .chain(
+            self.forced_eos_token_id
+                .map(|id| ("forced_eos_token_id", id)),
+        );
         for (field, id) in ids {
             if id as usize >= vocab {
                 return arg_err(
