@@ -21,6 +21,16 @@ VisionEncoderDecoderModel (ViT + GPT-2, ViT/DeiT + TrOCR). The vl side is
     .venv/bin/python scripts/blip_fixtures.py --base /tmp/blip-base
     .venv/bin/python scripts/bench_vs_torch.py /tmp/blip-base --threads 2 --skip-attention
 
+    # Florence-2-base shape: DaViT 768x768 + BART-base encoder and decoder (~0.9 GB)
+    .venv/bin/python scripts/florence2_fixtures.py --base /tmp/florence2-base
+    .venv/bin/python scripts/bench_vs_torch.py /tmp/florence2-base --threads 2 --skip-attention
+
+For Florence-2 (`model_type` "florence2", transformers'
+Florence2ForConditionalGeneration) "encode" is the vision tower, the
+projector and the BART encoder over the image tokens and the `<CAPTION>`
+prompt (what the decoder reads), and the caption rows are `<CAPTION>`
+with 20 new tokens, greedy and with 3 beams (the checkpoints' default).
+
 The attention rows do not depend on the checkpoint: run them once (with the
 vit-gpt2 run) and pass `--skip-attention` to the others. `--configs` limits
 a run to some columns, e.g. `--configs torch-bf16,vl-q8_0,vl-bf16-q8_0`.
@@ -70,9 +80,89 @@ def median(xs):
     return xs[len(xs) // 2]
 
 
+def model_type(model_dir: str) -> str:
+    return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type", "")
+
+
 def is_blip(model_dir: str) -> bool:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return cfg.get("model_type") == "blip"
+    return model_type(model_dir) == "blip"
+
+
+# Florence-2's caption rows: new tokens, and the beams of its checkpoints.
+FLORENCE_TOKENS = 20
+FLORENCE_BEAMS = 3
+
+
+def florence_worker(model_dir: str, dtype: str, repeats: int) -> dict:
+    """transformers' Florence2ForConditionalGeneration, timed as vl bench
+    times a Florence-2 model."""
+    import resource
+
+    import torch
+    from transformers import AutoProcessor, Florence2ForConditionalGeneration
+
+    torch.manual_seed(0)
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    t0 = time.perf_counter()
+    model = Florence2ForConditionalGeneration.from_pretrained(model_dir, dtype=dt).eval()
+    load_ms = (time.perf_counter() - t0) * 1e3
+    processor = AutoProcessor.from_pretrained(model_dir)
+    side = processor.image_processor.size["height"]
+    n = 3 * side * side
+    pixels = (torch.arange(n, dtype=torch.float32) / n - 0.5).reshape(1, 3, side, side).to(dt)
+    prompt = processor(text="<CAPTION>", images=torch.zeros(3, side, side, dtype=torch.uint8),
+                       return_tensors="pt")
+    input_ids, attention = prompt["input_ids"], prompt["attention_mask"]
+    # Lengths exact: no end token, no forced tokens or n-gram bans.
+    fixed = dict(do_sample=False, eos_token_id=None, forced_eos_token_id=None,
+                 forced_bos_token_id=None, no_repeat_ngram_size=0, early_stopping=False)
+
+    def timed(f, reps=repeats):
+        f()
+        out = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            out.append((time.perf_counter() - t) * 1e3)
+        return median(out)
+
+    def encode():
+        feats = model.get_image_features(pixel_values=pixels).pooler_output
+        emb = model.get_input_embeddings()(input_ids)
+        mask = (input_ids == model.config.image_token_id).unsqueeze(-1)
+        emb = emb.masked_scatter(mask, feats.to(emb.dtype))
+        return model.model.language_model.encoder(inputs_embeds=emb, attention_mask=attention)
+
+    with torch.inference_mode():
+        encode_ms = timed(encode)
+        enc = encode()
+
+        def gen_n(k, beams=1, from_pixels=False):
+            kw = dict(max_new_tokens=k, min_new_tokens=k, num_beams=beams, **fixed)
+            if from_pixels:
+                return model.generate(input_ids=input_ids, pixel_values=pixels,
+                                      attention_mask=attention, **kw)
+            return model.generate(input_ids=input_ids, attention_mask=attention,
+                                  encoder_outputs=enc, **kw)
+
+        for k, beams, px in [(1, 1, False), (NEW_TOKENS + 1, 1, False),
+                             (FLORENCE_TOKENS, 1, True), (FLORENCE_TOKENS, FLORENCE_BEAMS, True)]:
+            shape = tuple(gen_n(k, beams, px).shape)
+            assert shape == (1, 1 + k), f"generate gave {shape}, want {(1, 1 + k)}"
+        one = timed(lambda: gen_n(1))
+        many = timed(lambda: gen_n(NEW_TOKENS + 1))
+        ms_per_token = (many - one) / NEW_TOKENS
+        e2e_ms = timed(lambda: gen_n(FLORENCE_TOKENS, from_pixels=True))
+        e2e_beam_ms = timed(lambda: gen_n(FLORENCE_TOKENS, FLORENCE_BEAMS, True),
+                            reps=max(1, repeats // 2))
+    weights = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return dict(
+        side="torch", family="florence2", dtype=dtype, load_ms=load_ms, encode_ms=encode_ms,
+        ms_per_token=ms_per_token, e2e_ms=e2e_ms, e2e_beam_ms=e2e_beam_ms,
+        peak_rss_mb=rss, weights_mb=weights, rss_over_weights=rss / weights,
+        torch=torch.__version__, threads=torch.get_num_threads(),
+    )
 
 
 def torch_worker(model_dir: str, dtype: str, repeats: int, batch: int) -> dict:
@@ -220,7 +310,10 @@ def main():
     if args.worker == "torch":
         import torch
         torch.set_num_threads(args.threads)
-        print(json.dumps(torch_worker(args.model, args.dtype, args.repeats, args.batch)))
+        if model_type(args.model) == "florence2":
+            print(json.dumps(florence_worker(args.model, args.dtype, args.repeats)))
+        else:
+            print(json.dumps(torch_worker(args.model, args.dtype, args.repeats, args.batch)))
         return
     if args.worker == "attention":
         import torch
@@ -246,9 +339,14 @@ def main():
             results[name] = run_json(py + ["--worker", "torch", "--dtype", dtype], env)
             columns.append(name)
             print(f"{name}: {results[name]}", file=sys.stderr)
+    florence = model_type(args.model) == "florence2"
+    # Florence-2: the caption rows as its torch worker times them, and no
+    # batch row (its worker has none).
+    vl_extra = (["--caption-tokens", str(FLORENCE_TOKENS), "--beams", str(FLORENCE_BEAMS),
+                 "--quick"] if florence else [])
     for cid, (name, extra) in VL_CONFIGS.items():
         if cid in configs:
-            results[name] = run_json([vl_bin, "bench", "--model", args.model,
+            results[name] = run_json([vl_bin, "bench", "--model", args.model] + vl_extra + [
                                       "--repeats", str(args.repeats), "--batch", str(args.batch),
                                       "--threads", str(args.threads)] + extra, env)
             columns.append(name)
@@ -277,7 +375,8 @@ def main():
         return f"{v:{spec}}" if v is not None else f"{'-':>{width}}"
 
     rows = [("encode ms", "encode_ms"), ("decode ms/token", "ms_per_token"),
-            (f"caption ms (encode + {NEW_TOKENS})", "e2e_ms"),
+            (f"caption ms (encode + {FLORENCE_TOKENS if florence else NEW_TOKENS})", "e2e_ms"),
+            (f"caption ms, {FLORENCE_BEAMS} beams (encode + {FLORENCE_TOKENS})", "e2e_beam_ms"),
             (f"images/s, batch {args.batch}", "images_per_s"),
             ("peak RSS MB", "peak_rss_mb"), ("peak RSS / weights file", "rss_over_weights"),
             ("decode step reads MB", "decode_step_mb"), ("decode GB/s", "decode_gb_s"),
@@ -339,6 +438,29 @@ def main():
         ("image cache speedup, f32", get("vl f32", "image_cache_speedup")),
         ("ms/token at 200 / at 10, f32", get("vl f32", "long_over_short")),
     ]
+    if florence:
+        beam, beam_cfg = fastest("e2e_beam_ms", min)
+        # Florence-2's own targets (its issue).
+        checks = [
+            ("f32 encode / torch f32 (target <= 1.0)",
+             ratio(get("vl f32", "encode_ms"), get(tf32, "encode_ms"))),
+            ("bf16-weight encode / torch bf16 (target <= 1.0)",
+             ratio(get("vl bf16 weights", "encode_ms"), get(tbf, "encode_ms"))),
+            ("bf16 encode / torch bf16",
+             ratio(get("vl bf16", "encode_ms"), get(tbf, "encode_ms"))),
+            ("q8_0 decode / torch bf16 (target <= 0.35)",
+             ratio(get("vl q8_0", "ms_per_token"), get(tbf, "ms_per_token"))),
+            ("f32 decode / torch f32 (target <= 0.6)",
+             ratio(get("vl f32", "ms_per_token"), get(tf32, "ms_per_token"))),
+            (f"fastest <CAPTION> ({cap_cfg or '-'}) / torch bf16 (target <= 0.5)",
+             ratio(cap, get(tbf, "e2e_ms"))),
+            (f"fastest 3-beam <CAPTION> ({beam_cfg or '-'}) / torch bf16 (target <= 0.5)",
+             ratio(beam, get(tbf, "e2e_beam_ms"))),
+            ("bf16-weight top-1 agreement with f32", get("vl bf16 weights", "top1_agreement")),
+            ("q8_0 top-1 agreement with f32", get("vl q8_0", "top1_agreement")),
+            ("f32 reference's top-1 margin, in logit std",
+             get("vl q8_0", "dense_top1_margin_in_std")),
+        ]
     if not args.skip_attention:
         checks += [
             ("attention 64x576 / torch sdpa (target <= 1.0)",

@@ -54,6 +54,14 @@ pub struct Args {
     /// Skip the slow measurements (no image cache, long context, batch).
     #[arg(long)]
     quick: bool,
+    /// Tokens of the caption measurements (`e2e_ms`, `e2e_beam_ms`);
+    /// default `--new-tokens`.
+    #[arg(long, value_parser = crate::args::positive)]
+    caption_tokens: Option<NonZeroUsize>,
+    /// Also time a caption with this many beams (`e2e_beam_ms`: encode,
+    /// then beam search of exactly `--caption-tokens` tokens).
+    #[arg(long)]
+    beams: Option<NonZeroUsize>,
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -105,11 +113,46 @@ fn decode(
     Ok(t.elapsed().as_secs_f64() * 1e3 / n as f64)
 }
 
+/// Milliseconds to caption `pixels` with beam search: encode, project the
+/// image, then `num_beams` beams for exactly `n` tokens (no end token).
+fn beam_caption_ms(
+    model: &VlModel,
+    pixels: &Tensor,
+    n: usize,
+    num_beams: usize,
+) -> anyhow::Result<f64> {
+    let mut cfg = vl::vl_decoder::GenerationConfig::greedy(model.decoder.config(), n)
+        .with_strategy(vl::vl_decoder::Strategy::beam(num_beams));
+    cfg.eos_token_ids.clear();
+    let t = Instant::now();
+    let memory = memory(model, pixels)?;
+    let ctx = model.decoder.image_context(&memory, None)?;
+    let out = vl::vl_decoder::generate(&model.decoder, &ctx, &cfg, &mut |_| {})?;
+    anyhow::ensure!(
+        out.iter().all(|g| g.tokens.len() == n),
+        "beam search stopped before {n} tokens"
+    );
+    Ok(t.elapsed().as_secs_f64() * 1e3)
+}
+
+/// What the decoder reads for `pixels`: the image tokens, or for a model
+/// with a text encoder (Florence-2) its output over the image tokens and
+/// the `<CAPTION>` prompt — the "encode" of every measurement.
+fn memory(model: &VlModel, pixels: &Tensor) -> anyhow::Result<Tensor> {
+    let image_tokens = model.encode_pixels(pixels)?;
+    if model.text_encoder.is_none() {
+        return Ok(image_tokens);
+    }
+    let prompt = vl::tasks::Task::Caption.prompt(None)?;
+    let ids = model.encoder_prompt_ids(&prompt)?;
+    Ok(model.encoder_memory(&image_tokens, &ids)?)
+}
+
 /// Milliseconds to caption `pixels`: encode, project the image, decode `n`
 /// tokens.
 fn caption_ms(model: &VlModel, pixels: &Tensor, n: usize) -> anyhow::Result<f64> {
     let t = Instant::now();
-    let memory = model.encode_pixels(pixels)?;
+    let memory = memory(model, pixels)?;
     let ctx = model.decoder.image_context(&memory, None)?;
     decode(&model.decoder, &ctx, &memory, 1, n, false)?;
     Ok(t.elapsed().as_secs_f64() * 1e3)
@@ -226,21 +269,26 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let dec = &model.decoder;
 
     let encode_ms = bench(args.repeats, || {
-        let (ms, m) = time(|| Ok(model.encode_pixels(&pixels)?))?;
+        let (ms, m) = time(|| memory(&model, &pixels))?;
         m.flatten_all()?
             .sum_all()?
             .to_dtype(DType::F32)?
             .to_scalar::<f32>()?;
         Ok(ms)
     })?;
-    let memory = model.encode_pixels(&pixels)?;
+    let memory = memory(&model, &pixels)?;
     let ctx = dec.image_context(&memory, None)?;
     let ms_per_token = bench(args.repeats, || {
         decode(dec, &ctx, &memory, 1, args.new_tokens.get(), false)
     })?;
-    let e2e_ms = bench(args.repeats, || {
-        caption_ms(&model, &pixels, args.new_tokens.get())
-    })?;
+    let caption_tokens = args.caption_tokens.unwrap_or(args.new_tokens).get();
+    let e2e_ms = bench(args.repeats, || caption_ms(&model, &pixels, caption_tokens))?;
+    let e2e_beam_ms = match args.beams {
+        Some(b) => Some(bench(args.repeats.div_ceil(2), || {
+            beam_caption_ms(&model, &pixels, caption_tokens, b.get())
+        })?),
+        None => None,
+    };
     let step_bytes = decode_step_bytes(dec, &ctx);
     let decode_gb_s = step_bytes / ms_per_token / 1e6;
     let mut json = serde_json::json!({
@@ -257,7 +305,12 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         "decode_gb_s": decode_gb_s,
         // The CPU the figures belong to, and the kernels it chose.
         "cpu": vl::vl_attn::kernels::CpuFeatures::get().to_string(),
+        "caption_tokens": caption_tokens,
     });
+    if let (Some(ms), Some(b)) = (e2e_beam_ms, args.beams) {
+        json["e2e_beam_ms"] = ms.into();
+        json["beams"] = b.get().into();
+    }
     if !args.quick {
         let reps = args.repeats.min(3);
         let no_cache = bench(reps, || {
@@ -327,7 +380,7 @@ fn agreement(
         .collect();
     let tokens = Tensor::from_vec(ids, (1, n), pixels.device())?;
     let logits_of = |m: &VlModel| -> anyhow::Result<Vec<Vec<f32>>> {
-        let memory = m.encode_pixels(pixels)?;
+        let memory = memory(m, pixels)?;
         Ok(m.decoder
             .forward(&tokens, Some(&memory), Default::default())?
             .squeeze(0)?

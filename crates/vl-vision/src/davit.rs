@@ -282,12 +282,16 @@ fn norm(vb: VarBuilder, width: usize) -> Result<LayerNorm> {
     ))
 }
 
-/// A stage's convolutional patch embedding.
+/// A stage's convolutional patch embedding. On the CPU its convolution
+/// runs in f32 whatever the activations' dtype (candle has no 16-bit
+/// convolution there; four convolutions per image).
 #[derive(Debug, Clone)]
 struct ConvEmbed {
     conv: Conv2d,
     norm: LayerNorm,
     pre_norm: bool,
+    /// The activations' dtype.
+    dtype: DType,
 }
 
 impl ConvEmbed {
@@ -305,9 +309,14 @@ impl ConvEmbed {
             ..Default::default()
         };
         let c = vb.pp("conv");
+        let conv_dtype = if vb.device().is_cpu() {
+            DType::F32
+        } else {
+            vb.dtype()
+        };
         let conv = Conv2d::new(
-            c.get((out, inp, k, k), "weight")?,
-            Some(c.get(out, "bias")?),
+            c.get((out, inp, k, k), "weight")?.to_dtype(conv_dtype)?,
+            Some(c.get(out, "bias")?.to_dtype(conv_dtype)?),
             conv_cfg,
         );
         let pre_norm = cfg.patch_prenorm[s];
@@ -316,6 +325,7 @@ impl ConvEmbed {
             conv,
             norm,
             pre_norm,
+            dtype: vb.dtype(),
         })
     }
 
@@ -334,8 +344,12 @@ impl ConvEmbed {
         } else {
             x.clone()
         };
-        let x = self.conv.forward(&x.contiguous()?)?.permute((0, 2, 3, 1))?;
-        let x = x.contiguous()?;
+        let conv_dtype = self.conv.weight().dtype();
+        let x = self
+            .conv
+            .forward(&x.to_dtype(conv_dtype)?.contiguous()?)?
+            .permute((0, 2, 3, 1))?;
+        let x = x.to_dtype(self.dtype)?.contiguous()?;
         if self.pre_norm {
             Ok(x)
         } else {
@@ -343,13 +357,19 @@ impl ConvEmbed {
         }
     }
 
-    fn named_tensors(&self, prefix: &str, out: &mut vl_attn::named::Named) {
+    /// The tensors in the model's dtype (the f32 copy of a 16-bit
+    /// convolution narrows back exactly).
+    fn named_tensors(&self, prefix: &str, out: &mut vl_attn::named::Named) -> Result<()> {
         use vl_attn::named::join;
-        out.insert(join(prefix, "conv.weight"), self.conv.weight().clone());
+        out.insert(
+            join(prefix, "conv.weight"),
+            self.conv.weight().to_dtype(self.dtype)?,
+        );
         if let Some(b) = self.conv.bias() {
-            out.insert(join(prefix, "conv.bias"), b.clone());
+            out.insert(join(prefix, "conv.bias"), b.to_dtype(self.dtype)?);
         }
         self.norm.named_tensors(&join(prefix, "norm"), out);
+        Ok(())
     }
 }
 
@@ -616,8 +636,7 @@ impl Davit {
     /// `pixels: (batch, 3, size, size)` → `(batch, h, w, embed_dim[-1])`,
     /// channels-last.
     pub fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
-        let dtype = self.convs[0].conv.weight().dtype();
-        let mut x = pixels.to_dtype(dtype)?;
+        let mut x = pixels.to_dtype(self.convs[0].dtype)?;
         for (s, (conv, blocks)) in self.convs.iter().zip(&self.blocks).enumerate() {
             x = conv.forward(&x, s > 0)?;
             for (spatial, channel) in blocks {
@@ -653,7 +672,7 @@ impl Davit {
     fn named_tensors(&self, prefix: &str, out: &mut vl_attn::named::Named) -> Result<()> {
         use vl_attn::named::join;
         for (s, conv) in self.convs.iter().enumerate() {
-            conv.named_tensors(&join(prefix, &format!("convs.{s}")), out);
+            conv.named_tensors(&join(prefix, &format!("convs.{s}")), out)?;
         }
         for (s, stage) in self.blocks.iter().enumerate() {
             for (i, (a, b)) in stage.iter().enumerate() {

@@ -1,9 +1,10 @@
 //! A depth-wise convolution over channels-last maps, with the residual
 //! added: `x + conv(x)`, DaViT's convolutional position encoding.
 //!
-//! f32 on the CPU runs vl's kernel ([`crate::kernels::dwconv`]); other
-//! dtypes and devices run candle's grouped `conv2d` on the map turned
-//! channels-first and back (the reference the kernel is tested against).
+//! On the CPU vl's kernel runs ([`crate::kernels::dwconv`], in f32: 16-bit
+//! maps are widened for it and narrowed after); other devices run
+//! candle's grouped `conv2d` on the map turned channels-first and back
+//! (the reference the kernel is tested against).
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -66,16 +67,22 @@ impl DepthwiseConv {
                 });
             }
         }
-        let on_cpu_f32 = weight.device().is_cpu() && weight.dtype() == DType::F32;
-        let taps = if on_cpu_f32 {
-            Some(std::sync::Arc::new(with_values(&weight, |w: &[f32]| {
+        // On the CPU the kernel runs in f32 whatever the weights' dtype
+        // (16-bit maps are widened for it: candle has no 16-bit
+        // convolution on the CPU).
+        let on_cpu = weight.device().is_cpu();
+        let taps = if on_cpu {
+            let w32 = weight.to_dtype(DType::F32)?;
+            Some(std::sync::Arc::new(with_values(&w32, |w: &[f32]| {
                 taps_of(w, channels, kh)
             })?))
         } else {
             None
         };
-        let bias_f32 = match (&bias, on_cpu_f32) {
-            (Some(b), true) => Some(std::sync::Arc::new(b.to_vec1::<f32>()?)),
+        let bias_f32 = match (&bias, on_cpu) {
+            (Some(b), true) => Some(std::sync::Arc::new(
+                b.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+            )),
             _ => None,
         };
         Ok(Self {
@@ -119,7 +126,7 @@ impl DepthwiseConv {
             });
         }
         match &self.taps {
-            Some(taps) if x.dtype() == DType::F32 && matches!(x.device(), Device::Cpu) => {
+            Some(taps) if matches!(x.device(), Device::Cpu) => {
                 let shape = DwShape {
                     batch,
                     height,
@@ -128,8 +135,10 @@ impl DepthwiseConv {
                     kernel: self.kernel,
                 };
                 let bias = self.bias_f32.as_deref().map(Vec::as_slice);
-                let out = with_values(x, |v: &[f32]| depthwise_nhwc(v, taps, bias, shape, true))?;
-                Ok(Tensor::from_vec(out, x.shape(), x.device())?)
+                let x32 = x.to_dtype(DType::F32)?;
+                let out =
+                    with_values(&x32, |v: &[f32]| depthwise_nhwc(v, taps, bias, shape, true))?;
+                Ok(Tensor::from_vec(out, x.shape(), x.device())?.to_dtype(x.dtype())?)
             }
             _ => self.forward_reference(x),
         }
