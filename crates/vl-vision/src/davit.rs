@@ -501,6 +501,9 @@ impl HalfBlock {
     /// Channel attention of the normalised tokens `(b, n, c)` → `(b, n,
     /// c)`, projected.
     fn channel_attention(&self, x: &Tensor, groups: usize) -> Result<Tensor> {
+        if x.dtype() == DType::F32 && x.device().is_cpu() {
+            return self.channel_attention_strided(x, groups);
+        }
         let (b, n, c) = x.dims3()?;
         let d = c / groups;
         // (b, n, 3, groups, d) -> 3 × (b, groups, d, n)
@@ -524,6 +527,36 @@ impl HalfBlock {
             .permute((0, 3, 1, 2))?
             .contiguous()?
             .reshape((b, n, c))?;
+        Ok(self.proj.forward(&out)?)
+    }
+
+    /// [`HalfBlock::channel_attention`] in f32 without transposing the
+    /// tokens: per image, the `(d, d)` scores of each group are `qᵀ k`
+    /// and its output `v attnᵀ`, products that read `q`, `k`, `v` in place
+    /// in the `qkv` projection's output (row stride `3c`), where moving
+    /// the tokens last would copy them element by element.
+    fn channel_attention_strided(&self, x: &Tensor, groups: usize) -> Result<Tensor> {
+        let (b, n, c) = x.dims3()?;
+        let d = c / groups;
+        let scale = (n as f64).powf(-0.5);
+        // (b, n, 3, groups, d): a view of the projection's output.
+        let qkv = self.qkv.forward(x)?.reshape((b, n, 3, groups, d))?;
+        let mut outs = Vec::with_capacity(b);
+        for i in 0..b {
+            let img = qkv.get(i)?;
+            // (groups, n, d) views, row stride 3c.
+            let part = |p: usize| -> candle_core::Result<Tensor> {
+                img.narrow(1, p, 1)?.squeeze(1)?.transpose(0, 1)
+            };
+            let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+            // (groups, d, n) · (groups, n, d) -> (groups, d, d)
+            let scores = (q.transpose(1, 2)?.matmul(&k)? * scale)?;
+            let attn = candle_nn::ops::softmax_last_dim(&scores)?;
+            // (groups, n, d) · (groups, d, d)ᵀ -> (groups, n, d)
+            let out = v.matmul(&attn.transpose(1, 2)?)?;
+            outs.push(out.transpose(0, 1)?.contiguous()?.reshape((n, c))?);
+        }
+        let out = Tensor::stack(&outs, 0)?;
         Ok(self.proj.forward(&out)?)
     }
 
