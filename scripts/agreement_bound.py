@@ -21,6 +21,15 @@ The definition, as `agreement` in crates/vl-cli/src/bench.rs:
   `decoder_input_ids` (VisionEncoderDecoderModel) or as the BLIP text
   decoder's `input_ids` under the image embeddings
   (`BlipForConditionalGeneration(pixel_values, input_ids)`).
+- Florence-2 (`model_type` "florence2", transformers' converted layout:
+  `Florence2ForConditionalGeneration`): n = min(--tokens, text_config's
+  max_position_embeddings), vocab_size text_config's; the decoder reads
+  what vl bench's `memory` gives it: BART's encoder over [image tokens;
+  prompt], the `<CAPTION>` prompt as the processor writes it (`<image>` x
+  image_seq_length, then `<s>What does the image describe?</s>`; the
+  `<image>` positions take the projector's output). The sequence is fed as
+  `decoder_input_ids` with the prompt as `input_ids`, logits compared at
+  every position.
 - agreement: the fraction of positions whose argmax (first index on ties)
   equals the f32 model's; margin: the median over positions of (largest
   logit - second largest) / the row's population std, for the f32 model.
@@ -32,11 +41,17 @@ Variants, each against the f32 model (same checkpoint, pixels, ids):
   `.to` skips, is cast as well).
 - `torch-bf16-f32-logits`: as `torch-bf16`, with the final norm and the
   LM head as vl runs them in a 16-bit decoder (`f32_logits`): the norm in
-  f32, the head's products accumulated and written in f32.
+  f32, the head's products accumulated and written in f32. Florence-2's
+  BART decoder has no final norm: only its `lm_head` changes (bf16 input
+  and weights, f32 products and logits). torch runs DaViT's convolutions
+  in bf16 here, where vl computes them in f32 on the CPU.
 - `bf16-weights`: f32 model whose linear weights (every nn.Linear and
   GPT-2's Conv1D, in the vision encoder, the decoder and the LM head; not
   embeddings, the conv patch embedding, norms or biases) are rounded to
-  bf16 (round to nearest even) and back.
+  bf16 (round to nearest even) and back. Florence-2: DaViT's qkv, proj,
+  fc1 and fc2, the projector's image_projection, BART's encoder and
+  decoder linear layers and `lm_head` (tied: the embedding stays f32), as
+  vl converts them; not DaViT's patch and depth-wise convolutions.
 - `bf16-weights+acts`: as `bf16-weights`, and each such layer's input
   activation rounded to bf16 as well (a forward pre-hook); everything
   else (residual stream, norms, attention, logits) in f32. The least
@@ -60,7 +75,10 @@ Variants, each against the f32 model (same checkpoint, pixels, ids):
 - `q8_0-weights-vision`, `q8_0-weights-decoder`, `q8_0-weights-head`: the
   q8_0 round trip on one part of the model alone (the vision encoder's
   linear layers; the text decoder's, LM head excluded; the LM head),
-  the rest f32: where the flips come from.
+  the rest f32: where the flips come from. Florence-2's parts: vision =
+  `model.vision_tower` and `model.multi_modal_projector`; a fourth row,
+  `q8_0-weights-text-encoder`, `model.language_model.encoder`; decoder =
+  `model.language_model.decoder`; head = `lm_head`.
 - `q4k-weights` (unless --skip-q4k): the linear weights (input widths a
   multiple of 256) through candle's own q4_K round trip, exactly the
   weights `vl --quantize q4k` multiplies by: `examples/ggml_roundtrip.rs`
@@ -79,19 +97,24 @@ Each row also gives the median over positions of rms(logits - f32
 logits) / std(f32 logits): the noise that the margins have to beat.
 
 Pixels: DIR/image.png through the checkpoint's own image processor
-(`AutoImageProcessor`, `BlipProcessor` for BLIP), as
-scripts/check_generate.py; `--pixels synthetic` uses vl bench's image
-instead (arange(3*s*s) * (1/(3*s*s)) - 0.5, reshaped to 1x3xsxs), the one
-behind vl's printed figures.
+(`AutoImageProcessor`, `BlipProcessor` for BLIP, Florence-2's
+`AutoProcessor`), as scripts/check_generate.py; `--pixels synthetic` uses
+vl bench's image instead (arange(3*s*s) * (1/(3*s*s)) - 0.5, reshaped to
+1x3xsxs; Florence-2's s is its image processor's size, from
+preprocessor_config.json or processor_config.json's `image_processor`),
+the one behind vl's printed figures.
 
 One forward pass per variant; tables (markdown) on stdout, all figures as
 JSON in scripts/out/agreement_bound.json (`--out`). Deterministic (no
 sampling; seed 0 anyway), `--threads` torch threads (default 1).
 
     /work/venv/bin/python scripts/agreement_bound.py /tmp/vit-gpt2-base /tmp/trocr-base /tmp/blip-base
+    /work/venv/bin/python scripts/agreement_bound.py /tmp/florence2-base --pixels synthetic \
+        --out scripts/out/agreement_bound_florence2.json
 
 Needs torch, transformers, pillow (e.g. /work/venv); checkpoints from
-scripts/hf_fixtures.py, trocr_fixtures.py, blip_fixtures.py `--base DIR`.
+scripts/hf_fixtures.py, trocr_fixtures.py, blip_fixtures.py,
+florence2_fixtures.py `--base DIR`.
 """
 
 import argparse
@@ -161,13 +184,37 @@ def q8_0_best_scale(x: torch.Tensor) -> torch.Tensor:
     return best.reshape(x.shape).to(x.dtype)
 
 
-def model_parts(model, layers: list, blip: bool) -> dict:
-    """The linear layers split into the vision encoder's, the text
-    decoder's (LM head excluded) and the LM head."""
+# Florence-2's linear layers by part, by module prefix: the vision side
+# (DaViT's qkv/proj/fc1/fc2 and the projector's image_projection), BART's
+# text encoder, its decoder. The LM head (`lm_head`) is its own part.
+FLORENCE_PARTS = {
+    "model.vision_tower.": "vision",
+    "model.multi_modal_projector.": "vision",
+    "model.language_model.encoder.": "text-encoder",
+    "model.language_model.decoder.": "decoder",
+}
+
+
+def model_parts(model, layers: list, family: str) -> dict:
+    """The linear layers split into the vision encoder's, (Florence-2) the
+    text encoder's, the text decoder's (LM head excluded) and the LM
+    head."""
     head = model.get_output_embeddings()
     if head is None:  # BLIP
         head = model.text_decoder.get_output_embeddings()
-    vision = "vision_model." if blip else "encoder."
+    if family == "florence2":
+        parts = {"vision": [], "text-encoder": [], "decoder": [], "head": []}
+        for layer in layers:
+            name, m, _ = layer
+            if m is head:
+                parts["head"].append(layer)
+                continue
+            key = next((v for k, v in FLORENCE_PARTS.items() if name.startswith(k)), None)
+            if key is None:
+                sys.exit(f"{name}: a linear layer of no known Florence-2 part")
+            parts[key].append(layer)
+        return parts
+    vision = "vision_model." if family == "blip" else "encoder."
     parts = {"vision": [], "decoder": [], "head": []}
     for layer in layers:
         name, m, _ = layer
@@ -266,7 +313,8 @@ def f32_logits(model):
     (`VisionLanguageDecoder::logits`): the last hidden state widened to
     f32 before the final norm (GPT-2's `ln_f`; TrOCR and BLIP have none),
     the LM head's input rounded to bf16 as vl's many-row bf16 GEMM does,
-    the products accumulated in f32 and the logits left in f32."""
+    the products accumulated in f32 and the logits left in f32. Florence-2
+    (BART) has no final norm either: its `lm_head` alone."""
     head = model.get_output_embeddings()
     if head is None:  # BLIP
         head = model.text_decoder.get_output_embeddings()
@@ -291,9 +339,47 @@ def f32_logits(model):
             m.forward = f
 
 
+def synthetic_pixels(side: int) -> torch.Tensor:
+    """vl bench's image: arange(3*s*s) * (1/(3*s*s)) - 0.5 in f32, 1x3xsxs."""
+    n = 3 * side * side
+    step = torch.tensor(1.0 / n, dtype=torch.float32)
+    return (torch.arange(n, dtype=torch.float32) * step - 0.5).reshape(1, 3, side, side)
+
+
+def load_florence2(d: Path, pixels_from: str):
+    """A Florence-2 checkpoint (transformers' layout): the f32
+    Florence2ForConditionalGeneration, its pixel values, and the encoder's
+    input ids: the processor's `<CAPTION>` prompt, `<image>` x
+    image_seq_length then `<s>What does the image describe?</s>` (the ids
+    vl bench's `memory` encodes with the image tokens)."""
+    from transformers import AutoProcessor, Florence2ForConditionalGeneration
+    cfg = json.loads((d / "config.json").read_text())
+    if "auto_map" in cfg or cfg.get("vision_config", {}).get("model_type") == "davit":
+        sys.exit(f"{d}: microsoft's original Florence-2 layout; transformers' "
+                 "Florence2ForConditionalGeneration reads the converted one")
+    model = Florence2ForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(d)
+    size = processor.image_processor.size
+    side = size["height"]
+    if size["width"] != side:
+        sys.exit(f"{d}: image size {size}: vl bench's image is square")
+    if pixels_from == "image":
+        img = Image.open(d / "image.png").convert("RGB")
+    else:
+        img = Image.new("RGB", (side, side))  # for the prompt ids only
+    enc = processor(text="<CAPTION>", images=img, return_tensors="pt")
+    pixels = enc["pixel_values"].float() if pixels_from == "image" else synthetic_pixels(side)
+    return model, pixels, enc["input_ids"]
+
+
 def load(d: Path, pixels_from: str):
-    """The f32 model, its pixel values, whether BLIP, and the decoder's
-    vocab size and max positions."""
+    """The f32 model, its pixel values, its family ("blip",
+    "vision-encoder-decoder" or "florence2"), the decoder's vocab size and
+    max positions, and (Florence-2) the text encoder's input ids."""
+    if json.loads((d / "config.json").read_text()).get("model_type") == "florence2":
+        model, pixels, prompt = load_florence2(d, pixels_from)
+        dec = model.config.text_config
+        return model, pixels, "florence2", dec.vocab_size, dec.max_position_embeddings, prompt
     model, processor, blip = load_model(d)
     if blip:
         dec = model.config.text_config
@@ -305,15 +391,16 @@ def load(d: Path, pixels_from: str):
         img = Image.open(d / "image.png").convert("RGB")
         pixels = processor(images=img, return_tensors="pt")["pixel_values"].float()
     else:
-        n = 3 * side * side
-        step = torch.tensor(1.0 / n, dtype=torch.float32)
-        pixels = (torch.arange(n, dtype=torch.float32) * step - 0.5).reshape(1, 3, side, side)
-    return model, pixels, blip, dec.vocab_size, dec.max_position_embeddings
+        pixels = synthetic_pixels(side)
+    family = "blip" if blip else "vision-encoder-decoder"
+    return model, pixels, family, dec.vocab_size, dec.max_position_embeddings, None
 
 
 def cast_sinusoids(model, dtype) -> None:
-    """TrOCR's sinusoid table is a plain attribute: `.to(dtype)` skips it."""
-    if getattr(model.config, "model_type", None) == "blip":
+    """TrOCR's sinusoid table is a plain attribute: `.to(dtype)` skips it.
+    (Florence-2's only table, the projector's temporal cosine embedding, is
+    a buffer.)"""
+    if getattr(model.config, "model_type", None) in ("blip", "florence2"):
         return
     if model.decoder.config.model_type != "trocr":
         return
@@ -322,11 +409,16 @@ def cast_sinusoids(model, dtype) -> None:
         pos.weights = pos.weights.to(dtype)
 
 
-def logits_of(model, pixels, ids, blip: bool) -> torch.Tensor:
-    """[n, vocab] teacher-forced logits, in the model's dtype."""
+def logits_of(model, pixels, ids, family: str, prompt=None) -> torch.Tensor:
+    """[n, vocab] teacher-forced logits, in the model's dtype. Florence-2:
+    `prompt` (the `<CAPTION>` ids) is the text encoder's input, its
+    `<image>` tokens replaced by the image features, and `ids` the
+    decoder's."""
     with torch.inference_mode():
-        if blip:
+        if family == "blip":
             out = model(pixel_values=pixels, input_ids=ids)
+        elif family == "florence2":
+            out = model(input_ids=prompt, pixel_values=pixels, decoder_input_ids=ids, use_cache=False)
         else:
             out = model(pixel_values=pixels, decoder_input_ids=ids, use_cache=False)
     return out.logits[0]
@@ -346,7 +438,7 @@ def median(t: torch.Tensor) -> float:
 
 def measure(d: Path, args) -> dict:
     t0 = time.perf_counter()
-    model, pixels, blip, vocab, max_pos = load(d, args.pixels)
+    model, pixels, family, vocab, max_pos, prompt = load(d, args.pixels)
     n = min(args.tokens, max_pos)
     ids = token_ids(n, vocab)
     layers = linear_layers(model)
@@ -354,7 +446,7 @@ def measure(d: Path, args) -> dict:
     for name, w in dense_layers:
         print(f"{d}: {name} (input width {w}) stays dense under q8_0", file=sys.stderr)
 
-    ref = logits_of(model, pixels, ids, blip).float()
+    ref = logits_of(model, pixels, ids, family, prompt).float()
     ref64 = ref.double()
     ref_top = ref.argmax(dim=-1)
     ref_std = ref64.std(dim=-1, unbiased=False)
@@ -379,7 +471,7 @@ def measure(d: Path, args) -> dict:
     def run(name, dtype=torch.float32, f64=False):
         t = time.perf_counter()
         px = pixels.to(dtype)
-        out = logits_of(model, px, ids, blip)
+        out = logits_of(model, px, ids, family, prompt)
         record(name, out.double() if f64 else out.float(), time.perf_counter() - t)
 
     with transformed_weights(layers, bf16, blocked=False):
@@ -392,7 +484,7 @@ def measure(d: Path, args) -> dict:
             run("q8_0-weights+acts")
     with transformed_weights(layers, q8_0_best_scale, blocked=True):
         run("q8_0-best-scale-weights")
-    for part, part_layers in model_parts(model, layers, blip).items():
+    for part, part_layers in model_parts(model, layers, family).items():
         with transformed_weights(part_layers, q8_0, blocked=True):
             run(f"q8_0-weights-{part}")
     if not args.skip_q4k:
@@ -416,12 +508,13 @@ def measure(d: Path, args) -> dict:
         run("torch-bf16-f32-logits", torch.bfloat16)
     # the table's order
     order = ["torch-bf16", "torch-bf16-f32-logits", "bf16-weights", "bf16-weights+acts", "q8_0-weights", "q8_0-weights+acts",
-             "q8_0-best-scale-weights", "q8_0-weights-vision", "q8_0-weights-decoder", "q8_0-weights-head",
+             "q8_0-best-scale-weights", "q8_0-weights-vision", "q8_0-weights-text-encoder",
+             "q8_0-weights-decoder", "q8_0-weights-head",
              "q4k-weights", "q4k-weights+acts", "f64-dense", "f64-q8_0-weights"]
     rows = {k: rows[k] for k in order if k in rows}
     del model
     return dict(
-        model=str(d), family="blip" if blip else "vision-encoder-decoder",
+        model=str(d), family=family,
         pixels=args.pixels, tokens=n, vocab_size=vocab,
         f32_median_margin_in_std=median(margin),
         f32_margin_quantiles={str(q): float(margin.quantile(q)) for q in (0.1, 0.25, 0.5, 0.75, 0.9)},
