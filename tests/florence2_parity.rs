@@ -321,3 +321,32 @@ fn bf16_runs_close_to_f32() -> anyhow::Result<()> {
     assert!(err < 3e-2, "bf16 logits relative L2 error {err}");
     Ok(())
 }
+
+/// Images captioned in one batch get the ids each gets alone (greedy and
+/// 3 beams; the memory of each image and its prompt is its own row).
+#[test]
+fn batch_equals_per_image() -> anyhow::Result<()> {
+    let dir = parity::fixture(FAMILY, "tiny-b");
+    let captioner = Captioner::load(&dir, &vl::LoadOptions::new(DType::F32, &Device::Cpu))?;
+    let images = [dir.join("image.png"), dir.join("other.png")];
+    let inputs: Vec<ImageInput> = images.iter().map(ImageInput::from).collect();
+    let beams = GenerationConfig {
+        max_new_tokens: NEW_TOKENS,
+        ..captioner.generation().clone()
+    };
+    for generation in [beams.clone().with_strategy(Strategy::Greedy), beams] {
+        for task in [Task::Caption, Task::Od] {
+            let request = Request {
+                generation: generation.clone(),
+                prompt: None,
+                task: Some(task),
+            };
+            let together = captioner.caption(&inputs, &request)?;
+            for (one, image) in together.into_iter().zip(&images) {
+                let alone = caption_ids(&captioner, image, task, generation.clone())?;
+                assert_eq!(one?.token_ids, alone, "{task} {}", image.display());
+            }
+        }
+    }
+    Ok(())
+}
