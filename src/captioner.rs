@@ -326,10 +326,32 @@ impl Captioner {
         request: &Request,
         on_token: &mut dyn FnMut(TokenEvent),
     ) -> Result<Vec<Caption>> {
-        let prompted = self.prompted(request)?;
         let side = self.model.vision()?.spec().image_size as u32;
         let sizes = vec![(side, side); pixels.len()];
-        self.caption_tokens(pixels, &sizes, &request.generation, &prompted, on_token)
+        self.caption_pixels_sized(pixels, &sizes, request, on_token)
+    }
+
+    /// [`Captioner::caption_pixels`], a task's locations in the frame of
+    /// each original image: `sizes` holds each image's (width, height).
+    ///
+    /// # Errors
+    /// As [`Captioner::caption_pixels`]; [`Error::Argument`] naming
+    /// `sizes` when it does not have one entry per image.
+    pub fn caption_pixels_sized(
+        &self,
+        pixels: &[Tensor],
+        sizes: &[(u32, u32)],
+        request: &Request,
+        on_token: &mut dyn FnMut(TokenEvent),
+    ) -> Result<Vec<Caption>> {
+        if sizes.len() != pixels.len() {
+            return arg_err(
+                "sizes",
+                format!("{} sizes for {} images", sizes.len(), pixels.len()),
+            );
+        }
+        let prompted = self.prompted(request)?;
+        self.caption_tokens(pixels, sizes, &request.generation, &prompted, on_token)
     }
 
     /// Where `request`'s prompt goes, checked against the model before any

@@ -28,6 +28,7 @@ pub mod experiment;
 pub mod inputs;
 pub mod plot;
 pub mod render;
+pub mod serve;
 pub mod train;
 
 use args::ThreadArgs;
@@ -58,6 +59,8 @@ pub enum Command {
     Bench(bench::Args),
     /// Reproduce one of vl's experiments: its JSON and its plot.
     Experiment(experiment::Args),
+    /// Serve a model over HTTP: OpenAI's chat completions with image inputs.
+    Serve(Box<serve::Args>),
 }
 
 /// Logs (`RUST_LOG`, default `warn`) to stderr.
@@ -118,6 +121,7 @@ where
             Command::RenderShapes(args) => render::run(args),
             Command::Bench(args) => bench::run(args),
             Command::Experiment(args) => experiment::run(args),
+            Command::Serve(args) => serve::run(args),
         };
         match result {
             Ok(()) => ExitCode::SUCCESS,

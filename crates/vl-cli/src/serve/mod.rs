@@ -1,0 +1,638 @@
+//! `vl serve`: the model behind an OpenAI-compatible HTTP API on tokio +
+//! axum, one worker thread owning the model ([`worker`]).
+//!
+//! - `POST /v1/chat/completions`: one `image_url` part (a `data:` URL; the
+//!   server fetches nothing) and text parts (BLIP's prompt; Florence-2's
+//!   task token or free prompt; ignored by models that take no prompt),
+//!   `max_tokens`, `temperature`, `top_p`, `seed`, `stream`, and vl's
+//!   `num_beams` and `task`; absent fields take the checkpoint's
+//!   generation defaults. Answers and stream chunks are OpenAI's shapes.
+//! - `GET /v1/models`, `GET /health` (503 until the model is loaded and
+//!   warmed up), `GET /metrics` (Prometheus text).
+//!
+//! Bad input gets a 4xx with OpenAI's error object naming the field; the
+//! queue is bounded (429 with `Retry-After` when full); SIGTERM or Ctrl-C
+//! stops accepting, lets in-flight requests finish within
+//! `--drain-timeout`, and exits 0.
+
+pub mod api;
+pub mod worker;
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::StatusCode;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use candle_core::{DType, Device, Tensor};
+use tokio::sync::mpsc;
+use vl::captioner::Captioner;
+use vl::tasks::Task;
+use vl::vl_decoder::{GenerationConfig, Strategy};
+use vl::vl_vision::PixelSpec;
+
+use crate::args::ModelArgs;
+use api::{data_url_bytes, parse_request, ApiError, ChatRequest, Content, Part, Usage};
+use worker::{Event, Finished, Job, Metrics};
+
+/// Serve a model over HTTP (OpenAI's chat completions).
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: std::net::IpAddr,
+    /// The port (0: any free one; the address is printed on stdout).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Requests waiting for the model before new ones get 429.
+    #[arg(long, default_value = "64", value_parser = crate::args::positive)]
+    max_queue: std::num::NonZeroUsize,
+    /// Requests decoded together at most.
+    #[arg(long, default_value = "16", value_parser = crate::args::positive)]
+    max_batch: std::num::NonZeroUsize,
+    /// Largest request body, in MiB.
+    #[arg(long, default_value_t = 20)]
+    max_body_mib: usize,
+    /// Seconds a request may take, queueing included, before a 504.
+    #[arg(long, default_value_t = 120)]
+    request_timeout: u64,
+    /// Seconds in-flight requests get to finish after SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    drain_timeout: u64,
+}
+
+/// What the handlers need once the model is up.
+struct Ready {
+    jobs: mpsc::Sender<Job>,
+    spec: PixelSpec,
+    id: String,
+    generation: GenerationConfig,
+    max_positions: usize,
+    image_tokens: usize,
+    takes_tasks: bool,
+    takes_prompt: bool,
+    tokenizer: tokenizers::Tokenizer,
+}
+
+struct AppState {
+    ready: OnceLock<Ready>,
+    metrics: Arc<Metrics>,
+    timeout: Duration,
+    created: u64,
+}
+
+type Shared = Arc<AppState>;
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn not_ready() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "model_loading",
+        None,
+        "the model is still loading",
+    )
+}
+
+async fn health(State(s): State<Shared>) -> Response {
+    match s.ready.get() {
+        Some(_) => (StatusCode::OK, Json(serde_json::json!({"status": "ok"}))).into_response(),
+        None => not_ready().into_response(),
+    }
+}
+
+async fn models(State(s): State<Shared>) -> Response {
+    match s.ready.get() {
+        Some(r) => Json(serde_json::json!({"object": "list", "data": [
+            {"id": r.id, "object": "model", "created": s.created, "owned_by": "vl"}
+        ]}))
+        .into_response(),
+        None => not_ready().into_response(),
+    }
+}
+
+async fn metrics(State(s): State<Shared>) -> String {
+    s.metrics.render()
+}
+
+/// The request in vl's terms, checked: an error names the field.
+struct Checked {
+    image: Vec<u8>,
+    image_param: String,
+    generation: GenerationConfig,
+    prompt: Option<String>,
+    task: Option<Task>,
+    stream: bool,
+}
+
+fn check(req: ChatRequest, r: &Ready) -> Result<Checked, ApiError> {
+    if let Some(m) = &req.model {
+        if m != &r.id {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "model_not_found",
+                Some("model"),
+                format!(
+                    "the model {m:?} is not served here; this server serves {:?}",
+                    r.id
+                ),
+            ));
+        }
+    }
+    if req.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid("n", "only n = 1 is supported"));
+    }
+    let mut image = None;
+    let mut texts = Vec::new();
+    for (i, m) in req.messages.iter().enumerate() {
+        if !matches!(
+            m.role.as_str(),
+            "system" | "user" | "assistant" | "developer"
+        ) {
+            return Err(ApiError::invalid(
+                format!("messages[{i}].role"),
+                format!("unknown role {:?}", m.role),
+            ));
+        }
+        match &m.content {
+            Content::Text(t) if m.role == "user" => texts.push(t.clone()),
+            Content::Text(_) => {}
+            Content::Parts(parts) => {
+                for (j, p) in parts.iter().enumerate() {
+                    match p {
+                        Part::Text { text } if m.role == "user" => texts.push(text.clone()),
+                        Part::Text { .. } => {}
+                        Part::ImageUrl { image_url } => {
+                            let param = format!("messages[{i}].content[{j}].image_url.url");
+                            if image.is_some() {
+                                return Err(ApiError::invalid(
+                                    param,
+                                    "one image per request: this one is the second",
+                                ));
+                            }
+                            image = Some((data_url_bytes(&image_url.url, &param)?, param));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let Some((image, image_param)) = image else {
+        return Err(ApiError::invalid(
+            "messages",
+            "no image: add a content part {\"type\": \"image_url\", \"image_url\": {\"url\": \"data:image/png;base64,…\"}}",
+        ));
+    };
+    let text = texts.join("\n").trim().to_string();
+    let mut task = match &req.task {
+        Some(t) => Some(
+            t.parse::<Task>()
+                .map_err(|e| ApiError::invalid("task", e.to_string()))?,
+        ),
+        None => None,
+    };
+    if task.is_some() && !r.takes_tasks {
+        return Err(ApiError::invalid(
+            "task",
+            "the served model takes no task; only Florence-2 does",
+        ));
+    }
+    let mut prompt = (!text.is_empty()).then_some(text);
+    if r.takes_tasks && task.is_none() {
+        // A message that is a task token is the task.
+        if let Some(t) = prompt.as_deref().and_then(|p| p.parse::<Task>().ok()) {
+            task = Some(t);
+            prompt = None;
+        }
+    }
+    if let Some(t) = task {
+        t.prompt(prompt.as_deref())
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    }
+    if !r.takes_prompt && !r.takes_tasks {
+        // A captioner without prompts captions the image whatever the text.
+        prompt = None;
+    }
+    let mut generation = r.generation.clone();
+    let max_tokens = req.max_completion_tokens.or(req.max_tokens);
+    if let Some(n) = max_tokens {
+        let limit = r.max_positions.saturating_sub(1);
+        if n == 0 || n > limit {
+            return Err(ApiError::invalid(
+                if req.max_completion_tokens.is_some() {
+                    "max_completion_tokens"
+                } else {
+                    "max_tokens"
+                },
+                format!("{n} is not in 1..={limit} (the model's positions)"),
+            ));
+        }
+        generation.max_new_tokens = n;
+        generation.min_new_tokens = generation.min_new_tokens.min(n);
+    }
+    if let Some(t) = req.temperature {
+        if !(0.0..=2.0).contains(&t) {
+            return Err(ApiError::invalid(
+                "temperature",
+                format!("{t} is not in [0, 2]"),
+            ));
+        }
+    }
+    if let Some(p) = req.top_p {
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(ApiError::invalid("top_p", format!("{p} is not in (0, 1]")));
+        }
+    }
+    match (req.num_beams, req.temperature) {
+        (Some(0), _) => return Err(ApiError::invalid("num_beams", "must be at least 1")),
+        (Some(b), Some(t)) if b > 1 && t > 0.0 => {
+            return Err(ApiError::invalid(
+                "num_beams",
+                "beam search does not sample: leave temperature out or 0",
+            ))
+        }
+        (Some(b), _) if b > 1 => generation.strategy = Strategy::beam(b),
+        (Some(_), _) => generation.strategy = Strategy::Greedy,
+        (None, Some(t)) if t > 0.0 => {
+            generation.strategy = Strategy::Sample {
+                temperature: t,
+                top_k: None,
+                top_p: req.top_p,
+                seed: req.seed.unwrap_or(0),
+            }
+        }
+        (None, Some(_)) => generation.strategy = Strategy::Greedy,
+        (None, None) => {}
+    }
+    Ok(Checked {
+        image,
+        image_param,
+        generation,
+        prompt,
+        task,
+        stream: req.stream.unwrap_or(false),
+    })
+}
+
+/// The model's id in `/v1/models` and requests: the directory's name, or
+/// the embedded captioner's.
+fn served_id(args: &ModelArgs) -> String {
+    match args.model.as_deref().and_then(|d| d.file_name()) {
+        Some(name) => name.to_string_lossy().into_owned(),
+        None => {
+            let name = args.name();
+            name.strip_prefix("embedded:").unwrap_or(&name).to_string()
+        }
+    }
+}
+
+fn completion_id() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    format!("chatcmpl-vl-{}", NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+async fn chat(State(s): State<Shared>, body: Bytes) -> Response {
+    let response = chat_inner(&s, body).await;
+    let response = match response {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    };
+    s.metrics.answered(response.status().as_u16());
+    response
+}
+
+async fn chat_inner(s: &Shared, body: Bytes) -> Result<Response, ApiError> {
+    let Some(r) = s.ready.get() else {
+        return Err(not_ready());
+    };
+    let checked = check(parse_request(&body)?, r)?;
+    // Decode and preprocess off the async threads; a bad image is this
+    // request's 400 before it queues.
+    let spec = r.spec;
+    let (bytes, param) = (checked.image, checked.image_param.clone());
+    let (pixels, size) = tokio::task::spawn_blocking(move || {
+        let img = vl::vl_vision::preprocess::decode_image(&bytes, std::path::Path::new("image"))
+            .map_err(|e| ApiError::invalid(param.clone(), e.to_string()))?;
+        let size = (img.width(), img.height());
+        let pixels = vl::vl_vision::preprocess::preprocess(&img, &spec, &Device::Cpu)
+            .map_err(|e| ApiError::invalid(param, e.to_string()))?;
+        Ok::<(Tensor, (u32, u32)), ApiError>((pixels, size))
+    })
+    .await
+    .map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            None,
+            e.to_string(),
+        )
+    })??;
+
+    let prompt_tokens = r.image_tokens
+        + checked
+            .prompt
+            .as_deref()
+            .and_then(|p| r.tokenizer.encode(p, false).ok())
+            .map_or(0, |e| e.len());
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let job = Job {
+        pixels,
+        size,
+        generation: checked.generation,
+        prompt: checked.prompt,
+        task: checked.task,
+        events: tx,
+        queued: Instant::now(),
+    };
+    s.metrics.queued.fetch_add(1, Ordering::Relaxed);
+    if let Err(e) = r.jobs.try_send(job) {
+        s.metrics.queued.fetch_sub(1, Ordering::Relaxed);
+        return Err(match e {
+            mpsc::error::TrySendError::Full(_) => ApiError {
+                retry_after: Some(1),
+                ..ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "queue_full",
+                    None,
+                    "the request queue is full; retry later",
+                )
+            },
+            mpsc::error::TrySendError::Closed(_) => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting_down",
+                None,
+                "the server is shutting down",
+            ),
+        });
+    }
+    let id = completion_id();
+    let created = now_secs();
+    let model = r.id.clone();
+    if checked.stream {
+        let timeout = s.timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let chunk = move |delta: serde_json::Value, finish: Option<&str>| {
+            serde_json::json!({
+                "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            })
+        };
+        let first = chunk(
+            serde_json::json!({"role": "assistant", "content": ""}),
+            None,
+        );
+        let stream = futures_util::stream::unfold(
+            (Some(first), rx, false, chunk),
+            move |(pending, mut rx, done, chunk)| async move {
+                if let Some(c) = pending {
+                    return Some((
+                        Ok::<_, std::convert::Infallible>(SseEvent::default().data(c.to_string())),
+                        (None, rx, done, chunk),
+                    ));
+                }
+                if done {
+                    return None;
+                }
+                match tokio::time::timeout_at(deadline, rx.recv()).await {
+                    Ok(Some(Event::Delta(d))) => {
+                        let c = chunk(serde_json::json!({"content": d}), None);
+                        Some((
+                            Ok(SseEvent::default().data(c.to_string())),
+                            (None, rx, false, chunk),
+                        ))
+                    }
+                    Ok(Some(Event::Done(Ok(f)))) => {
+                        let reason = if f.stopped { "stop" } else { "length" };
+                        let c = chunk(serde_json::json!({}), Some(reason));
+                        Some((
+                            Ok(SseEvent::default().data(c.to_string())),
+                            (None, rx, true, chunk),
+                        ))
+                    }
+                    Ok(Some(Event::Done(Err(e)))) => {
+                        let body = ApiError::new(
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            "generation_failed",
+                            None,
+                            e,
+                        )
+                        .body();
+                        Some((
+                            Ok(SseEvent::default().data(body.to_string())),
+                            (None, rx, true, chunk),
+                        ))
+                    }
+                    Ok(None) | Err(_) => None,
+                }
+            },
+        );
+        let done = futures_util::stream::once(async {
+            Ok::<_, std::convert::Infallible>(SseEvent::default().data("[DONE]"))
+        });
+        use futures_util::StreamExt;
+        return Ok(Sse::new(stream.chain(done)).into_response());
+    }
+    let outcome = tokio::time::timeout(s.timeout, async {
+        loop {
+            match rx.recv().await {
+                Some(Event::Delta(_)) => {}
+                Some(Event::Done(d)) => return Some(d),
+                None => return None,
+            }
+        }
+    })
+    .await;
+    let finished: Finished = match outcome {
+        Err(_) => {
+            return Err(ApiError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "timeout",
+                None,
+                format!(
+                    "not answered within --request-timeout {} s",
+                    s.timeout.as_secs()
+                ),
+            ))
+        }
+        Ok(None) => {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting_down",
+                None,
+                "the model worker stopped",
+            ))
+        }
+        Ok(Some(Err(e))) => {
+            return Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "generation_failed",
+                None,
+                e,
+            ))
+        }
+        Ok(Some(Ok(f))) => f,
+    };
+    let usage = Usage {
+        prompt_tokens,
+        completion_tokens: finished.tokens,
+        total_tokens: prompt_tokens + finished.tokens,
+    };
+    let mut message = serde_json::json!({"role": "assistant", "content": finished.text});
+    if let (Some(t), Some(v)) = (checked.task, finished.task) {
+        // A task's parsed output under the processor's key, as --json.
+        message["vl_task"] = serde_json::json!({ t.token(): v });
+    }
+    Ok(Json(serde_json::json!({
+        "id": id, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": 0, "message": message,
+                     "finish_reason": if finished.stopped { "stop" } else { "length" }}],
+        "usage": usage,
+    }))
+    .into_response())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+    tracing::info!("shutting down: no new connections, draining the ones in flight");
+}
+
+/// Runs `vl serve` until SIGTERM or Ctrl-C.
+pub fn run(args: &Args) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(serve(args))
+}
+
+async fn serve(args: &Args) -> anyhow::Result<()> {
+    let state = Arc::new(AppState {
+        ready: OnceLock::new(),
+        metrics: Arc::new(Metrics::default()),
+        timeout: Duration::from_secs(args.request_timeout),
+        created: now_secs(),
+    });
+    let app = Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .route("/v1/chat/completions", post(chat))
+        .layer(DefaultBodyLimit::max(args.max_body_mib * 1024 * 1024))
+        .with_state(state.clone());
+    let addr = SocketAddr::new(args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("--host {} --port {}: cannot listen", args.host, args.port))?;
+    let local = listener.local_addr()?;
+    println!("listening on http://{local}");
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+
+    // The model loads while the server already answers /health (503); a
+    // model that cannot load ends the server with its error.
+    let (jobs, rx) = mpsc::channel(args.max_queue.get());
+    let model_args = args.model.clone();
+    let metrics = state.metrics.clone();
+    let max_batch = args.max_batch.get();
+    let loader_state = state.clone();
+    let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<anyhow::Error>();
+    std::thread::Builder::new()
+        .name("vl-model".into())
+        .spawn(move || {
+            let loaded = (|| -> anyhow::Result<Captioner> {
+                let model = model_args.load()?;
+                let captioner = Captioner::new(model);
+                // A warm-up encode, which also counts the image tokens.
+                let m = captioner.model();
+                let side = m.pixel_spec()?.image_size;
+                let blank = Tensor::zeros((1, 3, side, side), DType::F32, &Device::Cpu)?;
+                let image_tokens = m.encode_pixels(&blank)?.dim(1)?;
+                let ready = Ready {
+                    jobs,
+                    spec: *m.pixel_spec()?,
+                    id: served_id(&model_args),
+                    generation: captioner.generation().clone(),
+                    max_positions: m.decoder.config().max_position_embeddings,
+                    image_tokens,
+                    takes_tasks: m.text_encoder.is_some(),
+                    takes_prompt: m.format == vl::ModelFormat::Blip,
+                    tokenizer: m.tokenizer.clone(),
+                };
+                if loader_state.ready.set(ready).is_err() {
+                    anyhow::bail!("the model was made ready twice");
+                }
+                Ok(captioner)
+            })();
+            drop(loader_state);
+            match loaded {
+                Ok(captioner) => {
+                    tracing::info!("model loaded: {}", model_args.name());
+                    worker::run(captioner, rx, max_batch, metrics);
+                }
+                Err(e) => {
+                    let _ = failed_tx.send(e);
+                }
+            }
+        })
+        .context("cannot start the model thread")?;
+
+    // SIGTERM or Ctrl-C: stop accepting; in-flight requests get `drain`.
+    let drain = Duration::from_secs(args.drain_timeout);
+    let (signal_tx, signal_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = signal_tx.send(true);
+    });
+    let mut on_signal = signal_rx.clone();
+    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+        let _ = on_signal.wait_for(|stop| *stop).await;
+    });
+    let mut served = tokio::spawn(async move { server.await });
+    let mut drained = signal_rx.clone();
+    tokio::select! {
+        r = &mut served => r.context("the server task failed")?.context("serving")?,
+        Ok(e) = failed_rx => return Err(e),
+        () = async {
+            let _ = drained.wait_for(|stop| *stop).await;
+            tokio::time::sleep(drain).await;
+        } => {
+            tracing::warn!("drain timeout ({} s) passed with requests in flight", drain.as_secs());
+            served.abort();
+        }
+    }
+    // The router and its job senders are gone: the worker finishes its
+    // batch and stops with the process.
+    drop(state);
+    Ok(())
+}

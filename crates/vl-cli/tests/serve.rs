@@ -1,0 +1,272 @@
+//! `vl serve` as a process on loopback with the embedded shapes captioner:
+//! OpenAI-shaped answers equal to `vl caption`'s captions (16 concurrent
+//! requests over 8 images), streaming, bad input answered with a 4xx
+//! naming the field while the server keeps answering, and SIGTERM.
+#![allow(missing_docs)]
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use common::{images, ok, run, s, vl_bin};
+use serde_json::{json, Value};
+
+struct Server {
+    child: Child,
+    base: String,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Self {
+        let mut child = Command::new(vl_bin())
+            .args(["serve", "--port", "0"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn vl serve");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("the address line");
+        let base = line
+            .trim()
+            .strip_prefix("listening on ")
+            .expect("listening on http://…")
+            .to_string();
+        let server = Self { child, base };
+        let start = Instant::now();
+        while ureq::get(&format!("{}/health", server.base))
+            .call()
+            .is_err()
+        {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "not ready in 60 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        server
+    }
+
+    fn post(&self, body: &str) -> (u16, Value) {
+        let r = ureq::post(&format!("{}/v1/chat/completions", self.base))
+            .set("content-type", "application/json")
+            .send_string(body);
+        match r {
+            Ok(r) => (r.status(), r.into_json().expect("json")),
+            Err(ureq::Error::Status(code, r)) => (code, r.into_json().expect("json error")),
+            Err(e) => panic!("transport error: {e}"),
+        }
+    }
+
+    fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("kill");
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                return status;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "no exit 30 s after SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+    }
+}
+
+fn data_url(path: &std::path::Path) -> String {
+    let bytes = std::fs::read(path).expect("image");
+    format!(
+        "data:image/png;base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    )
+}
+
+fn request(url: &str, extra: Value) -> String {
+    let mut body = json!({
+        "model": "shapes-captioner",
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is in the image?"},
+            {"type": "image_url", "image_url": {"url": url}},
+        ]}],
+    });
+    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+        for (k, v) in e {
+            b.insert(k.clone(), v.clone());
+        }
+    }
+    body.to_string()
+}
+
+#[test]
+fn answers_equal_vl_caption_and_bad_input_is_named() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let imgs = images(&tmp.path().join("imgs"), 8);
+    // The reference: `vl caption` on each image, one process.
+    let want: Vec<String> = ok(&run(&imgs.iter().map(|p| s(p)).collect::<Vec<_>>()))
+        .lines()
+        .map(|l| l.split_once(": ").expect("path: caption").1.to_string())
+        .collect();
+    assert_eq!(want.len(), 8);
+
+    let server = Server::start(&["--max-batch", "8", "--max-body-mib", "1"]);
+    let models: Value = ureq::get(&format!("{}/v1/models", server.base))
+        .call()
+        .expect("models")
+        .into_json()
+        .expect("json");
+    assert_eq!(models["data"][0]["id"], "shapes-captioner");
+
+    // 16 concurrent requests over the 8 images: each is its caption.
+    let urls: Vec<String> = imgs.iter().map(|p| data_url(p)).collect();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..16)
+            .map(|i| {
+                let (server, url) = (&server, &urls[i % 8]);
+                scope.spawn(move || (i, server.post(&request(url, json!({})))))
+            })
+            .collect();
+        for h in handles {
+            let (i, (status, body)) = h.join().expect("thread");
+            assert_eq!(status, 200, "{body}");
+            assert_eq!(body["object"], "chat.completion");
+            assert_eq!(
+                body["choices"][0]["message"]["content"],
+                want[i % 8],
+                "request {i}"
+            );
+            assert_eq!(body["choices"][0]["finish_reason"], "stop");
+            let usage = &body["usage"];
+            assert_eq!(
+                usage["total_tokens"].as_u64(),
+                Some(
+                    usage["prompt_tokens"].as_u64().unwrap()
+                        + usage["completion_tokens"].as_u64().unwrap()
+                )
+            );
+        }
+    });
+
+    // Streaming: the deltas make the same caption, then [DONE].
+    let r = ureq::post(&format!("{}/v1/chat/completions", server.base))
+        .send_string(&request(&urls[3], json!({"stream": true})))
+        .expect("stream");
+    let mut text = String::new();
+    let mut done = false;
+    for line in BufReader::new(r.into_reader()).lines() {
+        let line = line.expect("line");
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            done = true;
+            break;
+        }
+        let chunk: Value = serde_json::from_str(data).expect("chunk");
+        assert_eq!(chunk["object"], "chat.completion.chunk");
+        if let Some(d) = chunk["choices"][0]["delta"]["content"].as_str() {
+            text.push_str(d);
+        }
+    }
+    assert!(done, "no [DONE]");
+    assert_eq!(text, want[3]);
+
+    // Bad input: a 4xx naming the field, the server unharmed.
+    let garbage = format!(
+        "data:image/png;base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(b"not an image at all")
+    );
+    let image_param = "messages[0].content[1].image_url.url";
+    let cases: Vec<(String, u16, &str)> = vec![
+        ("{\"messages\": [".into(), 400, "body"),
+        (
+            request("data:image/png;base64,@@@", json!({})),
+            400,
+            image_param,
+        ),
+        (
+            request("https://example.com/cat.png", json!({})),
+            400,
+            image_param,
+        ),
+        (request(&garbage, json!({})), 400, image_param),
+        (request(&urls[0], json!({"model": "gpt-4o"})), 404, "model"),
+        (
+            request(&urls[0], json!({"max_tokens": 1000})),
+            400,
+            "max_tokens",
+        ),
+        (
+            request(&urls[0], json!({"temperature": 3.0})),
+            400,
+            "temperature",
+        ),
+        (request(&urls[0], json!({"n": 2})), 400, "n"),
+        (request(&urls[0], json!({"task": "od"})), 400, "task"),
+        (
+            json!({"messages": [{"role": "user", "content": "hi"}]}).to_string(),
+            400,
+            "messages",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": 7}]}).to_string(),
+            400,
+            "messages[0].content",
+        ),
+    ];
+    for (body, status, param) in &cases {
+        let (got, err) = server.post(body);
+        assert_eq!(got, *status, "{param}: {err}");
+        assert_eq!(err["error"]["param"], *param, "{err}");
+        assert!(err["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()));
+    }
+    // Over --max-body-mib 1.
+    let big = request(
+        &format!("data:image/png;base64,{}", "A".repeat(2 << 20)),
+        json!({}),
+    );
+    let (got, _) =
+        match ureq::post(&format!("{}/v1/chat/completions", server.base)).send_string(&big) {
+            Ok(r) => (r.status(), ()),
+            Err(ureq::Error::Status(code, _)) => (code, ()),
+            Err(e) => panic!("{e}"),
+        };
+    assert_eq!(got, 413);
+    let (status, body) = server.post(&request(&urls[5], json!({})));
+    assert_eq!(status, 200);
+    assert_eq!(body["choices"][0]["message"]["content"], want[5]);
+    let metrics = ureq::get(&format!("{}/metrics", server.base))
+        .call()
+        .expect("metrics")
+        .into_string()
+        .expect("text");
+    assert!(
+        metrics.contains("vl_requests_total{status=\"200\"} 18"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("vl_requests_total{status=\"404\"} 1"),
+        "{metrics}"
+    );
+
+    // SIGTERM: exit 0.
+    let status = server.terminate();
+    assert!(status.success(), "{status}");
+}
