@@ -270,3 +270,55 @@ fn answers_equal_vl_caption_and_bad_input_is_named() {
     let status = server.terminate();
     assert!(status.success(), "{status}");
 }
+
+/// A full queue answers 429 with `Retry-After`; the requests it took are
+/// answered right, and so is the next one.
+#[test]
+fn a_full_queue_answers_429() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let imgs = images(&tmp.path().join("imgs"), 1);
+    let want = ok(&run(&[s(&imgs[0])])).trim().to_string();
+    let server = Server::start(&["--max-queue", "1", "--max-batch", "1"]);
+    let url = data_url(&imgs[0]);
+    let statuses: Vec<(u16, Option<String>, Value)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..32)
+            .map(|_| {
+                let (server, url) = (&server, &url);
+                scope.spawn(move || {
+                    let r = ureq::post(&format!("{}/v1/chat/completions", server.base))
+                        .send_string(&request(url, json!({})));
+                    match r {
+                        Ok(r) => (200, None, r.into_json().expect("json")),
+                        Err(ureq::Error::Status(code, r)) => {
+                            let retry = r.header("retry-after").map(String::from);
+                            (code, retry, r.into_json().expect("json"))
+                        }
+                        Err(e) => panic!("{e}"),
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("thread"))
+            .collect()
+    });
+    let refused: Vec<_> = statuses.iter().filter(|(c, _, _)| *c == 429).collect();
+    assert!(
+        !refused.is_empty(),
+        "32 requests at once into a queue of 1: none refused"
+    );
+    for (code, retry, body) in &statuses {
+        match code {
+            200 => assert_eq!(body["choices"][0]["message"]["content"], want),
+            429 => {
+                assert_eq!(retry.as_deref(), Some("1"));
+                assert_eq!(body["error"]["code"], "queue_full");
+            }
+            other => panic!("status {other}: {body}"),
+        }
+    }
+    let (status, body) = server.post(&request(&url, json!({})));
+    assert_eq!(status, 200);
+    assert_eq!(body["choices"][0]["message"]["content"], want);
+}
