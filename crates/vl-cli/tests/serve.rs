@@ -322,3 +322,60 @@ fn a_full_queue_answers_429() {
     assert_eq!(status, 200);
     assert_eq!(body["choices"][0]["message"]["content"], want);
 }
+
+/// `POST /v1/caption`: a multipart upload → `vl caption --json`'s lines,
+/// in upload order, a bad image only its own error line.
+#[test]
+fn multipart_upload_gives_vl_caption_json_lines() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let imgs = images(&tmp.path().join("imgs"), 2);
+    let want: Vec<Value> = ok(&run(&["--json", s(&imgs[0]), s(&imgs[1])]))
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .collect();
+    let server = Server::start(&[]);
+    let boundary = "vl-test-boundary";
+    let mut body = Vec::new();
+    let files: [(&str, Vec<u8>); 3] = [
+        ("a.png", std::fs::read(&imgs[0]).expect("png")),
+        ("broken.png", b"not an image".to_vec()),
+        ("b.png", std::fs::read(&imgs[1]).expect("png")),
+    ];
+    for (name, bytes) in &files {
+        body.extend_from_slice(
+            format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; filename=\"{name}\"\r\nContent-Type: image/png\r\n\r\n"
+            )
+            .as_bytes(),
+        );
+        body.extend_from_slice(bytes);
+        body.extend_from_slice(b"\r\n");
+    }
+    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+    let text = ureq::post(&format!("{}/v1/caption", server.base))
+        .set(
+            "content-type",
+            &format!("multipart/form-data; boundary={boundary}"),
+        )
+        .send_bytes(&body)
+        .expect("caption upload")
+        .into_string()
+        .expect("text");
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json line"))
+        .collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert_eq!(lines[0]["image"], "a.png");
+    assert_eq!(lines[0]["caption"], want[0]["caption"]);
+    assert_eq!(lines[0]["token_ids"], want[0]["token_ids"]);
+    assert_eq!(lines[1]["image"], "broken.png");
+    assert!(
+        lines[1]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("not an image")),
+        "{}",
+        lines[1]
+    );
+    assert_eq!(lines[2]["caption"], want[1]["caption"]);
+}

@@ -7,6 +7,8 @@
 //!   `max_tokens`, `temperature`, `top_p`, `seed`, `stream`, and vl's
 //!   `num_beams` and `task`; absent fields take the checkpoint's
 //!   generation defaults. Answers and stream chunks are OpenAI's shapes.
+//! - `POST /v1/caption`: a multipart upload of images (one file part
+//!   each) → one JSON line per image, as `vl caption --json` prints them.
 //! - `GET /v1/models`, `GET /health` (503 until the model is loaded and
 //!   warmed up), `GET /metrics` (Prometheus text).
 //!
@@ -321,25 +323,7 @@ async fn chat_inner(s: &Shared, body: Bytes) -> Result<Response, ApiError> {
     let checked = check(parse_request(&body)?, r)?;
     // Decode and preprocess off the async threads; a bad image is this
     // request's 400 before it queues.
-    let spec = r.spec;
-    let (bytes, param) = (checked.image, checked.image_param.clone());
-    let (pixels, size) = tokio::task::spawn_blocking(move || {
-        let img = vl::vl_vision::preprocess::decode_image(&bytes, std::path::Path::new("image"))
-            .map_err(|e| ApiError::invalid(param.clone(), e.to_string()))?;
-        let size = (img.width(), img.height());
-        let pixels = vl::vl_vision::preprocess::preprocess(&img, &spec, &Device::Cpu)
-            .map_err(|e| ApiError::invalid(param, e.to_string()))?;
-        Ok::<(Tensor, (u32, u32)), ApiError>((pixels, size))
-    })
-    .await
-    .map_err(|e| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
-            None,
-            e.to_string(),
-        )
-    })??;
+    let (pixels, size) = prepare(r.spec, checked.image, checked.image_param.clone()).await?;
 
     let prompt_tokens = r.image_tokens
         + checked
@@ -357,27 +341,7 @@ async fn chat_inner(s: &Shared, body: Bytes) -> Result<Response, ApiError> {
         events: tx,
         queued: Instant::now(),
     };
-    s.metrics.queued.fetch_add(1, Ordering::Relaxed);
-    if let Err(e) = r.jobs.try_send(job) {
-        s.metrics.queued.fetch_sub(1, Ordering::Relaxed);
-        return Err(match e {
-            mpsc::error::TrySendError::Full(_) => ApiError {
-                retry_after: Some(1),
-                ..ApiError::new(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    "queue_full",
-                    None,
-                    "the request queue is full; retry later",
-                )
-            },
-            mpsc::error::TrySendError::Closed(_) => ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "shutting_down",
-                None,
-                "the server is shutting down",
-            ),
-        });
-    }
+    enqueue(s, r, job)?;
     let id = completion_id();
     let created = now_secs();
     let model = r.id.clone();
@@ -504,6 +468,153 @@ async fn chat_inner(s: &Shared, body: Bytes) -> Result<Response, ApiError> {
     .into_response())
 }
 
+/// Decodes and preprocesses an image off the async threads; a bad image
+/// is `param`'s 400.
+async fn prepare(
+    spec: PixelSpec,
+    bytes: Vec<u8>,
+    param: String,
+) -> Result<(Tensor, (u32, u32)), ApiError> {
+    tokio::task::spawn_blocking(move || {
+        let img = vl::vl_vision::preprocess::decode_image(&bytes, std::path::Path::new("image"))
+            .map_err(|e| ApiError::invalid(param.clone(), e.to_string()))?;
+        let size = (img.width(), img.height());
+        let pixels = vl::vl_vision::preprocess::preprocess(&img, &spec, &Device::Cpu)
+            .map_err(|e| ApiError::invalid(param, e.to_string()))?;
+        Ok((pixels, size))
+    })
+    .await
+    .map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            None,
+            e.to_string(),
+        )
+    })?
+}
+
+/// Queues one job; `Err` when the queue is full or closed.
+fn enqueue(s: &AppState, r: &Ready, job: Job) -> Result<(), ApiError> {
+    s.metrics.queued.fetch_add(1, Ordering::Relaxed);
+    r.jobs.try_send(job).map_err(|e| {
+        s.metrics.queued.fetch_sub(1, Ordering::Relaxed);
+        match e {
+            mpsc::error::TrySendError::Full(_) => ApiError {
+                retry_after: Some(1),
+                ..ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "queue_full",
+                    None,
+                    "the request queue is full; retry later",
+                )
+            },
+            mpsc::error::TrySendError::Closed(_) => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting_down",
+                None,
+                "the server is shutting down",
+            ),
+        }
+    })
+}
+
+/// `POST /v1/caption`: every file part of a multipart body captioned with
+/// the model's defaults; one JSON line per image in upload order,
+/// `{"image", "caption", "token_ids"}` or `{"image", "error"}` — a bad
+/// image costs only its own line.
+async fn caption_upload(State(s): State<Shared>, mut form: axum::extract::Multipart) -> Response {
+    let response = match caption_upload_inner(&s, &mut form).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    };
+    s.metrics.answered(response.status().as_u16());
+    response
+}
+
+async fn caption_upload_inner(
+    s: &Shared,
+    form: &mut axum::extract::Multipart,
+) -> Result<Response, ApiError> {
+    let Some(r) = s.ready.get() else {
+        return Err(not_ready());
+    };
+    let mut pending = Vec::new();
+    let mut index = 0;
+    loop {
+        let field = form.next_field().await.map_err(|e| {
+            ApiError::new(e.status(), "invalid_multipart", Some("body"), e.body_text())
+        })?;
+        let Some(field) = field else { break };
+        let name = field
+            .file_name()
+            .map(String::from)
+            .unwrap_or_else(|| format!("image-{index}"));
+        index += 1;
+        let bytes = field.bytes().await.map_err(|e| {
+            ApiError::new(e.status(), "invalid_multipart", Some("body"), e.body_text())
+        })?;
+        let outcome = match prepare(r.spec, bytes.to_vec(), name.clone()).await {
+            Err(e) => Err(e.message),
+            Ok((pixels, size)) => {
+                let (tx, rx) = mpsc::unbounded_channel();
+                enqueue(
+                    s,
+                    r,
+                    Job {
+                        pixels,
+                        size,
+                        generation: r.generation.clone(),
+                        prompt: None,
+                        task: None,
+                        events: tx,
+                        queued: Instant::now(),
+                    },
+                )?;
+                Ok(rx)
+            }
+        };
+        pending.push((name, outcome));
+    }
+    if pending.is_empty() {
+        return Err(ApiError::invalid(
+            "body",
+            "no file part: upload images as multipart files",
+        ));
+    }
+    let mut lines = String::new();
+    for (name, outcome) in pending {
+        let line = match outcome {
+            Err(e) => serde_json::json!({"image": name, "error": e}),
+            Ok(mut rx) => {
+                let done = tokio::time::timeout(s.timeout, async {
+                    loop {
+                        match rx.recv().await {
+                            Some(Event::Delta(_)) => {}
+                            Some(Event::Done(d)) => return Some(d),
+                            None => return None,
+                        }
+                    }
+                })
+                .await;
+                match done {
+                    Ok(Some(Ok(f))) => {
+                        serde_json::json!({"image": name, "caption": f.text, "token_ids": f.token_ids})
+                    }
+                    Ok(Some(Err(e))) => serde_json::json!({"image": name, "error": e}),
+                    Ok(None) => {
+                        serde_json::json!({"image": name, "error": "the model worker stopped"})
+                    }
+                    Err(_) => serde_json::json!({"image": name, "error": "timed out"}),
+                }
+            }
+        };
+        lines.push_str(&line.to_string());
+        lines.push('\n');
+    }
+    Ok(([("content-type", "application/x-ndjson")], lines).into_response())
+}
+
 async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
@@ -548,6 +659,7 @@ async fn serve(args: &Args) -> anyhow::Result<()> {
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
         .route("/v1/chat/completions", post(chat))
+        .route("/v1/caption", post(caption_upload))
         .layer(DefaultBodyLimit::max(args.max_body_mib * 1024 * 1024))
         .with_state(state.clone());
     let addr = SocketAddr::new(args.host, args.port);

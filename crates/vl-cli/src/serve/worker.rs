@@ -49,6 +49,8 @@ pub enum Event {
 pub struct Finished {
     /// The text (as `vl caption` prints it).
     pub text: String,
+    /// The generated ids.
+    pub token_ids: Vec<u32>,
     /// Tokens generated.
     pub tokens: usize,
     /// Whether it ended at an end token (else at the length limit).
@@ -250,6 +252,7 @@ fn caption_batch(captioner: &Captioner, group: &[Job], metrics: &Metrics) -> Res
         let task = c.task.as_ref().and_then(|t| serde_json::to_value(t).ok());
         let _ = job.events.send(Event::Done(Ok(Finished {
             tokens: c.token_ids.len(),
+            token_ids: c.token_ids,
             text: c.text,
             stopped,
             task,
