@@ -49,6 +49,12 @@ use worker::{Event, Finished, Job, Metrics};
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
+    /// Fetch the model ORG/NAME from the Hugging Face Hub instead (needs the `hub` feature).
+    #[arg(long, conflicts_with = "model")]
+    model_id: Option<String>,
+    /// With --model-id: the branch, tag or commit to fetch [default: main].
+    #[arg(long, requires = "model_id")]
+    revision: Option<String>,
     /// The address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: std::net::IpAddr,
@@ -87,6 +93,8 @@ struct Ready {
 
 struct AppState {
     ready: OnceLock<Ready>,
+    /// `--max-body-mib`, in bytes.
+    max_body: usize,
     metrics: Arc<Metrics>,
     timeout: Duration,
     created: u64,
@@ -289,6 +297,28 @@ fn check(req: ChatRequest, r: &Ready) -> Result<Checked, ApiError> {
     })
 }
 
+/// The model to load: `--model-id` fetched from the Hub (before the server
+/// starts, so that a failed download is the command's error), else
+/// `--model` or the embedded captioner.
+fn model_args(args: &Args) -> anyhow::Result<ModelArgs> {
+    match &args.model_id {
+        None => Ok(args.model.clone()),
+        #[cfg(feature = "hub")]
+        Some(id) => {
+            let dir = vl::hub::fetch(id, args.revision.as_deref())?;
+            Ok(ModelArgs {
+                model: Some(dir),
+                ..args.model.clone()
+            })
+        }
+        #[cfg(not(feature = "hub"))]
+        Some(id) => anyhow::bail!(
+            "--model-id {id}: this build has no Hub support; rebuild with `--features hub`, \
+             or download the checkpoint and pass --model DIR"
+        ),
+    }
+}
+
 /// The model's id in `/v1/models` and requests: the directory's name, or
 /// the embedded captioner's.
 fn served_id(args: &ModelArgs) -> String {
@@ -306,8 +336,47 @@ fn completion_id() -> String {
     format!("chatcmpl-vl-{}", NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
-async fn chat(State(s): State<Shared>, body: Bytes) -> Response {
-    let response = chat_inner(&s, body).await;
+/// The body, refused with 413 from its `Content-Length` before any of it
+/// is read when it announces more than `--max-body-mib` (and when it
+/// grows past it without one).
+async fn read_body(
+    s: &AppState,
+    headers: &axum::http::HeaderMap,
+    body: axum::body::Body,
+) -> Result<Bytes, ApiError> {
+    let too_large = |n: Option<usize>| {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            Some("body"),
+            format!(
+                "the body{} is over the server's limit of {} bytes (--max-body-mib)",
+                n.map(|n| format!(" ({n} bytes)")).unwrap_or_default(),
+                s.max_body
+            ),
+        )
+    };
+    let announced = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if let Some(n) = announced.filter(|&n| n > s.max_body) {
+        return Err(too_large(Some(n)));
+    }
+    axum::body::to_bytes(body, s.max_body)
+        .await
+        .map_err(|_| too_large(None))
+}
+
+async fn chat(
+    State(s): State<Shared>,
+    headers: axum::http::HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let response = match read_body(&s, &headers, body).await {
+        Ok(body) => chat_inner(&s, body).await,
+        Err(e) => Err(e),
+    };
     let response = match response {
         Ok(r) => r,
         Err(e) => e.into_response(),
@@ -650,6 +719,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
 async fn serve(args: &Args) -> anyhow::Result<()> {
     let state = Arc::new(AppState {
         ready: OnceLock::new(),
+        max_body: args.max_body_mib * 1024 * 1024,
         metrics: Arc::new(Metrics::default()),
         timeout: Duration::from_secs(args.request_timeout),
         created: now_secs(),
@@ -662,6 +732,7 @@ async fn serve(args: &Args) -> anyhow::Result<()> {
         .route("/v1/caption", post(caption_upload))
         .layer(DefaultBodyLimit::max(args.max_body_mib * 1024 * 1024))
         .with_state(state.clone());
+    let model_args = tokio::task::block_in_place(|| model_args(args))?;
     let addr = SocketAddr::new(args.host, args.port);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -674,7 +745,6 @@ async fn serve(args: &Args) -> anyhow::Result<()> {
     // The model loads while the server already answers /health (503); a
     // model that cannot load ends the server with its error.
     let (jobs, rx) = mpsc::channel(args.max_queue.get());
-    let model_args = args.model.clone();
     let metrics = state.metrics.clone();
     let max_batch = args.max_batch.get();
     let loader_state = state.clone();
