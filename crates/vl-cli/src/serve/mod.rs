@@ -478,16 +478,7 @@ async fn chat_inner(s: &Shared, body: Bytes) -> Result<Response, ApiError> {
         use futures_util::StreamExt;
         return Ok(Sse::new(stream.chain(done)).into_response());
     }
-    let outcome = tokio::time::timeout(s.timeout, async {
-        loop {
-            match rx.recv().await {
-                Some(Event::Delta(_)) => {}
-                Some(Event::Done(d)) => return Some(d),
-                None => return None,
-            }
-        }
-    })
-    .await;
+    let outcome = tokio::time::timeout(s.timeout, outcome_of(&mut rx)).await;
     let finished: Finished = match outcome {
         Err(_) => {
             return Err(ApiError::new(
@@ -561,6 +552,18 @@ async fn prepare(
             e.to_string(),
         )
     })?
+}
+
+/// A request's outcome, its streamed text skipped; `None` when the worker
+/// stopped without one.
+async fn outcome_of(rx: &mut mpsc::UnboundedReceiver<Event>) -> Option<Result<Finished, String>> {
+    loop {
+        match rx.recv().await {
+            Some(Event::Delta(_)) => {}
+            Some(Event::Done(d)) => return Some(d),
+            None => return None,
+        }
+    }
 }
 
 /// Queues one job; `Err` when the queue is full or closed.
@@ -656,16 +659,7 @@ async fn caption_upload_inner(
         let line = match outcome {
             Err(e) => serde_json::json!({"image": name, "error": e}),
             Ok(mut rx) => {
-                let done = tokio::time::timeout(s.timeout, async {
-                    loop {
-                        match rx.recv().await {
-                            Some(Event::Delta(_)) => {}
-                            Some(Event::Done(d)) => return Some(d),
-                            None => return None,
-                        }
-                    }
-                })
-                .await;
+                let done = tokio::time::timeout(s.timeout, outcome_of(&mut rx)).await;
                 match done {
                     Ok(Some(Ok(f))) => {
                         serde_json::json!({"image": name, "caption": f.text, "token_ids": f.token_ids})
