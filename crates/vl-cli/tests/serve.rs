@@ -386,3 +386,65 @@ fn multipart_upload_gives_vl_caption_json_lines() {
     );
     assert_eq!(lines[2]["caption"], want[1]["caption"]);
 }
+
+/// A Florence-2 checkpoint behind the server: a task by vl's field or as
+/// the message's task token, its parsed output under the processor's key
+/// in `message.vl_task`, equal to `vl caption --task --json`'s.
+#[test]
+fn florence2_tasks_are_served() {
+    let model = common::repo_root().join("tests/fixtures/florence2/tiny-a");
+    let image = model.join("other.png");
+    let want: Value = serde_json::from_str(
+        ok(&run(&[
+            "--model",
+            s(&model),
+            "--task",
+            "od",
+            "--json",
+            "--max-tokens",
+            "8",
+            s(&image),
+        ]))
+        .trim(),
+    )
+    .expect("json");
+    let server = Server::start(&["--model", s(&model)]);
+    let url = data_url(&image);
+    let body = json!({
+        "model": "tiny-a",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "<OD>"},
+            {"type": "image_url", "image_url": {"url": url}},
+        ]}],
+    });
+    let (status, got) = server.post(&body.to_string());
+    assert_eq!(status, 200, "{got}");
+    let message = &got["choices"][0]["message"];
+    assert_eq!(message["content"], want["caption"]);
+    assert_eq!(message["vl_task"]["<OD>"], want["<OD>"]);
+    // vl's `task` field with an image alone; with a text the task cannot
+    // take, the request is refused rather than the text dropped.
+    let image_only = json!({
+        "model": "tiny-a", "task": "od", "max_tokens": 8,
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}]}],
+    });
+    let (status, got) = server.post(&image_only.to_string());
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(
+        got["choices"][0]["message"]["vl_task"]["<OD>"],
+        want["<OD>"]
+    );
+    let (status, err) = server.post(&request(&url, json!({"model": "tiny-a", "task": "od"})));
+    assert_eq!(status, 400, "{err}");
+    assert!(err["error"]["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("takes no text input")));
+    // A task that needs an input, given none: named.
+    let mut no_input = image_only.clone();
+    no_input["task"] = json!("phrase-grounding");
+    let (status, err) = server.post(&no_input.to_string());
+    assert_eq!(status, 400, "{err}");
+    assert_eq!(err["error"]["param"], "messages");
+}
