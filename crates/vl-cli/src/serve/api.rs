@@ -113,6 +113,10 @@ pub struct ChatRequest {
     /// vl: Florence-2's task (`od`, `<OD>`, …).
     #[serde(default)]
     pub task: Option<String>,
+    /// vl: return each token's cross-attention over the image's patches
+    /// (`message.vl_attention`; when streaming, in the last chunk).
+    #[serde(default)]
+    pub attention_map: Option<bool>,
     /// Everything else, ignored.
     #[serde(flatten)]
     pub other: BTreeMap<String, Value>,

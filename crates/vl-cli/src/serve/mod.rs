@@ -89,6 +89,9 @@ struct Ready {
     takes_tasks: bool,
     takes_prompt: bool,
     tokenizer: tokenizers::Tokenizer,
+    /// The block whose cross-attention `attention_map` returns, when the
+    /// model has a patch grid to show it on.
+    heatmap_layer: Option<usize>,
 }
 
 struct AppState {
@@ -127,7 +130,8 @@ async fn health(State(s): State<Shared>) -> Response {
 async fn models(State(s): State<Shared>) -> Response {
     match s.ready.get() {
         Some(r) => Json(serde_json::json!({"object": "list", "data": [
-            {"id": r.id, "object": "model", "created": s.created, "owned_by": "vl"}
+            {"id": r.id, "object": "model", "created": s.created, "owned_by": "vl",
+             "vl": {"tasks": r.takes_tasks, "attention_map": r.heatmap_layer.is_some()}}
         ]}))
         .into_response(),
         None => not_ready().into_response(),
@@ -286,6 +290,17 @@ fn check(req: ChatRequest, r: &Ready) -> Result<Checked, ApiError> {
         }
         (None, Some(_)) => generation.strategy = Strategy::Greedy,
         (None, None) => {}
+    }
+    if req.attention_map == Some(true) {
+        match r.heatmap_layer {
+            Some(layer) => generation.cross_attention_of = Some(layer),
+            None => {
+                return Err(ApiError::invalid(
+                    "attention_map",
+                    "the served model has no patch grid to show its attention on",
+                ))
+            }
+        }
     }
     Ok(Checked {
         image,
@@ -449,7 +464,10 @@ async fn chat_inner(s: &Shared, body: Bytes) -> Result<Response, ApiError> {
                     }
                     Ok(Some(Event::Done(Ok(f)))) => {
                         let reason = if f.stopped { "stop" } else { "length" };
-                        let c = chunk(serde_json::json!({}), Some(reason));
+                        let mut c = chunk(serde_json::json!({}), Some(reason));
+                        if let Some(a) = attention_json(&f) {
+                            c["vl_attention"] = a;
+                        }
                         Some((
                             Ok(SseEvent::default().data(c.to_string())),
                             (None, rx, true, chunk),
@@ -515,6 +533,9 @@ async fn chat_inner(s: &Shared, body: Bytes) -> Result<Response, ApiError> {
         total_tokens: prompt_tokens + finished.tokens,
     };
     let mut message = serde_json::json!({"role": "assistant", "content": finished.text});
+    if let Some(a) = attention_json(&finished) {
+        message["vl_attention"] = a;
+    }
     if let (Some(t), Some(v)) = (checked.task, finished.task) {
         // A task's parsed output under the processor's key, as --json.
         message["vl_task"] = serde_json::json!({ t.token(): v });
@@ -552,6 +573,24 @@ async fn prepare(
             e.to_string(),
         )
     })?
+}
+
+/// `attention_map`'s payload: the patch grid's side and, per token, its
+/// text and weights (row-major over the grid), or `None` without weights.
+fn attention_json(f: &Finished) -> Option<serde_json::Value> {
+    let patches = f.attention.first()?.1.len();
+    let grid = (patches as f64).sqrt().round() as usize;
+    Some(serde_json::json!({
+        "grid": grid,
+        "tokens": f.attention.iter().map(|(text, w)| serde_json::json!({"text": text, "weights": w}))
+            .collect::<Vec<_>>(),
+    }))
+}
+
+/// The page at `/`: pick or drop an image, watch the caption stream in,
+/// hover a word to see where the model looked (embedded, no CDN).
+async fn page() -> axum::response::Html<&'static str> {
+    axum::response::Html(include_str!("page.html"))
 }
 
 /// A request's outcome, its streamed text skipped; `None` when the worker
@@ -719,6 +758,7 @@ async fn serve(args: &Args) -> anyhow::Result<()> {
         created: now_secs(),
     });
     let app = Router::new()
+        .route("/", get(page))
         .route("/health", get(health))
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
@@ -764,6 +804,10 @@ async fn serve(args: &Args) -> anyhow::Result<()> {
                     takes_tasks: m.text_encoder.is_some(),
                     takes_prompt: m.format == vl::ModelFormat::Blip,
                     tokenizer: m.tokenizer.clone(),
+                    heatmap_layer: captioner
+                        .with_heatmaps(captioner.generation())
+                        .ok()
+                        .and_then(|g| g.cross_attention_of),
                 };
                 if loader_state.ready.set(ready).is_err() {
                     anyhow::bail!("the model was made ready twice");

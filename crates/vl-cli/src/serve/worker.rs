@@ -57,6 +57,9 @@ pub struct Finished {
     pub stopped: bool,
     /// A task's parsed output, as `--json` carries it.
     pub task: Option<serde_json::Value>,
+    /// With `attention_map`: per token, its text and its cross-attention
+    /// weights over the image's patches.
+    pub attention: Vec<(String, Vec<f32>)>,
 }
 
 /// Counters for `GET /metrics`.
@@ -250,12 +253,32 @@ fn caption_batch(captioner: &Captioner, group: &[Job], metrics: &Metrics) -> Res
         observe(&metrics.latency, job.queued);
         let stopped = c.token_ids.last().is_some_and(|t| eos.contains(t));
         let task = c.task.as_ref().and_then(|t| serde_json::to_value(t).ok());
+        // Each token's text as it grows the caption (a word's space
+        // included), so that the pieces join to the text streamed.
+        let mut before = String::new();
+        let attention = c
+            .heatmaps
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                let upto = tokenizer
+                    .decode(&c.token_ids[..=i], true)
+                    .unwrap_or_default();
+                let piece = upto
+                    .strip_prefix(before.as_str())
+                    .unwrap_or(&upto)
+                    .to_string();
+                before = upto;
+                (piece, w.clone())
+            })
+            .collect();
         let _ = job.events.send(Event::Done(Ok(Finished {
             tokens: c.token_ids.len(),
             token_ids: c.token_ids,
             text: c.text,
             stopped,
             task,
+            attention,
         })));
     }
     Ok(())
