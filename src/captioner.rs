@@ -420,6 +420,7 @@ impl Captioner {
                     reason: format!("cannot decode {ids:?}: {e}"),
                 })
         };
+        let task_cfg = self.model.config.tasks.clone().unwrap_or_default();
         generated
             .into_iter()
             .zip(sizes)
@@ -435,8 +436,7 @@ impl Captioner {
                     // (locations among them), then parsed for the task.
                     Prompted::Encoder { task, .. } => {
                         let raw = decode(&g.tokens, false)?;
-                        let cfg = self.model.config.tasks.clone().unwrap_or_default();
-                        let parsed = task.map(|t| crate::tasks::parse(&raw, t, size, &cfg));
+                        let parsed = task.map(|t| crate::tasks::parse(&raw, t, size, &task_cfg));
                         let text = match &parsed {
                             Some(TaskOutput::Text(t)) => t.clone(),
                             _ => raw

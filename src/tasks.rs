@@ -410,10 +410,21 @@ pub enum TaskOutput {
 const BOX_PATTERN: &str = r"<loc_(\d+)><loc_(\d+)><loc_(\d+)><loc_(\d+)>";
 const PHRASE_TEXT: &str = r"^\s*(.*?)(?=<od>|</od>|<box>|</box>|<bbox>|</bbox>|<loc_)";
 
-fn re(p: &str) -> Regex {
-    // Only the processor's own patterns reach this; a config's pattern is
-    // checked by TaskConfig::validate.
-    Regex::new(p).unwrap_or_else(|e| panic!("pattern {p:?}: {e}"))
+fn re(p: &'static str) -> Regex {
+    // Compiled once per process: a caption's parse would otherwise compile
+    // up to seven patterns every time.
+    static CACHE: std::sync::LazyLock<
+        std::sync::Mutex<std::collections::HashMap<&'static str, Regex>>,
+    > = std::sync::LazyLock::new(Default::default);
+    let mut cache = CACHE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    cache
+        .entry(p)
+        // Only the processor's own patterns reach this; a config's pattern
+        // is checked by TaskConfig::validate.
+        .or_insert_with(|| Regex::new(p).unwrap_or_else(|e| panic!("pattern {p:?}: {e}")))
+        .clone()
 }
 
 /// Every match of `pattern` in `text`: group 1 when the pattern has a
