@@ -48,7 +48,7 @@ use vl_vision::{DavitConfig, Florence2Projector, Florence2Vision, VisionConfig, 
 use super::config::{HfGeneration, HfPreprocessorConfig};
 use super::tensors::{layer_norm, linear};
 use super::trocr::{bart_attention, bart_decoder};
-use super::{GENERATION_FILE, PREPROCESSOR_FILE};
+use super::PREPROCESSOR_FILE;
 use crate::checkpoint::tokenizer::{check_tokenizer, load_tokenizer};
 use crate::checkpoint::{
     from_value, read_json, BlockHook, Family, ModelFormat, Plan, Source, VlConfig, CONFIG_FILE,
@@ -666,33 +666,15 @@ impl Family for HfFlorence2 {
 
         // Generation: generation_config.json, else the text config's keys
         // (microsoft's layout keeps beams and bans there).
-        let generation_path = dir.join(GENERATION_FILE);
-        let (generation, generation_source) = if generation_path.is_file() {
-            (
-                HfGeneration::from_values(read_json(&generation_path)?)
-                    .map_err(in_file(&generation_path))?,
-                generation_path,
-            )
-        } else {
+        let (generation, generation_source) = super::read_generation(dir, &config_path, || {
             let values: BTreeMap<String, Value> = family
                 .text
                 .rest
                 .iter()
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect();
-            (
-                HfGeneration::from_values(values).map_err(in_file(&config_path))?,
-                config_path.clone(),
-            )
-        };
-        let unsupported = generation.unsupported();
-        if !unsupported.is_empty() {
-            tracing::warn!(
-                "{}: generation settings not implemented, ignored: {}",
-                generation_source.display(),
-                unsupported.join(", ")
-            );
-        }
+            HfGeneration::from_values(values)
+        })?;
         let mut gen_cfg = generation
             .to_generation_config()
             .map_err(in_file(&generation_source))?;

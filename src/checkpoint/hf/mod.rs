@@ -89,6 +89,44 @@ pub(crate) fn vit_vision(
     }
 }
 
+/// A checkpoint's generation settings: `generation_config.json`, else
+/// `fallback` (read from `config_path`), and the file they came from;
+/// the settings vl ignores and beam sampling are said once in the log.
+pub(crate) fn read_generation(
+    dir: &Path,
+    config_path: &Path,
+    fallback: impl FnOnce() -> Result<HfGeneration>,
+) -> Result<(HfGeneration, PathBuf)> {
+    let generation_path = dir.join(GENERATION_FILE);
+    let (generation, source) = if generation_path.is_file() {
+        (
+            HfGeneration::from_values(read_json(&generation_path)?)
+                .map_err(in_file(&generation_path))?,
+            generation_path,
+        )
+    } else {
+        (
+            fallback().map_err(in_file(config_path))?,
+            config_path.to_path_buf(),
+        )
+    };
+    let unsupported = generation.unsupported();
+    if !unsupported.is_empty() {
+        tracing::warn!(
+            "{}: generation settings not implemented, ignored: {}",
+            source.display(),
+            unsupported.join(", ")
+        );
+    }
+    if generation.beam_sampling() {
+        tracing::warn!(
+            "{}: do_sample with num_beams > 1 (beam sampling) runs as plain beam search",
+            source.display()
+        );
+    }
+    Ok((generation, source))
+}
+
 /// The generation defaults of newer checkpoints.
 pub const GENERATION_FILE: &str = "generation_config.json";
 /// The image processor's settings.
@@ -213,33 +251,8 @@ impl Family for HfConfig {
         let cfg: HfConfig = from_value(config, &config_path)?;
         cfg.validate().map_err(in_file(&config_path))?;
 
-        let generation_path = dir.join(GENERATION_FILE);
-        let (generation, generation_source) = if generation_path.is_file() {
-            (
-                HfGeneration::from_values(read_json(&generation_path)?)
-                    .map_err(in_file(&generation_path))?,
-                generation_path,
-            )
-        } else {
-            (
-                HfGeneration::from_model_config(&cfg).map_err(in_file(&config_path))?,
-                config_path.clone(),
-            )
-        };
-        let unsupported = generation.unsupported();
-        if !unsupported.is_empty() {
-            tracing::warn!(
-                "{}: generation settings not implemented, ignored: {}",
-                generation_source.display(),
-                unsupported.join(", ")
-            );
-        }
-        if generation.beam_sampling() {
-            tracing::warn!(
-                "{}: do_sample with num_beams > 1 (beam sampling) runs as plain beam search",
-                generation_source.display()
-            );
-        }
+        let (generation, generation_source) =
+            read_generation(dir, &config_path, || HfGeneration::from_model_config(&cfg))?;
         let mut gen_cfg = generation
             .to_generation_config()
             .map_err(in_file(&generation_source))?;
