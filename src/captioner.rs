@@ -43,6 +43,21 @@ pub struct Caption {
     pub task: Option<TaskOutput>,
 }
 
+impl Caption {
+    /// The caption as `vl caption --json` writes it (without the `image`
+    /// key): `caption`, `token_ids`, and with `task` (the request's) its
+    /// parsed output under the task's token, in the processor's own keys
+    /// (e.g. `{"<OD>": {"bboxes": [...], "labels": [...]}}`).
+    pub fn to_json(&self, task: Option<Task>) -> serde_json::Value {
+        let mut line = serde_json::json!({"caption": self.text, "token_ids": self.token_ids});
+        if let (Some(task), Some(parsed)) = (task, &self.task) {
+            // A `TaskOutput` is plain data: serialising it cannot fail.
+            line[task.token()] = serde_json::to_value(parsed).unwrap_or_default();
+        }
+        line
+    }
+}
+
 /// An image to caption: a file, or an image decoded already.
 #[derive(Debug, Clone, Copy)]
 pub enum ImageInput<'a> {
@@ -51,6 +66,66 @@ pub enum ImageInput<'a> {
     Path(&'a Path),
     /// A decoded image.
     Image(&'a DynamicImage),
+    /// RGB pixels in memory the caller keeps (e.g. a NumPy array's): read
+    /// in place, never copied. `pixels` holds `height` rows of `width`
+    /// RGB triples; another length is that input's error.
+    Rgb8 {
+        /// Its width in pixels.
+        width: u32,
+        /// Its height in pixels.
+        height: u32,
+        /// `width * height * 3` bytes, row by row.
+        pixels: &'a [u8],
+    },
+}
+
+/// An input read for captioning: a decoded image, or borrowed pixels.
+enum Read<'a> {
+    Image(std::borrow::Cow<'a, DynamicImage>),
+    Rgb8(vl_vision::RgbView<'a>),
+}
+
+impl<'a> Read<'a> {
+    fn new(input: &ImageInput<'a>) -> Result<Self> {
+        Ok(match *input {
+            ImageInput::Path(p) => Self::Image(std::borrow::Cow::Owned(load_image(p)?)),
+            ImageInput::Image(img) => Self::Image(std::borrow::Cow::Borrowed(img)),
+            ImageInput::Rgb8 {
+                width,
+                height,
+                pixels,
+            } => {
+                let expected = width as usize * height as usize * 3;
+                if width == 0 || height == 0 || pixels.len() != expected {
+                    return arg_err(
+                        "image",
+                        format!(
+                            "{width}x{height} RGB pixels need {expected} bytes (width * height * 3), got {}",
+                            pixels.len()
+                        ),
+                    );
+                }
+                match vl_vision::RgbView::from_raw(width, height, pixels) {
+                    Some(view) => Self::Rgb8(view),
+                    None => return arg_err("image", "pixels do not fit their size"),
+                }
+            }
+        })
+    }
+
+    fn size(&self) -> (u32, u32) {
+        match self {
+            Self::Image(img) => (img.width(), img.height()),
+            Self::Rgb8(view) => view.dimensions(),
+        }
+    }
+
+    fn image(&self) -> Option<&DynamicImage> {
+        match self {
+            Self::Image(img) => Some(img),
+            Self::Rgb8(_) => None,
+        }
+    }
 }
 
 impl<'a> From<&'a Path> for ImageInput<'a> {
@@ -112,7 +187,8 @@ enum Prompted {
 pub struct Captioned<'a> {
     /// The input's position in the inputs given.
     pub index: usize,
-    /// The decoded image, when it could be read.
+    /// The decoded image, when it could be read (`None` as well for
+    /// [`ImageInput::Rgb8`]: the caller has those pixels).
     pub image: Option<&'a DynamicImage>,
     /// The caption, or why this input has none.
     pub caption: Result<Caption>,
@@ -196,12 +272,7 @@ impl Captioner {
         inputs: &[ImageInput<'a>],
         request: &Request,
     ) -> Result<Vec<Result<Caption>>> {
-        let mut out = Vec::with_capacity(inputs.len());
-        self.caption_each(inputs, request, |c| {
-            out.push(c.caption);
-            Ok(())
-        })?;
-        Ok(out)
+        self.caption_batched(inputs, request, self.batch_size)
     }
 
     /// Captions `inputs` in batches, handing each input's outcome to
@@ -219,6 +290,38 @@ impl Captioner {
         &self,
         inputs: &[ImageInput<'a>],
         request: &Request,
+        on_result: F,
+    ) -> Result<()>
+    where
+        F: FnMut(Captioned<'_>) -> Result<()>,
+    {
+        self.caption_each_in(inputs, request, self.batch_size, on_result)
+    }
+
+    /// [`Captioner::caption`], `batch_size` images at a time instead of
+    /// the captioner's own batch size (e.g. one per call of a binding).
+    ///
+    /// # Errors
+    /// As [`Captioner::caption_each`].
+    pub fn caption_batched<'a>(
+        &self,
+        inputs: &[ImageInput<'a>],
+        request: &Request,
+        batch_size: NonZeroUsize,
+    ) -> Result<Vec<Result<Caption>>> {
+        let mut out = Vec::with_capacity(inputs.len());
+        self.caption_each_in(inputs, request, batch_size, |c| {
+            out.push(c.caption);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    fn caption_each_in<'a, F>(
+        &self,
+        inputs: &[ImageInput<'a>],
+        request: &Request,
+        batch_size: NonZeroUsize,
         mut on_result: F,
     ) -> Result<()>
     where
@@ -227,26 +330,24 @@ impl Captioner {
         let vision = self.model.vision()?;
         let prompted = self.prompted(request)?;
         let gen = &request.generation;
-        for (chunk_index, chunk) in inputs.chunks(self.batch_size.get()).enumerate() {
-            let first = chunk_index * self.batch_size.get();
-            // Decoded images (owned when read here), then the encoder's
-            // input of each one that preprocessed.
-            let mut read: Vec<Result<std::borrow::Cow<'a, DynamicImage>>> = chunk
-                .iter()
-                .map(|input| match input {
-                    ImageInput::Path(p) => Ok(std::borrow::Cow::Owned(load_image(p)?)),
-                    ImageInput::Image(img) => Ok(std::borrow::Cow::Borrowed(*img)),
-                })
-                .collect();
+        for (chunk_index, chunk) in inputs.chunks(batch_size.get()).enumerate() {
+            let first = chunk_index * batch_size.get();
+            // Decoded images (owned when read here) or borrowed pixels,
+            // then the encoder's input of each one that preprocessed.
+            let mut read: Vec<Result<Read<'a>>> = chunk.iter().map(Read::new).collect();
             let mut pixels = Vec::with_capacity(chunk.len());
             let mut sizes = Vec::with_capacity(chunk.len());
             let mut batch = Vec::with_capacity(chunk.len());
             for (i, img) in read.iter_mut().enumerate() {
                 let Ok(image) = img else { continue };
-                match vision.pixels(image) {
+                let preprocessed = match image {
+                    Read::Image(image) => vision.pixels(image),
+                    Read::Rgb8(view) => vision.pixels_rgb(view),
+                };
+                match preprocessed {
                     Ok(p) => {
                         pixels.push(p);
-                        sizes.push((image.width(), image.height()));
+                        sizes.push(image.size());
                         batch.push(i);
                     }
                     Err(e) => *img = Err(e.into()),
@@ -293,7 +394,7 @@ impl Captioner {
                 };
                 on_result(Captioned {
                     index: first + i,
-                    image: image.as_deref(),
+                    image: image.as_ref().and_then(Read::image),
                     caption,
                 })?;
             }

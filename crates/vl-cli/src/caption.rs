@@ -181,11 +181,8 @@ struct Output {
 
 impl Output {
     fn ok(&mut self, path: &Path, c: &Caption) -> anyhow::Result<()> {
-        let mut line = serde_json::json!({"image": path.display().to_string(), "caption": c.text, "token_ids": c.token_ids});
-        // A task's output under the processor's key, as it returns it.
-        if let (Some(task), Some(parsed)) = (self.task, &c.task) {
-            line[task.token()] = serde_json::to_value(parsed)?;
-        }
+        let mut line = c.to_json(self.task);
+        line["image"] = path.display().to_string().into();
         let shown = match &c.task {
             Some(
                 parsed @ (TaskOutput::Boxes { .. }

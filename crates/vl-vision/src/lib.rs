@@ -35,5 +35,5 @@ pub use encoder::{VisionConfig, VisionEncoder};
 pub use error::{Result, VisionError};
 pub use mock_vit::{MockVit, MockVitConfig};
 pub use pipeline::VisionPipeline;
-pub use preprocess::{PixelSpec, Resample};
+pub use preprocess::{PixelSpec, Resample, RgbView};
 pub use vit::{Vit, VitBlock, VitConfig};

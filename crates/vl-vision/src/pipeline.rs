@@ -19,7 +19,7 @@ use vl_attn::{Quantizer, Resampler};
 
 use crate::encoder::VisionEncoder;
 use crate::error::{arg_err, Result};
-use crate::preprocess::{preprocess, PixelSpec};
+use crate::preprocess::{preprocess, preprocess_rgb, PixelSpec, RgbView};
 
 /// A model's vision side: what it expects of its pixels, its encoder, and
 /// the resampler (if any) that turns the encoder's tokens into the
@@ -98,6 +98,17 @@ impl VisionPipeline {
     /// resize), named.
     pub fn pixels(&self, image: &DynamicImage) -> Result<Tensor> {
         preprocess(image, &self.spec, &self.device)
+    }
+
+    /// [`VisionPipeline::pixels`] of borrowed RGB pixels, read in place.
+    ///
+    /// # Shapes
+    /// Returns `(3, size, size)` f32 on the encoder's device.
+    ///
+    /// # Errors
+    /// As [`VisionPipeline::pixels`].
+    pub fn pixels_rgb(&self, image: &RgbView<'_>) -> Result<Tensor> {
+        preprocess_rgb(image, &self.spec, &self.device)
     }
 
     /// Image tokens of the images whose [`VisionPipeline::pixels`] these are

@@ -1,11 +1,12 @@
 //! Images in, normalised pixel tensors out: any common format, mode (gray,
 //! RGBA, 16-bit) and size is converted to the model's RGB input.
 
+use std::ops::Deref;
 use std::path::Path;
 
 use candle_core::{Device, Tensor};
 use image::imageops::FilterType;
-use image::{DynamicImage, ImageReader, Limits};
+use image::{DynamicImage, ImageBuffer, ImageReader, Limits, Rgb, RgbImage};
 
 use crate::error::{arg_err, Result, VisionError};
 
@@ -91,13 +92,27 @@ impl PixelSpec {
     /// # Errors
     /// [`VisionError::Argument`] naming `image` when the image has another
     /// size and the spec does not resize.
-    pub fn resized(&self, img: &DynamicImage) -> Result<image::RgbImage> {
-        let s = self.image_size as u32;
+    pub fn resized(&self, img: &DynamicImage) -> Result<RgbImage> {
         let rgb = img.to_rgb8();
+        Ok(self.resize_rgb(&rgb)?.unwrap_or(rgb))
+    }
+
+    /// `rgb` resized to the encoder's input size, `None` when it has that
+    /// size already (nothing to copy).
+    fn resize_rgb<C>(&self, rgb: &ImageBuffer<Rgb<u8>, C>) -> Result<Option<RgbImage>>
+    where
+        C: Deref<Target = [u8]>,
+    {
+        let s = self.image_size as u32;
         if rgb.dimensions() == (s, s) {
-            Ok(rgb)
+            Ok(None)
         } else if self.resize {
-            Ok(image::imageops::resize(&rgb, s, s, self.resample.filter()))
+            Ok(Some(image::imageops::resize(
+                rgb,
+                s,
+                s,
+                self.resample.filter(),
+            )))
         } else {
             arg_err(
                 "image",
@@ -110,6 +125,10 @@ impl PixelSpec {
         }
     }
 }
+
+/// RGB pixels borrowed from elsewhere (another library's array, a frame
+/// buffer): `height` rows of `width` RGB triples, read in place.
+pub type RgbView<'a> = ImageBuffer<Rgb<u8>, &'a [u8]>;
 
 /// The largest width or height accepted, in pixels; a larger header is
 /// refused before any pixel is decoded.
@@ -215,10 +234,38 @@ pub fn decode_image(bytes: &[u8], name: &Path) -> Result<DynamicImage> {
 /// # Shapes
 /// Returns `(3, image_size, image_size)` f32.
 pub fn preprocess(img: &DynamicImage, cfg: &PixelSpec, device: &Device) -> Result<Tensor> {
-    let rgb = cfg.resized(img)?;
+    match img {
+        // Read in place; other modes are converted first.
+        DynamicImage::ImageRgb8(rgb) => preprocess_rgb(rgb, cfg, device),
+        other => preprocess_rgb(&other.to_rgb8(), cfg, device),
+    }
+}
+
+/// [`preprocess`] of RGB pixels in any container (an owned image, an
+/// [`RgbView`] of borrowed memory): read in place when they have the
+/// model's size already, else resized into a new buffer.
+///
+/// # Shapes
+/// Returns `(3, image_size, image_size)` f32.
+///
+/// # Errors
+/// As [`PixelSpec::resized`].
+pub fn preprocess_rgb<C>(
+    rgb: &ImageBuffer<Rgb<u8>, C>,
+    cfg: &PixelSpec,
+    device: &Device,
+) -> Result<Tensor>
+where
+    C: Deref<Target = [u8]>,
+{
+    let resized = cfg.resize_rgb(rgb)?;
+    let raw: &[u8] = match &resized {
+        Some(r) => r.as_raw(),
+        None => &rgb.as_raw()[..3 * rgb.width() as usize * rgb.height() as usize],
+    };
     let n = cfg.image_size * cfg.image_size;
     let mut data = vec![0f32; 3 * n];
-    for (i, px) in rgb.pixels().enumerate() {
+    for (i, px) in raw.chunks_exact(3).enumerate() {
         for c in 0..3 {
             data[c * n + i] = (px[c] as f32 * cfg.rescale_factor - cfg.mean[c]) / cfg.std[c];
         }
