@@ -440,7 +440,9 @@ impl NativeModel {
             decoded.push(image);
             early.push(err);
             gathered.push(match item {
-                Input::Array(a) if a.as_slice().is_err() => {
+                // Fortran-ordered arrays are contiguous too, but not in
+                // rows: gathered in row order like any strided one.
+                Input::Array(a) if !a.is_c_contiguous() => {
                     Some(a.as_array().iter().copied().collect())
                 }
                 _ => None,
@@ -456,6 +458,7 @@ impl NativeModel {
                     let shape = a.shape();
                     let pixels = match owned {
                         Some(v) => v.as_slice(),
+                        // C-contiguous (checked above): rows in place.
                         None => a.as_slice().unwrap_or_default(),
                     };
                     Some(ImageInput::Rgb8 {
