@@ -1,5 +1,5 @@
 //! `vl._vl`: the native half of the `vl` Python package. It loads a model
-//! ([`load`]) and captions Python inputs with vl's [`Captioner`]: paths,
+//! (`load`) and captions Python inputs with vl's [`Captioner`]: paths,
 //! `bytes`, PIL images and NumPy `uint8` arrays `(H, W, 3)` (read in place
 //! when C-contiguous), the GIL released while vl computes. The package's
 //! Python half (`vl/__init__.py`) adds the documented `Model`, the
