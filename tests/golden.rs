@@ -66,3 +66,58 @@ fn captions_the_samples(model: &str) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Borrowed RGB pixels (`ImageInput::Rgb8`, what the Python package
+/// passes for a NumPy array) are captioned as the decoded image is, at the
+/// model's size (read in place) and at another (resized); a buffer of the
+/// wrong length is that input's own error, the others still captioned.
+#[test]
+fn borrowed_pixels_caption_as_the_image() -> anyhow::Result<()> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let captioner = Captioner::load(&root.join(MODEL), &LoadOptions::default())?;
+    let side = captioner.model().vision()?.spec().image_size as u32;
+    let request = Request::new(captioner.greedy_config(15));
+    for file in ["scene_0001.png", "scene_0002.png"] {
+        let img = load_image(&root.join(MODEL).join("samples").join(file))?;
+        let rgb = img.to_rgb8();
+        // The sample (at the model's size) and a 3x upscale of it.
+        let big = image::imageops::resize(&rgb, side * 3, side * 2, image::imageops::Nearest);
+        let big_img = image::DynamicImage::ImageRgb8(big.clone());
+        let short = &rgb.as_raw()[..rgb.as_raw().len() - 3];
+        let inputs = [
+            ImageInput::Image(&img),
+            ImageInput::Rgb8 {
+                width: rgb.width(),
+                height: rgb.height(),
+                pixels: rgb.as_raw(),
+            },
+            ImageInput::Image(&big_img),
+            ImageInput::Rgb8 {
+                width: big.width(),
+                height: big.height(),
+                pixels: big.as_raw(),
+            },
+            ImageInput::Rgb8 {
+                width: rgb.width(),
+                height: rgb.height(),
+                pixels: short,
+            },
+        ];
+        assert_eq!(rgb.dimensions(), (side, side), "{file}: a sample at the model's size");
+        let got = captioner.caption(&inputs, &request)?;
+        let text = |i: usize| -> String {
+            match &got[i] {
+                Ok(c) => c.text.clone(),
+                Err(e) => panic!("{file}: input {i}: {e}"),
+            }
+        };
+        assert_eq!(text(1), text(0), "{file}: in place");
+        assert_eq!(text(3), text(2), "{file}: resized");
+        let err = got[4].as_ref().expect_err("a short buffer").to_string();
+        assert!(
+            err.contains(&format!("need {} bytes", rgb.as_raw().len())),
+            "{err}"
+        );
+    }
+    Ok(())
+}
