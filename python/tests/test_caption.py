@@ -287,3 +287,25 @@ def test_florence2_tasks_match_the_cli():
         assert py == cli, task
     od = model.caption(Image.open(image), task="<OD>")[0]
     assert set(od["<OD>"]) == {"bboxes", "labels"}
+
+
+def test_a_hub_id_loads_from_the_cache(tmp_path, monkeypatch, samples):
+    """`vl.load("org/name")` goes through vl's Hub client: with the Hub
+    unreachable (a closed loopback port) it takes the snapshot the cache
+    holds, as huggingface_hub lays it out; an id it does not hold is named."""
+    snapshot = tmp_path / "hub" / "models--vl-test--shapes" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):
+        (snapshot / f).write_bytes((SHAPES / f).read_bytes())
+    refs = snapshot.parent.parent / "refs"
+    refs.mkdir()
+    (refs / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    model = vl.load("vl-test/shapes")
+    assert model.name == "vl-test/shapes"
+    assert model.caption(str(samples[0])) == vl.load(SHAPES).caption(str(samples[0]))
+    with pytest.raises(vl.ModelError, match="vl-test/absent.*not in the cache"):
+        vl.load("vl-test/absent")
+    with pytest.raises(vl.ArgumentError, match="revision"):
+        vl.load(SHAPES, revision="main")
