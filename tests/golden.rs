@@ -103,7 +103,11 @@ fn borrowed_pixels_caption_as_the_image() -> anyhow::Result<()> {
                 pixels: short,
             },
         ];
-        assert_eq!(rgb.dimensions(), (side, side), "{file}: a sample at the model's size");
+        assert_eq!(
+            rgb.dimensions(),
+            (side, side),
+            "{file}: a sample at the model's size"
+        );
         let got = captioner.caption(&inputs, &request)?;
         let text = |i: usize| -> String {
             match &got[i] {
