@@ -28,6 +28,7 @@ pub mod error;
 pub mod mock_vit;
 pub mod pipeline;
 pub mod preprocess;
+pub mod swin;
 pub mod vit;
 
 pub use davit::{Davit, DavitConfig, Florence2Projector, Florence2Vision};

@@ -1,0 +1,725 @@
+//! Swin, the vision encoder of Donut and Nougat (transformers'
+//! `DonutSwinModel`: no final LayerNorm, no absolute position embeddings).
+//!
+//! A convolutional patch embedding (the pixels zero-padded right and bottom
+//! to whole patches) with its LayerNorm, then stages of blocks; between
+//! stages a patch merging (2×2 neighbours concatenated, normalised and
+//! reduced to twice the width, the map zero-padded to even sides first).
+//! Each block:
+//!
+//! - `x += attn(norm1(x))`: multi-head self-attention inside non-overlapping
+//!   `window²` windows, the normalised map zero-padded right and bottom to
+//!   whole windows (the padding taking part as keys, as transformers does),
+//!   each head's scores plus its relative position bias (a learned table of
+//!   `(2·window − 1)²` entries indexed by the query–key offset); every other
+//!   block first rolls the map by `window / 2` up and left (shifted
+//!   windows), adds −100 (not −∞, as transformers) between tokens from
+//!   different regions of the rolled map, and rolls the output back;
+//! - `x += mlp(norm2(x))`.
+//!
+//! Where a stage's map is no larger than the window, its blocks take the
+//! whole map as one window and do not shift. The map is held channels-last
+//! `(batch, height, width, channels)` throughout; the output is the last
+//! stage's tokens, row by row.
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{Conv2d, Conv2dConfig, Linear, VarBuilder};
+use serde::{Deserialize, Serialize};
+use vl_attn::{Activation, FeedForward, LayerNorm, Proj, Quantizer};
+
+use crate::error::{config_err, Result};
+
+/// transformers' `DonutSwinConfig.layer_norm_eps` default.
+pub const SWIN_LAYER_NORM_EPS: f64 = 1e-5;
+
+fn default_three() -> usize {
+    3
+}
+fn default_four() -> usize {
+    4
+}
+fn default_mlp_ratio() -> f64 {
+    4.0
+}
+fn default_true() -> bool {
+    true
+}
+fn default_eps() -> f64 {
+    SWIN_LAYER_NORM_EPS
+}
+
+/// An image size as transformers' configs give it: one side, or
+/// `[height, width]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ImageSize {
+    /// A square.
+    Square(usize),
+    /// `[height, width]`.
+    HeightWidth([usize; 2]),
+}
+
+impl ImageSize {
+    /// `(height, width)`.
+    pub fn height_width(self) -> (usize, usize) {
+        match self {
+            Self::Square(s) => (s, s),
+            Self::HeightWidth([h, w]) => (h, w),
+        }
+    }
+}
+
+/// Swin's sizes (transformers' `DonutSwinConfig`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SwinConfig {
+    /// Input size, in pixels.
+    pub image_size: ImageSize,
+    /// Patch side, in pixels (default 4).
+    #[serde(default = "default_four")]
+    pub patch_size: usize,
+    /// Input channels (default 3).
+    #[serde(default = "default_three")]
+    pub num_channels: usize,
+    /// The first stage's width; each stage doubles it.
+    pub embed_dim: usize,
+    /// Blocks per stage.
+    pub depths: Vec<usize>,
+    /// Attention heads per stage.
+    pub num_heads: Vec<usize>,
+    /// Window side, in tokens.
+    pub window_size: usize,
+    /// The MLP's width over the channels (default 4).
+    #[serde(default = "default_mlp_ratio")]
+    pub mlp_ratio: f64,
+    /// Whether the query, key and value projections have biases (default
+    /// true).
+    #[serde(default = "default_true")]
+    pub qkv_bias: bool,
+    /// The MLP's activation (default `gelu`, the erf form).
+    #[serde(default)]
+    pub hidden_act: Activation,
+    /// The LayerNorms' epsilon (default 1e-5).
+    #[serde(default = "default_eps")]
+    pub layer_norm_eps: f64,
+    /// Absolute position embeddings; vl takes only `false` (Donut's and
+    /// Nougat's).
+    #[serde(default)]
+    pub use_absolute_embeddings: bool,
+}
+
+impl SwinConfig {
+    /// Stages.
+    pub fn num_stages(&self) -> usize {
+        self.depths.len()
+    }
+
+    /// Stage `s`'s width: `embed_dim · 2ˢ`.
+    pub fn stage_dim(&self, s: usize) -> usize {
+        self.embed_dim << s
+    }
+
+    /// Width of the output tokens (the last stage's).
+    pub fn hidden_size(&self) -> usize {
+        self.stage_dim(self.num_stages().saturating_sub(1))
+    }
+
+    /// Each stage's map `(height, width)` in tokens, for an input of
+    /// `height × width` pixels.
+    pub fn stage_sides(&self, height: usize, width: usize) -> Vec<(usize, usize)> {
+        let p = self.patch_size.max(1);
+        let (mut h, mut w) = (height.div_ceil(p), width.div_ceil(p));
+        (0..self.num_stages())
+            .map(|s| {
+                if s > 0 {
+                    (h, w) = (h.div_ceil(2), w.div_ceil(2));
+                }
+                (h, w)
+            })
+            .collect()
+    }
+
+    /// Output tokens per image at the configured size.
+    pub fn num_tokens(&self) -> usize {
+        let (h, w) = self.image_size.height_width();
+        self.stage_sides(h, w).last().map_or(0, |(h, w)| h * w)
+    }
+
+    /// The MLP's hidden width in stage `s` (`int(dim · mlp_ratio)`).
+    pub fn mlp_width(&self, s: usize) -> usize {
+        (self.stage_dim(s) as f64 * self.mlp_ratio) as usize
+    }
+
+    /// Rejects impossible sizes, naming the field.
+    pub fn validate(&self) -> Result<()> {
+        let n = self.num_stages();
+        if n == 0 {
+            return config_err("depths", "no stage");
+        }
+        if self.num_heads.len() != n {
+            return config_err(
+                "num_heads",
+                format!(
+                    "has {} entries, depths has {n} stages",
+                    self.num_heads.len()
+                ),
+            );
+        }
+        if self.use_absolute_embeddings {
+            return config_err(
+                "use_absolute_embeddings",
+                "true is not supported (Donut's and Nougat's encoders have none)",
+            );
+        }
+        if self.num_channels != 3 {
+            return config_err(
+                "num_channels",
+                format!("images have 3 channels, got {}", self.num_channels),
+            );
+        }
+        if self.patch_size == 0 || self.window_size == 0 || self.embed_dim == 0 {
+            return config_err(
+                "patch_size",
+                format!(
+                    "patch_size {}, window_size {} and embed_dim {} must be at least 1",
+                    self.patch_size, self.window_size, self.embed_dim
+                ),
+            );
+        }
+        if !(self.mlp_ratio > 0.0 && self.mlp_ratio.is_finite()) {
+            return config_err("mlp_ratio", format!("{} is not positive", self.mlp_ratio));
+        }
+        let (h, w) = self.image_size.height_width();
+        if h == 0 || w == 0 || h > crate::preprocess::MAX_IMAGE_SIDE as usize {
+            return config_err("image_size", format!("{h}x{w}"));
+        }
+        for (s, (sh, sw)) in self.stage_sides(h, w).into_iter().enumerate() {
+            let (dim, heads) = (self.stage_dim(s), self.num_heads[s]);
+            if heads == 0 || !dim.is_multiple_of(heads) {
+                return config_err(
+                    "num_heads",
+                    format!("stage {s}: {heads} heads do not divide its width {dim}"),
+                );
+            }
+            // A map smaller than the window: transformers' layer takes the
+            // map as its window, but its bias table keeps the configured
+            // window's size and the shapes no longer match.
+            if sh.min(sw) < self.window_size {
+                return config_err(
+                    "window_size",
+                    format!(
+                        "stage {s}'s map is {sh}x{sw} tokens, smaller than the {} window \
+                         (transformers cannot run such a model either)",
+                        self.window_size
+                    ),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+fn linear(vb: VarBuilder, inp: usize, out: usize, bias: bool) -> Result<Proj> {
+    let weight = vb.get((out, inp), "weight")?;
+    let bias = if bias {
+        Some(vb.get(out, "bias")?)
+    } else {
+        None
+    };
+    Ok(Proj::from(Linear::new(weight, bias)))
+}
+
+fn norm(vb: VarBuilder, width: usize, eps: f64) -> Result<LayerNorm> {
+    Ok(LayerNorm::new(
+        vb.get(width, "weight")?,
+        vb.get(width, "bias")?,
+        eps,
+    ))
+}
+
+/// `x` rolled by `shift` along `dim` (torch.roll: element `i` moves to
+/// `i + shift`, wrapping).
+fn roll(x: &Tensor, shift: isize, dim: usize) -> Result<Tensor> {
+    let n = x.dim(dim)? as isize;
+    let s = shift.rem_euclid(n) as usize;
+    if s == 0 {
+        return Ok(x.clone());
+    }
+    let n = n as usize;
+    Ok(Tensor::cat(
+        &[x.narrow(dim, n - s, s)?, x.narrow(dim, 0, n - s)?],
+        dim,
+    )?)
+}
+
+/// The relative position index of a `window²` window: for query `i` and
+/// key `j`, the table row of their offset.
+fn relative_position_index(window: usize) -> Vec<u32> {
+    let t = window * window;
+    let mut index = Vec::with_capacity(t * t);
+    for i in 0..t {
+        let (yi, xi) = ((i / window) as isize, (i % window) as isize);
+        for j in 0..t {
+            let (yj, xj) = ((j / window) as isize, (j % window) as isize);
+            let dy = (yi - yj + window as isize - 1) as usize;
+            let dx = (xi - xj + window as isize - 1) as usize;
+            index.push((dy * (2 * window - 1) + dx) as u32);
+        }
+    }
+    index
+}
+
+/// The shifted windows' additive mask for a padded `hp × wp` map:
+/// `(windows, window², window²)`, 0 within a region of the rolled map and
+/// −100 across regions.
+fn shift_mask(
+    hp: usize,
+    wp: usize,
+    window: usize,
+    shift: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let region =
+        |i: usize, n: usize| -> u8 { u8::from(i >= n - window) + u8::from(i >= n - shift) };
+    let (nh, nw) = (hp / window, wp / window);
+    let t = window * window;
+    let mut mask = Vec::with_capacity(nh * nw * t * t);
+    for wy in 0..nh {
+        for wx in 0..nw {
+            let ids: Vec<u8> = (0..t)
+                .map(|k| {
+                    let (y, x) = (wy * window + k / window, wx * window + k % window);
+                    region(y, hp) * 3 + region(x, wp)
+                })
+                .collect();
+            for a in &ids {
+                for b in &ids {
+                    mask.push(if a == b { 0f32 } else { -100f32 });
+                }
+            }
+        }
+    }
+    Ok(Tensor::from_vec(mask, (nh * nw, t, t), device)?.to_dtype(dtype)?)
+}
+
+/// One Swin block.
+#[derive(Debug, Clone)]
+struct Block {
+    norm1: LayerNorm,
+    query: Proj,
+    key: Proj,
+    value: Proj,
+    out: Proj,
+    norm2: LayerNorm,
+    ffn: FeedForward,
+    heads: usize,
+    window: usize,
+    /// 0, or `window / 2` in odd blocks.
+    shift: usize,
+    /// `(heads, window², window²)`: each head's bias over query × key.
+    bias: Tensor,
+}
+
+impl Block {
+    fn load(vb: VarBuilder, cfg: &SwinConfig, s: usize, i: usize) -> Result<Self> {
+        let dim = cfg.stage_dim(s);
+        let heads = cfg.num_heads[s];
+        let window = cfg.window_size;
+        let a = vb.pp("attention");
+        let sa = a.pp("self");
+        let table = sa.get(
+            ((2 * window - 1) * (2 * window - 1), heads),
+            "relative_position_bias_table",
+        )?;
+        let t = window * window;
+        let index = Tensor::from_vec(relative_position_index(window), t * t, vb.device())?;
+        // (t·t, heads) -> (heads, t, t)
+        let bias = table
+            .index_select(&index, 0)?
+            .reshape((t, t, heads))?
+            .permute((2, 0, 1))?
+            .contiguous()?;
+        let hidden = cfg.mlp_width(s);
+        let eps = cfg.layer_norm_eps;
+        Ok(Self {
+            norm1: norm(vb.pp("layernorm_before"), dim, eps)?,
+            query: linear(sa.pp("query"), dim, dim, cfg.qkv_bias)?,
+            key: linear(sa.pp("key"), dim, dim, cfg.qkv_bias)?,
+            value: linear(sa.pp("value"), dim, dim, cfg.qkv_bias)?,
+            out: linear(a.pp("output").pp("dense"), dim, dim, true)?,
+            norm2: norm(vb.pp("layernorm_after"), dim, eps)?,
+            ffn: FeedForward::from_parts(
+                linear(vb.pp("intermediate").pp("dense"), dim, hidden, true)?,
+                linear(vb.pp("output").pp("dense"), hidden, dim, true)?,
+                cfg.hidden_act,
+            ),
+            heads,
+            window,
+            shift: if i % 2 == 1 { window / 2 } else { 0 },
+            bias,
+        })
+    }
+
+    /// `x: (b, h, w, c)` → the same shape.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, h, w, c) = x.dims4()?;
+        // A map no larger than the window is one window, unshifted
+        // (validate keeps it from being smaller).
+        let (ws, shift) = if h.min(w) <= self.window {
+            (h.min(w), 0)
+        } else {
+            (self.window, self.shift)
+        };
+        let normed = self.norm1.forward(x)?;
+        let (ph, pw) = ((ws - h % ws) % ws, (ws - w % ws) % ws);
+        let padded = if ph + pw > 0 {
+            normed.pad_with_zeros(1, 0, ph)?.pad_with_zeros(2, 0, pw)?
+        } else {
+            normed
+        };
+        let (hp, wp) = (h + ph, w + pw);
+        let shifted = if shift > 0 {
+            roll(&roll(&padded, -(shift as isize), 1)?, -(shift as isize), 2)?
+        } else {
+            padded
+        };
+        let (nh, nw) = (hp / ws, wp / ws);
+        let t = ws * ws;
+        let n = b * nh * nw;
+        // (b, nh, ws, nw, ws, c) -> (b · nh · nw, ws², c)
+        let windows = shifted
+            .reshape((b, nh, ws, nw, ws, c))?
+            .permute((0, 1, 3, 2, 4, 5))?
+            .contiguous()?
+            .reshape((n, t, c))?;
+        let hd = c / self.heads;
+        let split = |p: &Proj| -> Result<Tensor> {
+            Ok(p.forward(&windows)?
+                .reshape((n, t, self.heads, hd))?
+                .transpose(1, 2)?
+                .contiguous()?)
+        };
+        let (q, k, v) = (split(&self.query)?, split(&self.key)?, split(&self.value)?);
+        let scale = 1.0 / (hd as f64).sqrt();
+        // (n, heads, t, t)
+        let mut scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(&self.bias)?;
+        if shift > 0 {
+            let mask = shift_mask(hp, wp, ws, shift, scores.dtype(), scores.device())?;
+            scores = scores
+                .reshape((b, nh * nw, self.heads, t, t))?
+                .broadcast_add(&mask.unsqueeze(1)?)?
+                .reshape((n, self.heads, t, t))?;
+        }
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        // (n, heads, t, hd) -> (n, t, c)
+        let ctx = probs
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((n, t, c))?;
+        let out = self.out.forward(&ctx)?;
+        let map = out
+            .reshape((b, nh, nw, ws, ws, c))?
+            .permute((0, 1, 3, 2, 4, 5))?
+            .contiguous()?
+            .reshape((b, hp, wp, c))?;
+        let map = if shift > 0 {
+            roll(&roll(&map, shift as isize, 1)?, shift as isize, 2)?
+        } else {
+            map
+        };
+        let map = if ph + pw > 0 {
+            map.narrow(1, 0, h)?.narrow(2, 0, w)?
+        } else {
+            map
+        };
+        let x = (x + map)?;
+        let x = (&x + self.ffn.forward(&self.norm2.forward(&x)?)?)?;
+        Ok(x)
+    }
+
+    fn quantize(&self, q: &Quantizer, prefix: &str) -> Result<Self> {
+        let qa = q.within(&format!("{prefix}.attention.self"));
+        let (fc1, fc2) = self.ffn.parts();
+        Ok(Self {
+            query: qa.proj("query", &self.query)?,
+            key: qa.proj("key", &self.key)?,
+            value: qa.proj("value", &self.value)?,
+            out: q
+                .within(&format!("{prefix}.attention.output"))
+                .proj("dense", &self.out)?,
+            ffn: FeedForward::from_parts(
+                q.within(&format!("{prefix}.intermediate"))
+                    .proj("dense", fc1)?,
+                q.within(&format!("{prefix}.output")).proj("dense", fc2)?,
+                self.ffn.activation(),
+            ),
+            ..self.clone()
+        })
+    }
+}
+
+/// Patch merging between stages: `(b, h, w, c)` → `(b, ⌈h/2⌉, ⌈w/2⌉, 2c)`.
+#[derive(Debug, Clone)]
+struct Merge {
+    norm: LayerNorm,
+    reduction: Proj,
+}
+
+impl Merge {
+    fn load(vb: VarBuilder, dim: usize, eps: f64) -> Result<Self> {
+        Ok(Self {
+            norm: norm(vb.pp("norm"), 4 * dim, eps)?,
+            reduction: linear(vb.pp("reduction"), 4 * dim, 2 * dim, false)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, h, w, c) = x.dims4()?;
+        let x = x.pad_with_zeros(1, 0, h % 2)?.pad_with_zeros(2, 0, w % 2)?;
+        let (h2, w2) = (h.div_ceil(2), w.div_ceil(2));
+        let grid = x.reshape((b, h2, 2, w2, 2, c))?;
+        // transformers' order: for col in 0..2, for row in 0..2.
+        let mut parts = Vec::with_capacity(4);
+        for col in 0..2 {
+            for row in 0..2 {
+                parts.push(
+                    grid.narrow(2, row, 1)?
+                        .narrow(4, col, 1)?
+                        .reshape((b, h2, w2, c))?,
+                );
+            }
+        }
+        let x = Tensor::cat(&parts, 3)?;
+        Ok(self.reduction.forward(&self.norm.forward(&x)?)?)
+    }
+}
+
+/// Swin (transformers' `DonutSwinModel` without its pooler).
+#[derive(Debug, Clone)]
+pub struct Swin {
+    patch: Conv2d,
+    embed_norm: LayerNorm,
+    stages: Vec<(Vec<Block>, Option<Merge>)>,
+    cfg: SwinConfig,
+    /// The activations' dtype.
+    dtype: DType,
+}
+
+impl Swin {
+    /// Loads the encoder's tensors under `vb` (`embeddings.…`,
+    /// `encoder.layers.{s}.blocks.{i}.…`, `encoder.layers.{s}.downsample.…`).
+    ///
+    /// # Errors
+    /// [`crate::VisionError::Config`] for an impossible config; a missing
+    /// tensor or one of another shape, named.
+    pub fn load(vb: VarBuilder, cfg: &SwinConfig) -> Result<Self> {
+        cfg.validate()?;
+        let e = vb.pp("embeddings");
+        let p = e.pp("patch_embeddings").pp("projection");
+        let k = cfg.patch_size;
+        // On the CPU candle convolves in f32 only; one convolution per image.
+        let conv_dtype = if vb.device().is_cpu() {
+            DType::F32
+        } else {
+            vb.dtype()
+        };
+        let patch = Conv2d::new(
+            p.get((cfg.embed_dim, cfg.num_channels, k, k), "weight")?
+                .to_dtype(conv_dtype)?,
+            Some(p.get(cfg.embed_dim, "bias")?.to_dtype(conv_dtype)?),
+            Conv2dConfig {
+                stride: k,
+                ..Default::default()
+            },
+        );
+        let embed_norm = norm(e.pp("norm"), cfg.embed_dim, cfg.layer_norm_eps)?;
+        let n = cfg.num_stages();
+        let stages = (0..n)
+            .map(|s| {
+                let l = vb.pp("encoder").pp("layers").pp(s);
+                let blocks = (0..cfg.depths[s])
+                    .map(|i| Block::load(l.pp("blocks").pp(i), cfg, s, i))
+                    .collect::<Result<Vec<_>>>()?;
+                let merge = if s + 1 < n {
+                    Some(Merge::load(
+                        l.pp("downsample"),
+                        cfg.stage_dim(s),
+                        cfg.layer_norm_eps,
+                    )?)
+                } else {
+                    None
+                };
+                Ok((blocks, merge))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            patch,
+            embed_norm,
+            stages,
+            cfg: cfg.clone(),
+            dtype: vb.dtype(),
+        })
+    }
+
+    /// Its configuration.
+    pub fn config(&self) -> &SwinConfig {
+        &self.cfg
+    }
+
+    /// The last stage's tokens of normalised pixels (any size; the
+    /// configured one is what the checkpoint was trained at).
+    ///
+    /// # Shapes
+    /// `pixels: (batch, 3, height, width)` → `(batch, tokens,
+    /// hidden_size)`, the tokens row by row of the last map.
+    ///
+    /// # Errors
+    /// [`crate::VisionError::Argument`] naming `pixels` for another
+    /// channel count, or a size whose stages' maps get smaller than the
+    /// window.
+    pub fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
+        let (_, ch, height, width) = pixels.dims4()?;
+        if ch != self.cfg.num_channels {
+            return crate::error::arg_err(
+                "pixels",
+                format!("expected {} channels, got {ch}", self.cfg.num_channels),
+            );
+        }
+        if let Some((s, (h, w))) = self
+            .cfg
+            .stage_sides(height, width)
+            .into_iter()
+            .enumerate()
+            .find(|(_, (h, w))| (*h).min(*w) < self.cfg.window_size)
+        {
+            return crate::error::arg_err(
+                "pixels",
+                format!(
+                    "a {height}x{width} input makes stage {s}'s map {h}x{w} tokens, smaller \
+                     than the {} window",
+                    self.cfg.window_size
+                ),
+            );
+        }
+        let p = self.cfg.patch_size;
+        let x = pixels
+            .to_dtype(self.patch.weight().dtype())?
+            .pad_with_zeros(2, 0, (p - height % p) % p)?
+            .pad_with_zeros(3, 0, (p - width % p) % p)?
+            .contiguous()?;
+        let x = self
+            .patch
+            .forward(&x)?
+            .permute((0, 2, 3, 1))?
+            .to_dtype(self.dtype)?
+            .contiguous()?;
+        let mut x = self.embed_norm.forward(&x)?;
+        for (blocks, merge) in &self.stages {
+            for block in blocks {
+                x = block.forward(&x)?;
+            }
+            if let Some(m) = merge {
+                x = m.forward(&x)?;
+            }
+        }
+        let (b, h, w, c) = x.dims4()?;
+        Ok(x.reshape((b, h * w, c))?)
+    }
+
+    /// The same encoder, its linear layers converted by `q` (tensor names
+    /// as [`Swin::load`] reads them).
+    ///
+    /// # Errors
+    /// A layer the format cannot hold and no fallback can.
+    pub fn quantize(&self, q: &Quantizer) -> Result<Self> {
+        let stages = self
+            .stages
+            .iter()
+            .enumerate()
+            .map(|(s, (blocks, merge))| {
+                let blocks = blocks
+                    .iter()
+                    .enumerate()
+                    .map(|(i, b)| b.quantize(q, &format!("encoder.layers.{s}.blocks.{i}")))
+                    .collect::<Result<Vec<_>>>()?;
+                let merge = match merge {
+                    Some(m) => Some(Merge {
+                        reduction: q
+                            .within(&format!("encoder.layers.{s}.downsample"))
+                            .proj("reduction", &m.reduction)?,
+                        norm: m.norm.clone(),
+                    }),
+                    None => None,
+                };
+                Ok((blocks, merge))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            stages,
+            ..self.clone()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_index_matches_transformers_layout() {
+        // window 2: offsets (dy, dx) in {-1, 0, 1}², rows of 3.
+        let idx = relative_position_index(2);
+        assert_eq!(idx.len(), 16);
+        // query 0 (0,0) vs key 3 (1,1): offset (-1,-1) -> (0,0) -> 0.
+        assert_eq!(idx[3], 0);
+        // query 3 (1,1) vs key 0 (0,0): offset (1,1) -> (2,2) -> 8.
+        assert_eq!(idx[3 * 4], 8);
+        // the diagonal is the zero offset (1,1) -> 4.
+        assert!((0..4).all(|i| idx[i * 4 + i] == 4));
+    }
+
+    #[test]
+    fn roll_wraps_like_torch() -> Result<()> {
+        let x = Tensor::arange(0u32, 5, &Device::Cpu)?;
+        assert_eq!(roll(&x, -2, 0)?.to_vec1::<u32>()?, [2, 3, 4, 0, 1]);
+        assert_eq!(roll(&x, 2, 0)?.to_vec1::<u32>()?, [3, 4, 0, 1, 2]);
+        assert_eq!(roll(&x, 5, 0)?.to_vec1::<u32>()?, [0, 1, 2, 3, 4]);
+        Ok(())
+    }
+
+    #[test]
+    fn shift_mask_separates_regions() -> Result<()> {
+        // A 4x4 map, window 2, shift 1: the last window holds tokens from
+        // four regions, the first from one.
+        let m = shift_mask(4, 4, 2, 1, DType::F32, &Device::Cpu)?.to_vec3::<f32>()?;
+        assert_eq!(m.len(), 4);
+        assert!(m[0].iter().flatten().all(|v| *v == 0.0));
+        let last = &m[3];
+        assert!((0..4).all(|i| last[i][i] == 0.0));
+        assert_eq!(last[0][3], -100.0);
+        Ok(())
+    }
+
+    #[test]
+    fn config_names_a_map_smaller_than_the_window() {
+        let cfg = SwinConfig {
+            image_size: ImageSize::HeightWidth([64, 48]),
+            patch_size: 4,
+            num_channels: 3,
+            embed_dim: 8,
+            depths: vec![2, 2, 2],
+            num_heads: vec![1, 2, 4],
+            window_size: 5,
+            mlp_ratio: 2.0,
+            qkv_bias: true,
+            hidden_act: Activation::Gelu,
+            layer_norm_eps: 1e-5,
+            use_absolute_embeddings: false,
+        };
+        // 16x12, 8x6, 4x3: stage 2 is smaller than 5.
+        assert_eq!(cfg.stage_sides(64, 48), [(16, 12), (8, 6), (4, 3)]);
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(e.contains("window_size") && e.contains("stage 2"), "{e}");
+    }
+}
