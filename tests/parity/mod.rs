@@ -136,3 +136,52 @@ pub fn logits(model: &VlModel) -> anyhow::Result<Tensor> {
         .decoder
         .forward(&tokens, Some(&memory), Default::default())?)
 }
+
+/// transformers' generated ids of a vision-encoder-decoder fixture
+/// (`expected.json`): greedy and 3 beams for 20 new tokens without the
+/// checkpoint's n-gram ban or minimum, the checkpoint's own defaults, and
+/// the defaults' text; each after the start token.
+#[derive(serde::Deserialize)]
+pub struct GeneratedIds {
+    pub greedy: Vec<u32>,
+    pub beam3: Vec<u32>,
+    pub defaults: Vec<u32>,
+    pub defaults_text: String,
+}
+
+/// Checks vl's greedy, 3-beam and default-settings generation from `ctx`
+/// against [`GeneratedIds`], and the defaults' decoded text.
+pub fn check_generation(
+    f: &Fixture<GeneratedIds>,
+    ctx: &ImageContext,
+    kind: &str,
+) -> anyhow::Result<()> {
+    use vl::vl_decoder::{generate, EarlyStopping, GenerationConfig, Strategy};
+    let plain = GenerationConfig {
+        max_new_tokens: 20,
+        min_new_tokens: 0,
+        no_repeat_ngram_size: 0,
+        repetition_penalty: 1.0,
+        ..f.model.generation.clone()
+    };
+    let run = |cfg: &GenerationConfig| -> anyhow::Result<Vec<u32>> {
+        let out = generate(&f.model.decoder, ctx, cfg, &mut |_| {})?;
+        Ok(out[0].tokens.clone())
+    };
+    let greedy = run(&plain.clone().with_strategy(Strategy::Greedy))?;
+    assert_eq!(greedy, f.expected.greedy, "{kind}: greedy ids");
+    let beam = run(&plain.clone().with_strategy(Strategy::Beam {
+        num_beams: 3,
+        length_penalty: 1.0,
+        early_stopping: EarlyStopping::False,
+    }))?;
+    assert_eq!(beam, f.expected.beam3, "{kind}: 3-beam ids");
+    let defaults = run(&f.model.generation)?;
+    assert_eq!(
+        defaults, f.expected.defaults,
+        "{kind}: default-settings ids"
+    );
+    let text = f.model.tokenizer.decode(&defaults, true).expect("decode");
+    assert_eq!(text, f.expected.defaults_text, "{kind}: decoded text");
+    Ok(())
+}

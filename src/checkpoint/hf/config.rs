@@ -14,6 +14,7 @@ use vl_decoder::{DecoderConfig, EarlyStopping, GenerationConfig, Strategy};
 use vl_vision::{PixelSpec, Resample, VitConfig};
 
 use super::gpt2::HfGpt2Config;
+use super::mbart::HfMbartConfig;
 use super::trocr::HfTrocrConfig;
 use super::vit::{HfVitConfig, ENCODERS};
 
@@ -34,6 +35,8 @@ pub enum HfDecoderConfig {
     Gpt2(HfGpt2Config),
     /// `trocr`.
     Trocr(HfTrocrConfig),
+    /// `mbart` (Donut's and Nougat's decoder).
+    Mbart(HfMbartConfig),
 }
 
 impl TryFrom<Value> for HfDecoderConfig {
@@ -49,6 +52,7 @@ impl TryFrom<Value> for HfDecoderConfig {
         let parsed = match family.as_deref() {
             Some("gpt2") => serde_path_to_error::deserialize(v).map(Self::Gpt2),
             Some("trocr") => serde_path_to_error::deserialize(v).map(Self::Trocr),
+            Some("mbart") => serde_path_to_error::deserialize(v).map(Self::Mbart),
             other => return Err(format!("decoder.model_type: unsupported {other:?}")),
         };
         parsed.map_err(|e| {
@@ -68,6 +72,7 @@ impl HfDecoderConfig {
         match self {
             Self::Gpt2(d) => &d.model_type,
             Self::Trocr(d) => &d.model_type,
+            Self::Mbart(d) => &d.model_type,
         }
     }
 
@@ -76,6 +81,7 @@ impl HfDecoderConfig {
         match self {
             Self::Gpt2(d) => d.n_embd,
             Self::Trocr(d) => d.d_model,
+            Self::Mbart(d) => d.d_model,
         }
     }
 
@@ -85,6 +91,7 @@ impl HfDecoderConfig {
         match self {
             Self::Gpt2(d) => &d.rest,
             Self::Trocr(d) => &d.rest,
+            Self::Mbart(d) => &d.rest,
         }
     }
 }
@@ -124,6 +131,7 @@ impl HfConfig {
         match &self.decoder {
             HfDecoderConfig::Gpt2(d) => d.validate()?,
             HfDecoderConfig::Trocr(d) => d.validate(self.encoder.hidden_size)?,
+            HfDecoderConfig::Mbart(d) => d.validate()?,
         }
         self.vit_config(&PixelSpec::new(self.encoder.image_size, [0.5; 3], [0.5; 3]))
             .validate()?;
@@ -135,6 +143,7 @@ impl HfConfig {
         match &self.decoder {
             HfDecoderConfig::Gpt2(d) => self.encoder.hidden_size != d.n_embd,
             HfDecoderConfig::Trocr(d) => d.projects_encoder(self.encoder.hidden_size),
+            HfDecoderConfig::Mbart(d) => d.projects_encoder(self.encoder.hidden_size),
         }
     }
 
@@ -175,6 +184,7 @@ impl HfConfig {
         match &self.decoder {
             HfDecoderConfig::Gpt2(d) => Ok(d.decoder_config(generation)),
             HfDecoderConfig::Trocr(d) => d.decoder_config(generation),
+            HfDecoderConfig::Mbart(d) => Ok(d.decoder_config(generation)),
         }
     }
 }

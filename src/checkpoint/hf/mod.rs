@@ -10,6 +10,7 @@
 //! | encoder | `deit` | [`vit`] (a distillation token more) | TrOCR small |
 //! | decoder | `gpt2` with `add_cross_attention` | [`gpt2`] | vit-gpt2 captioners |
 //! | decoder | `trocr` | [`trocr`] (post-LN, BART-style) | `microsoft/trocr-*` |
+//! | decoder | `mbart` | [`mbart`] (pre-LN, final norm) | Donut's and Nougat's decoders (under a ViT/DeiT encoder for now) |
 //!
 //! BLIP captioners (`model_type` `blip`, not a vision-encoder-decoder
 //! directory) are read by [`blip`], with the same weights, tokenizer and
@@ -40,6 +41,7 @@ pub mod blip;
 pub mod config;
 pub mod florence2;
 pub mod gpt2;
+pub mod mbart;
 mod tensors;
 pub mod trocr;
 pub mod vit;
@@ -137,7 +139,7 @@ pub const INDEX_FILE: &str = "model.safetensors.index.json";
 pub const PICKLE_FILE: &str = "pytorch_model.bin";
 
 /// The decoder `model_type`s vl loads.
-pub const DECODERS: &[&str] = &["gpt2", "trocr"];
+pub const DECODERS: &[&str] = &["gpt2", "trocr", "mbart"];
 
 /// The encoder and decoder families vl loads from a vision-encoder-decoder
 /// checkpoint, checked before the rest of `config.json` is read so that a
@@ -306,6 +308,7 @@ impl Family for HfConfig {
         match &self.decoder {
             HfDecoderConfig::Gpt2(_) => gpt2::load(vb.clone(), &config.decoder, block),
             HfDecoderConfig::Trocr(_) => trocr::load(vb.clone(), &config.decoder, block),
+            HfDecoderConfig::Mbart(_) => mbart::load(vb.clone(), &config.decoder, block),
         }
     }
 }

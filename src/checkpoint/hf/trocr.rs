@@ -240,8 +240,10 @@ pub fn load(
 
 /// BART's decoder layout under `dec` (`embed_positions`,
 /// `layernorm_embedding`, `layers.{i}.{self_attn,encoder_attn}.*`,
-/// `fc1`, `fc2` and the three post-LN norms) onto vl's decoder, with the
-/// token table and the LM head the family found (TrOCR's own,
+/// `fc1`, `fc2`, the three norms of each layer — after its sublayers or,
+/// with [`NormPlacement::Pre`], before them — and with `cfg.final_norm`
+/// mBART's `layer_norm` after the last layer) onto vl's decoder, with the
+/// token table and the LM head the family found (TrOCR's and mBART's own,
 /// Florence-2's shared ones).
 pub(super) fn bart_decoder(
     dec: VarBuilder,
@@ -301,7 +303,12 @@ pub(super) fn bart_decoder(
             embed_positions,
             embedding_norm,
             blocks,
-            final_norm: None,
+            // mBART's `layer_norm` after the last layer (BART has none).
+            final_norm: if cfg.final_norm {
+                Some(layer_norm(dec.pp("layer_norm"), h, eps)?)
+            } else {
+                None
+            },
             output_transform: None,
             lm_head,
         },
