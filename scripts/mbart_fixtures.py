@@ -13,7 +13,9 @@ starts with its task token).
   `scale_embedding`, gelu; 3-beam early-stopping defaults.
 - `vit_untied/`: ViT 24 wide under d_model 32 (`enc_to_dec_proj`), an
   untied `lm_head` (as Nougat's), no embedding scale, relu; greedy
-  defaults with `no_repeat_ngram_size` 3.
+  defaults with `no_repeat_ngram_size` 3 and `bad_words_ids` (`<unk>`, as
+  Donut's and Nougat's model cards ban it, and a two-token sequence the
+  output would otherwise start with).
 
 Each directory: the checkpoint, `tokenizer.json`,
 `preprocessor_config.json`, `image.png`, `expected.safetensors` (pixels,
@@ -58,7 +60,9 @@ VARIANTS = {
         seed=22,
         enc_width=24,
         decoder=dict(tie_word_embeddings=False, scale_embedding=False, activation_function="relu"),
-        generation=dict(no_repeat_ngram_size=3),
+        # <unk> banned as the model cards do, and a two-token sequence
+        # that the unbanned greedy output starts with.
+        generation=dict(no_repeat_ngram_size=3, bad_words_ids=[[3], [284, 199]]),
     ),
 }
 

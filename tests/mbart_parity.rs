@@ -40,11 +40,15 @@ fn tied_head_matches_transformers() -> anyhow::Result<()> {
 }
 
 /// A narrower ViT through `enc_to_dec_proj`, an untied `lm_head` (as
-/// Nougat's), relu; greedy defaults with `no_repeat_ngram_size` 3.
+/// Nougat's), relu; greedy defaults with `no_repeat_ngram_size` 3 and
+/// `bad_words_ids` (`<unk>`, and a pair the unbanned output starts with:
+/// every generation here is the banned one's).
 #[test]
 fn untied_head_and_projected_encoder_match_transformers() -> anyhow::Result<()> {
     run_parity("vit_untied")?;
     let f: Fixture<GeneratedIds> = load(FAMILY, "vit_untied")?;
     assert!(!f.model.decoder.config().tie_word_embeddings);
+    assert_eq!(f.model.generation.bad_words_ids, [vec![3], vec![284, 199]]);
+    assert!(!f.expected.greedy.windows(2).any(|w| w == [284, 199]));
     Ok(())
 }

@@ -424,6 +424,8 @@ pub struct HfGeneration {
     pub forced_bos_token_id: Option<u32>,
     /// The last token `max_length` allows.
     pub forced_eos_token_id: Option<u32>,
+    /// Token sequences never generated.
+    pub bad_words_ids: Option<Vec<Vec<u32>>>,
     /// Every other key (model settings in `config.json`, settings vl does
     /// not implement).
     #[serde(flatten)]
@@ -549,6 +551,7 @@ impl HfGeneration {
             strategy,
             forced_bos_token_id: self.forced_bos_token_id,
             forced_eos_token_id: self.forced_eos_token_id,
+            bad_words_ids: self.bad_words_ids.clone().unwrap_or_default(),
             cross_attention_of: None,
         };
         cfg.validate()?;

@@ -110,6 +110,13 @@ pub struct GenerationConfig {
     /// own 0). `None` = off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forced_eos_token_id: Option<u32>,
+    /// transformers' `bad_words_ids`: token sequences never generated. A
+    /// one-token sequence's token always scores `-inf`; a longer one's
+    /// last token does where the sequence so far ends with the others.
+    /// Sequences that are a lone end token are ignored, as transformers
+    /// does. Empty = off.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bad_words_ids: Vec<Vec<u32>>,
     /// Also return, per generated token, block `i`'s cross-attention
     /// weights (heads averaged) of the position that chose it, in
     /// [`Generated::cross_attention`](super::Generated::cross_attention) —
@@ -134,6 +141,7 @@ impl GenerationConfig {
             strategy: Strategy::Greedy,
             forced_bos_token_id: None,
             forced_eos_token_id: None,
+            bad_words_ids: Vec::new(),
             cross_attention_of: None,
         }
     }
@@ -152,6 +160,12 @@ impl GenerationConfig {
     pub fn validate(&self) -> Result<()> {
         if self.max_new_tokens == 0 {
             return arg_err("max_new_tokens", "must be positive, got 0");
+        }
+        if let Some(i) = self.bad_words_ids.iter().position(Vec::is_empty) {
+            return arg_err(
+                "bad_words_ids",
+                format!("sequence {i} is empty; each bans one or more tokens"),
+            );
         }
         if self.min_new_tokens > self.max_new_tokens {
             return arg_err(
@@ -227,6 +241,12 @@ impl GenerationConfig {
         .chain(
             self.forced_eos_token_id
                 .map(|id| ("forced_eos_token_id", id)),
+        )
+        .chain(
+            self.bad_words_ids
+                .iter()
+                .flatten()
+                .map(|&id| ("bad_words_ids", id)),
         );
         for (field, id) in ids {
             if id as usize >= vocab {

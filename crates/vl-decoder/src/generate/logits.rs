@@ -41,6 +41,9 @@ pub(crate) fn process(
     if cfg.no_repeat_ngram_size > 0 {
         ban_repeated_ngrams(scores, prefix, generated, cfg.no_repeat_ngram_size);
     }
+    if !cfg.bad_words_ids.is_empty() {
+        ban_bad_words(scores, prefix, generated, cfg);
+    }
     if generated.len() < cfg.min_new_tokens {
         for &eos in &cfg.eos_token_ids {
             if let Some(s) = scores.get_mut(eos as usize) {
@@ -59,6 +62,37 @@ pub(crate) fn process(
         .filter(|_| generated.len() + 1 == cfg.max_new_tokens)
     {
         force(scores, eos);
+    }
+}
+
+/// transformers' `NoBadWordsLogitsProcessor` over `prefix + generated`:
+/// each banned sequence's last token gets `-inf` where the sequence so far
+/// ends with the tokens before it (always, for one token); a lone end
+/// token is never banned.
+fn ban_bad_words(scores: &mut [f32], prefix: &[u32], generated: &[u32], cfg: &GenerationConfig) {
+    let ends_with = |head: &[u32]| -> bool {
+        let n = head.len();
+        if n > prefix.len() + generated.len() {
+            return false;
+        }
+        // The last n tokens of prefix + generated.
+        let from_generated = n.min(generated.len());
+        let from_prefix = n - from_generated;
+        head[..from_prefix] == prefix[prefix.len() - from_prefix..]
+            && head[from_prefix..] == generated[generated.len() - from_generated..]
+    };
+    for words in &cfg.bad_words_ids {
+        let Some((&last, head)) = words.split_last() else {
+            continue;
+        };
+        if head.is_empty() && cfg.eos_token_ids.contains(&last) {
+            continue;
+        }
+        if ends_with(head) {
+            if let Some(s) = scores.get_mut(last as usize) {
+                *s = f32::NEG_INFINITY;
+            }
+        }
     }
 }
 
@@ -194,6 +228,45 @@ mod tests {
     use super::*;
 
     #[test]
+    fn bad_words_as_transformers() {
+        let mut cfg = GenerationConfig {
+            max_new_tokens: 8,
+            min_new_tokens: 0,
+            start_token_id: 0,
+            eos_token_ids: vec![2],
+            pad_token_id: 1,
+            repetition_penalty: 1.0,
+            no_repeat_ngram_size: 0,
+            strategy: Strategy::Greedy,
+            forced_bos_token_id: None,
+            forced_eos_token_id: None,
+            // <unk> alone; 5 after 4; 6 after 0 5 (spanning the prefix);
+            // a lone end token, which transformers drops.
+            bad_words_ids: vec![vec![3], vec![4, 5], vec![0, 5, 6], vec![2]],
+            cross_attention_of: None,
+        };
+        let run = |generated: &[u32], cfg: &GenerationConfig| {
+            let mut s = [0.0f32; 8];
+            process(&mut s, &[0], generated, cfg);
+            s.iter()
+                .enumerate()
+                .filter(|(_, v)| v.is_infinite())
+                .map(|(i, _)| i as u32)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(run(&[], &cfg), [3]);
+        assert_eq!(run(&[5], &cfg), [3, 6]);
+        assert_eq!(run(&[7, 4], &cfg), [3, 5]);
+        assert_eq!(run(&[4, 7], &cfg), [3]);
+        cfg.bad_words_ids.push(Vec::new());
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("bad_words_ids") && e.contains("sequence 4"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn top_k_keeps_ties() {
         let mut s = [1.0, 3.0, 2.0, 2.0, 0.0];
         keep_top_k(&mut s, 2);
@@ -214,6 +287,7 @@ mod tests {
             no_repeat_ngram_size: 0,
             strategy: Strategy::Greedy,
             forced_bos_token_id: None,
+            bad_words_ids: Vec::new(),
             forced_eos_token_id: None,
             cross_attention_of: None,
         };
