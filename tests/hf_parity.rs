@@ -7,22 +7,18 @@
 mod parity;
 
 use candle_core::{DType, Device};
-use serde::Deserialize;
-use vl::vl_decoder::{generate, EarlyStopping, ForwardMasks, GenerationConfig, Strategy};
+use vl::vl_decoder::{EarlyStopping, ForwardMasks, Strategy};
 use vl::{ModelFormat, VlModel};
 
-use parity::{check_forward, copy_fixture, fixture, load, load_err, max_abs_diff, Fixture};
+use parity::{
+    check_forward, check_generation, copy_fixture, fixture, load, load_err, max_abs_diff, Fixture,
+    GeneratedIds,
+};
 
 /// The fixtures' folder under `tests/fixtures`.
 const FAMILY: &str = "hf";
 
-#[derive(Deserialize)]
-struct Expected {
-    greedy: Vec<u32>,
-    beam3: Vec<u32>,
-    defaults: Vec<u32>,
-    defaults_text: String,
-}
+type Expected = GeneratedIds;
 
 fn run_parity(kind: &str) -> anyhow::Result<()> {
     let f: Fixture<Expected> = load(FAMILY, kind)?;
@@ -33,34 +29,8 @@ fn run_parity(kind: &str) -> anyhow::Result<()> {
     let ctx = check_forward(&f, kind, "encoder_last_hidden_state", "decoder_input_ids")?;
 
     // Generation: greedy and 3 beams for 20 new tokens, and the
-    // checkpoint's own defaults.
-    let plain = GenerationConfig {
-        max_new_tokens: 20,
-        min_new_tokens: 0,
-        no_repeat_ngram_size: 0,
-        repetition_penalty: 1.0,
-        ..f.model.generation.clone()
-    };
-    let run = |cfg: &GenerationConfig| -> anyhow::Result<Vec<u32>> {
-        let out = generate(&f.model.decoder, &ctx, cfg, &mut |_| {})?;
-        Ok(out[0].tokens.clone())
-    };
-    let greedy = run(&plain.clone().with_strategy(Strategy::Greedy))?;
-    assert_eq!(greedy, f.expected.greedy, "{kind}: greedy ids");
-    let beam = run(&plain.clone().with_strategy(Strategy::Beam {
-        num_beams: 3,
-        length_penalty: 1.0,
-        early_stopping: EarlyStopping::False,
-    }))?;
-    assert_eq!(beam, f.expected.beam3, "{kind}: 3-beam ids");
-    let defaults = run(&f.model.generation)?;
-    assert_eq!(
-        defaults, f.expected.defaults,
-        "{kind}: default-settings ids"
-    );
-    let text = f.model.tokenizer.decode(&defaults, true).expect("decode");
-    assert_eq!(text, f.expected.defaults_text, "{kind}: decoded text");
-    Ok(())
+    // checkpoint's own defaults, with their text.
+    check_generation(&f, &ctx, kind)
 }
 
 #[test]

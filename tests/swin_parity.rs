@@ -15,7 +15,8 @@ use vl::vl_vision::swin::{Swin, SwinConfig};
 
 use parity::{fixture, max_abs_diff, TOL};
 
-fn check(kind: &str) -> anyhow::Result<()> {
+/// The fixture's encoder, loaded from its config and weights.
+fn load_swin(kind: &str) -> anyhow::Result<Swin> {
     let dir = fixture("swin", kind);
     let cfg: SwinConfig = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
     // SAFETY: the fixture is not modified while mapped.
@@ -26,8 +27,15 @@ fn check(kind: &str) -> anyhow::Result<()> {
             &Device::Cpu,
         )?
     };
-    let swin = Swin::load(vb, &cfg)?;
-    let expected = candle_core::safetensors::load(dir.join("expected.safetensors"), &Device::Cpu)?;
+    Ok(Swin::load(vb, &cfg)?)
+}
+
+fn check(kind: &str) -> anyhow::Result<()> {
+    let swin = load_swin(kind)?;
+    let expected = candle_core::safetensors::load(
+        fixture("swin", kind).join("expected.safetensors"),
+        &Device::Cpu,
+    )?;
     for (input, output) in [
         ("pixel_values", "last_hidden_state"),
         ("pixel_values_other", "last_hidden_state_other"),
@@ -61,17 +69,7 @@ fn a_last_stage_of_one_window_matches_transformers() -> anyhow::Result<()> {
 
 #[test]
 fn an_input_too_small_for_the_window_is_named() -> anyhow::Result<()> {
-    let dir = fixture("swin", "a");
-    let cfg: SwinConfig = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
-    // SAFETY: as above.
-    let vb = unsafe {
-        VarBuilder::from_mmaped_safetensors(
-            &[dir.join("model.safetensors")],
-            DType::F32,
-            &Device::Cpu,
-        )?
-    };
-    let swin = Swin::load(vb, &cfg)?;
+    let swin = load_swin("a")?;
     let px = Tensor::zeros((1, 3, 16, 16), DType::F32, &Device::Cpu)?;
     let e = swin.forward(&px).unwrap_err().to_string();
     assert!(
