@@ -87,12 +87,12 @@ pub use layers::{
     proj, quantize, resampler, self_attn,
 };
 
-pub use attention::{AttnOutput, Backend, Weights};
+pub use attention::{AttnOutput, Backend, GroupedOutput, Weights};
 pub use cache::KvCache;
 pub use co_attn::{CoAttention, CoAttentionConfig, CoAttentionOutput};
 pub use co_block::{CoAttentionBlock, CoAttentionBlockConfig, CoAttentionBlockOutput};
 pub use conv::DepthwiseConv;
-pub use cross::{CrossAttention, CrossAttentionConfig, CrossKv};
+pub use cross::{CrossAttention, CrossAttentionConfig, CrossGroup, CrossKv};
 pub use dropout::{Dropout, DropoutRng, Mode};
 pub use error::{AttnError, Result};
 pub use ffn::{Activation, FeedForward};
@@ -103,4 +103,4 @@ pub use pool::QueryPool;
 pub use proj::Proj;
 pub use quantize::{Fallback, Quantization, Quantizer, StoredBlocks};
 pub use resampler::{Resampler, ResamplerConfig, ResamplerLayer};
-pub use self_attn::{CausalSelfAttention, SelfAttention, SelfAttentionConfig};
+pub use self_attn::{CacheGroup, CausalSelfAttention, SelfAttention, SelfAttentionConfig};

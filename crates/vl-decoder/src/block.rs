@@ -31,8 +31,8 @@ use candle_core::Tensor;
 use candle_nn::VarBuilder;
 use vl_attn::Quantizer;
 use vl_attn::{
-    CausalSelfAttention, CrossAttention, CrossAttentionConfig, CrossKv, Dropout, DropoutRng,
-    FeedForward, KvCache, Mask, Mode, SelfAttentionConfig, TanhGate, Weights,
+    CacheGroup, CausalSelfAttention, CrossAttention, CrossAttentionConfig, CrossGroup, CrossKv,
+    Dropout, DropoutRng, FeedForward, KvCache, Mask, Mode, SelfAttentionConfig, TanhGate, Weights,
 };
 
 use crate::config::{DecoderConfig, Dropouts, NormPlacement};
@@ -411,45 +411,155 @@ impl DecoderBlock {
         cache: Option<&mut KvCache>,
         inputs: BlockInputs<'_>,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let h = self.branch_input(&self.self_attn_norm, x)?;
-        let h = self
-            .self_attn
-            .attend(&h, cache, inputs.text_mask, Weights::Skip)?
-            .output;
+        let want = if inputs.want_weights {
+            Weights::Return
+        } else {
+            Weights::Skip
+        };
+        let self_attn = |h: &Tensor| {
+            Ok(self
+                .self_attn
+                .attend(h, cache, inputs.text_mask, Weights::Skip)?
+                .output)
+        };
+        let kv;
+        let kv = match (&self.cross, image) {
+            (_, ImageInput::None) | (None, _) => None,
+            (Some(_), ImageInput::Cached(kv)) => Some(kv),
+            (Some(c), ImageInput::Memory(m)) => {
+                kv = c.cross_attn.project_memory(m)?;
+                Some(&kv)
+            }
+        };
+        let cross = kv.map(|kv| {
+            move |attn: &CrossAttention, q: &Tensor| {
+                let out = attn.attend(q, kv, inputs.image_mask, want)?;
+                Ok((out.output, vec![out.weights]))
+            }
+        });
+        let (y, mut weights) = self.run(x, self_attn, cross)?;
+        Ok((y, weights.pop().flatten()))
+    }
+
+    /// [`DecoderBlock::forward`] over rows in groups that decode at
+    /// different positions and read different images, each group with its
+    /// own cache (e.g. requests that joined a running batch at different
+    /// steps): the projections and feed-forwards run once over every row,
+    /// the attentions group by group. Either every group reads an image or
+    /// none does. Each row's output is what [`DecoderBlock::forward`] gives
+    /// it in its group alone, up to the products' rounding for another row
+    /// count.
+    ///
+    /// # Shapes
+    /// `x: (rows, len, hidden)`, `rows` the sum of the groups' rows in
+    /// their order → `(rows, len, hidden)`, and per group its
+    /// cross-attention weights `(rows, heads, len, image_len)` when
+    /// `want_weights` and the block reads an image.
+    ///
+    /// # Errors
+    /// [`crate::DecoderError::Argument`] naming `groups` when some groups
+    /// read an image and others do not; attention errors.
+    pub fn forward_groups(
+        &self,
+        x: &Tensor,
+        groups: &mut [BlockGroup<'_>],
+        want_weights: bool,
+    ) -> Result<(Tensor, Vec<Option<Tensor>>)> {
+        let want = if want_weights {
+            Weights::Return
+        } else {
+            Weights::Skip
+        };
+        let with_image = groups.iter().filter(|g| g.image.is_some()).count();
+        if with_image != 0 && with_image != groups.len() {
+            return crate::error::arg_err(
+                "groups",
+                format!(
+                    "{with_image} of {} groups read an image: every group or none must",
+                    groups.len()
+                ),
+            );
+        }
+        let cross_groups: Vec<CrossGroup<'_>> = groups
+            .iter()
+            .filter_map(|g| {
+                g.image.map(|kv| CrossGroup {
+                    rows: g.rows,
+                    kv,
+                    mask: g.image_mask,
+                })
+            })
+            .collect();
+        let mut caches: Vec<CacheGroup<'_>> = groups
+            .iter_mut()
+            .map(|g| CacheGroup {
+                rows: g.rows,
+                cache: &mut *g.cache,
+                key_mask: None,
+            })
+            .collect();
+        let self_attn = |h: &Tensor| {
+            Ok(self
+                .self_attn
+                .attend_groups(h, &mut caches, Weights::Skip)?
+                .output)
+        };
+        let cross = (!cross_groups.is_empty()).then_some(|attn: &CrossAttention, q: &Tensor| {
+            let out = attn.attend_groups(q, &cross_groups, want)?;
+            Ok((out.output, out.weights))
+        });
+        let (y, weights) = self.run(x, self_attn, cross)?;
+        let weights = if weights.is_empty() {
+            vec![None; groups.len()]
+        } else {
+            weights
+        };
+        Ok((y, weights))
+    }
+
+    /// The block's branches in order, the self-attention and the
+    /// cross-attention (over whichever images) given by the caller; the
+    /// cross branch returns its output and its weights per group.
+    fn run(
+        &self,
+        x: &Tensor,
+        self_attn: impl FnOnce(&Tensor) -> Result<Tensor>,
+        cross: Option<
+            impl FnOnce(&CrossAttention, &Tensor) -> Result<(Tensor, Vec<Option<Tensor>>)>,
+        >,
+    ) -> Result<(Tensor, Vec<Option<Tensor>>)> {
+        let h = self_attn(&self.branch_input(&self.self_attn_norm, x)?)?;
         let mut x = self.add_branch(&self.self_attn_norm, x, &h)?;
-        let mut weights = None;
-        if let Some(c) = &self.cross {
-            let kv;
-            let kv = match image {
-                ImageInput::None => None,
-                ImageInput::Cached(kv) => Some(kv),
-                ImageInput::Memory(m) => {
-                    kv = c.cross_attn.project_memory(m)?;
-                    Some(&kv)
-                }
+        let mut weights = Vec::new();
+        if let (Some(c), Some(cross)) = (&self.cross, cross) {
+            let q = self.branch_input(&c.cross_attn_norm, &x)?;
+            let (out, w) = cross(&c.cross_attn, &q)?;
+            weights = w;
+            let out = match &c.gate {
+                Some(g) => g.forward(&out)?,
+                None => out,
             };
-            if let Some(kv) = kv {
-                let q = self.branch_input(&c.cross_attn_norm, &x)?;
-                let want = if inputs.want_weights {
-                    Weights::Return
-                } else {
-                    Weights::Skip
-                };
-                let attended = c.cross_attn.attend(&q, kv, inputs.image_mask, want)?;
-                weights = attended.weights;
-                let out = attended.output;
-                let out = match &c.gate {
-                    Some(g) => g.forward(&out)?,
-                    None => out,
-                };
-                x = self.add_branch(&c.cross_attn_norm, &x, &out)?;
-                if let Some(f) = &c.ffn {
-                    let update = f.update(&self.branch_input(&f.ffn_norm, &x)?)?;
-                    x = self.add_branch(&f.ffn_norm, &x, &update)?;
-                }
+            x = self.add_branch(&c.cross_attn_norm, &x, &out)?;
+            if let Some(f) = &c.ffn {
+                let update = f.update(&self.branch_input(&f.ffn_norm, &x)?)?;
+                x = self.add_branch(&f.ffn_norm, &x, &update)?;
             }
         }
         let h = self.ffn.forward(&self.branch_input(&self.ffn_norm, &x)?)?;
         Ok((self.add_branch(&self.ffn_norm, &x, &h)?, weights))
     }
+}
+
+/// One group of rows of [`DecoderBlock::forward_groups`].
+#[derive(Debug)]
+pub struct BlockGroup<'a> {
+    /// Rows of the group.
+    pub rows: usize,
+    /// The image keys and values its rows read (its rows a multiple of
+    /// their batch), `None` for none.
+    pub image: Option<&'a CrossKv>,
+    /// Its text cache.
+    pub cache: &'a mut KvCache,
+    /// Its cross-attention mask, `(rows | 1, len | 1, image_len)`.
+    pub image_mask: Option<&'a Mask>,
 }

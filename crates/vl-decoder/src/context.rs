@@ -67,4 +67,51 @@ impl ImageContext {
     pub fn mask(&self) -> Option<&Mask> {
         self.mask.as_ref()
     }
+
+    /// Each image's context alone, in order (the keys and values are views
+    /// of this context's, nothing projected again): for decodes that start
+    /// and end at different times ([`crate::Decoding`]). A text-only context
+    /// gives itself.
+    ///
+    /// # Errors
+    /// [`crate::DecoderError::Argument`] naming `image` for an interleaved
+    /// context, whose samples step alone.
+    pub fn split(&self) -> crate::Result<Vec<ImageContext>> {
+        if self.media.is_some() {
+            return crate::error::arg_err(
+                "image",
+                "an interleaved context cannot be split into images",
+            );
+        }
+        if self.images <= 1 {
+            return Ok(vec![self.clone()]);
+        }
+        (0..self.images)
+            .map(|i| {
+                let layers = self
+                    .layers
+                    .iter()
+                    .map(|kv| match kv {
+                        Some(kv) => Ok(Some(CrossKv::new(
+                            kv.k().narrow(0, i, 1)?,
+                            kv.v().narrow(0, i, 1)?,
+                        )?)),
+                        None => Ok(None),
+                    })
+                    .collect::<crate::Result<_>>()?;
+                let mask = match &self.mask {
+                    Some(m) if m.dims().0 > 1 => Some(m.index_select(
+                        &candle_core::Tensor::new(&[i as u32], m.tensor().device())?,
+                    )?),
+                    other => other.clone(),
+                };
+                Ok(ImageContext {
+                    layers,
+                    mask,
+                    images: 1,
+                    media: None,
+                })
+            })
+            .collect()
+    }
 }

@@ -75,10 +75,12 @@
 
 mod beam;
 mod config;
+mod decoding;
 mod logits;
 mod sampling;
 
 pub use config::{EarlyStopping, GenerationConfig, Strategy, MIN_SAMPLING_TEMPERATURE};
+pub use decoding::{step_decodings, Decoding};
 
 use candle_core::Tensor;
 
@@ -185,6 +187,22 @@ pub fn generate_from(
     prompt: &[u32],
     on_token: &mut dyn FnMut(TokenEvent),
 ) -> Result<Vec<Generated>> {
+    let prefix = prefix_of(model, cfg, prompt)?;
+    match cfg.strategy {
+        Strategy::Beam { .. } => beam::decode(model, image, cfg, &prefix, on_token),
+        Strategy::Greedy | Strategy::Sample { .. } => {
+            sampling::decode(model, image, cfg, &prefix, on_token)
+        }
+    }
+}
+
+/// Checks `cfg` and `prompt` against `model` and returns what every row
+/// is fed first: the start token, then `prompt`.
+fn prefix_of(
+    model: &VisionLanguageDecoder,
+    cfg: &GenerationConfig,
+    prompt: &[u32],
+) -> Result<Vec<u32>> {
     cfg.validate()?;
     let mc = model.config();
     cfg.check_ids(mc.vocab_size)?;
@@ -204,15 +222,9 @@ pub fn generate_from(
             ),
         );
     }
-    let prefix: Vec<u32> = std::iter::once(cfg.start_token_id)
+    Ok(std::iter::once(cfg.start_token_id)
         .chain(prompt.iter().copied())
-        .collect();
-    match cfg.strategy {
-        Strategy::Beam { .. } => beam::decode(model, image, cfg, &prefix, on_token),
-        Strategy::Greedy | Strategy::Sample { .. } => {
-            sampling::decode(model, image, cfg, &prefix, on_token)
-        }
-    }
+        .collect())
 }
 
 /// One generation step: the last position's logits `(rows, vocab)` and,
@@ -230,10 +242,14 @@ fn step_last(
         ..StepOptions::last()
     };
     let out = model.step(state, input, options)?;
-    // (rows, heads, image_len) -> (rows, image_len)
-    let weights = match out.weights {
+    Ok((out.values, mean_heads(out.weights)?))
+}
+
+/// Cross-attention weights `(rows, heads, image_len)` with the heads
+/// averaged, `(rows, image_len)` f32.
+fn mean_heads(weights: Option<Tensor>) -> Result<Option<Tensor>> {
+    Ok(match weights {
         Some(w) => Some(w.to_dtype(candle_core::DType::F32)?.mean(1)?),
         None => None,
-    };
-    Ok((out.values, weights))
+    })
 }

@@ -49,14 +49,14 @@ pub mod positions;
 
 pub mod state;
 
-pub use block::DecoderBlock;
+pub use block::{BlockGroup, DecoderBlock};
 pub use config::{Activation, DecoderConfig, Dropouts, NormPlacement};
 pub use context::ImageContext;
 pub use encoder::{EncoderLayer, TextEncoder, TextEncoderConfig, TextEncoderParts};
 pub use error::{DecoderError, Result};
 pub use generate::{
-    generate, generate_from, EarlyStopping, Generated, GenerationConfig, StopReason, Strategy,
-    TokenEvent,
+    generate, generate_from, step_decodings, Decoding, EarlyStopping, Generated, GenerationConfig,
+    StopReason, Strategy, TokenEvent,
 };
 pub use head::OutputTransform;
 pub use model::{DecoderParts, ForwardMasks, VisionLanguageDecoder};

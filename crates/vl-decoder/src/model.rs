@@ -23,7 +23,7 @@ use crate::state::{
     decode_rows, DecodeState, StepOptions, StepOutput, StepPositions, StepValues, MAX_ROWS,
 };
 
-use crate::block::{layer_norm, BlockInputs, DecoderBlock, ImageInput};
+use crate::block::{layer_norm, BlockGroup, BlockInputs, DecoderBlock, ImageInput};
 use crate::config::{DecoderConfig, PositionEmbedding};
 use crate::error::{arg_err, DecoderError, Result};
 use crate::head::OutputTransform;
@@ -933,31 +933,182 @@ impl VisionLanguageDecoder {
         // it from the caller's thread (see `vl_attn::kernels::on_pool`).
         vl_attn::kernels::on_pool(|| {
             let (h, weights) = self.run_blocks(state, tokens, options.weights_of)?;
-            let (h, weights) = match options.positions {
-                StepPositions::All => (h, weights),
-                StepPositions::Last => {
-                    // (rows, len, hidden), len >= 1 (checked by run_blocks)
-                    let (_, t, _) = h.dims3()?;
-                    let last = t - 1;
-                    let h = h.narrow(1, last, 1)?;
-                    // (rows, heads, len, image_len) -> (rows, heads, image_len)
-                    let w = match weights {
-                        Some(w) => Some(w.narrow(2, last, 1)?.squeeze(2)?),
-                        None => None,
-                    };
-                    (h, w)
-                }
-            };
-            let values = match options.values {
-                StepValues::Logits => self.head(&h)?,
-                StepValues::Hidden => h,
-            };
-            let values = match options.positions {
-                StepPositions::All => values,
-                StepPositions::Last => values.squeeze(1)?,
-            };
-            Ok(StepOutput { values, weights })
+            let (values, mut weights) = self.step_values(h, vec![weights], options)?;
+            Ok(StepOutput {
+                values,
+                weights: weights.pop().flatten(),
+            })
         })
+    }
+
+    /// [`VisionLanguageDecoder::step`] for several states at once — e.g.
+    /// requests that joined a running batch at different steps, each at its
+    /// own position, over its own image: the embeddings, projections,
+    /// feed-forwards and LM head run once over every state's rows, the
+    /// attentions state by state over each one's caches and image. Each
+    /// state advances as [`VisionLanguageDecoder::step`] would advance it
+    /// alone, up to the products' rounding for another row count (the
+    /// dense products' blocking may differ with the row count; the
+    /// quantized ones compute each row alone).
+    ///
+    /// # Shapes
+    /// `tokens[i]: (states[i].rows(), len)` u32, the same `len >= 1` for
+    /// every state; the outputs as [`VisionLanguageDecoder::step`]'s, one
+    /// per state.
+    ///
+    /// # Errors
+    /// As [`VisionLanguageDecoder::step`], for each state; and
+    /// [`DecoderError::Argument`] naming `tokens` when there is not one
+    /// tensor per state or their lengths differ, `states` when there is
+    /// none, one holds an interleaved context, or some read an image and
+    /// others do not. Every check runs before any state changes.
+    pub fn step_many(
+        &self,
+        states: &mut [&mut DecodeState],
+        tokens: &[Tensor],
+        options: StepOptions,
+    ) -> Result<Vec<StepOutput>> {
+        if states.is_empty() {
+            return arg_err("states", "expected at least one decode state");
+        }
+        if tokens.len() != states.len() {
+            return arg_err(
+                "tokens",
+                format!(
+                    "expected one tensor per state ({}), got {}",
+                    states.len(),
+                    tokens.len()
+                ),
+            );
+        }
+        if let Some(layer) = options.weights_of {
+            if self.blocks.get(layer).is_none() {
+                return arg_err(
+                    "weights_of",
+                    format!("expected a block below {}, got {layer}", self.blocks.len()),
+                );
+            }
+        }
+        let mut len = None;
+        for (i, (state, tokens)) in states.iter().zip(tokens).enumerate() {
+            self.check_state(state)?;
+            if state.image.media.is_some() {
+                return arg_err(
+                    "states",
+                    format!("state {i} reads an interleaved context, which steps alone"),
+                );
+            }
+            let (b, t) = self.check_tokens(tokens, state.offset)?;
+            if b != state.rows || t == 0 || len.is_some_and(|l| l != t) {
+                return arg_err(
+                    "tokens",
+                    format!(
+                        "expected ({}, {}) for state {i}, got ({b}, {t})",
+                        state.rows,
+                        len.map_or("len >= 1".to_string(), |l: usize| l.to_string())
+                    ),
+                );
+            }
+            len = Some(t);
+        }
+        let with_image = states.iter().filter(|s| !s.image.is_text_only()).count();
+        if with_image != 0 && with_image != states.len() {
+            return arg_err(
+                "states",
+                format!(
+                    "{with_image} of {} states read an image: every state or none must",
+                    states.len()
+                ),
+            );
+        }
+        vl_attn::kernels::on_pool(|| {
+            let embedded: Vec<Tensor> = states
+                .iter()
+                .zip(tokens)
+                .map(|(s, t)| self.embed(t, s.offset))
+                .collect::<Result<_>>()?;
+            let mut x = Tensor::cat(&embedded, 0)?;
+            let mut weights = vec![None; states.len()];
+            for (i, block) in self.blocks.iter().enumerate() {
+                let mut groups: Vec<BlockGroup<'_>> = states
+                    .iter_mut()
+                    .map(|s| {
+                        let DecodeState {
+                            image,
+                            image_mask,
+                            caches,
+                            rows,
+                            ..
+                        } = &mut **s;
+                        BlockGroup {
+                            rows: *rows,
+                            image: image.layer(i),
+                            cache: &mut caches[i],
+                            image_mask: image_mask.as_ref(),
+                        }
+                    })
+                    .collect();
+                let (y, w) =
+                    block.forward_groups(&x, &mut groups, options.weights_of == Some(i))?;
+                x = y;
+                if options.weights_of == Some(i) {
+                    weights = w;
+                }
+            }
+            let t = len.unwrap_or(1);
+            for s in states.iter_mut() {
+                s.offset += t;
+            }
+            let (values, weights) = self.step_values(x, weights, options)?;
+            let mut start = 0;
+            states
+                .iter()
+                .zip(weights)
+                .map(|(s, weights)| {
+                    let values = values.narrow(0, start, s.rows)?;
+                    start += s.rows;
+                    Ok(StepOutput { values, weights })
+                })
+                .collect()
+        })
+    }
+
+    /// What `options` asks of a step's last hidden states `h (rows, len,
+    /// hidden)` and cross-attention weights (per group `(rows, heads, len,
+    /// image_len)`): the positions kept, then logits or hidden states.
+    fn step_values(
+        &self,
+        h: Tensor,
+        weights: Vec<Option<Tensor>>,
+        options: StepOptions,
+    ) -> Result<(Tensor, Vec<Option<Tensor>>)> {
+        let (h, weights) = match options.positions {
+            StepPositions::All => (h, weights),
+            StepPositions::Last => {
+                // (rows, len, hidden), len >= 1 (checked by the callers)
+                let (_, t, _) = h.dims3()?;
+                let last = t - 1;
+                let h = h.narrow(1, last, 1)?;
+                // (rows, heads, len, image_len) -> (rows, heads, image_len)
+                let weights = weights
+                    .into_iter()
+                    .map(|w| match w {
+                        Some(w) => Ok(Some(w.narrow(2, last, 1)?.squeeze(2)?)),
+                        None => Ok(None),
+                    })
+                    .collect::<Result<_>>()?;
+                (h, weights)
+            }
+        };
+        let values = match options.values {
+            StepValues::Logits => self.head(&h)?,
+            StepValues::Hidden => h,
+        };
+        let values = match options.positions {
+            StepPositions::All => values,
+            StepPositions::Last => values.squeeze(1)?,
+        };
+        Ok((values, weights))
     }
 
     /// The blocks over the next tokens: the last hidden states (before

@@ -452,3 +452,56 @@ fn every_parameter_receives_a_gradient() -> anyhow::Result<()> {
     assert!(checked > 50, "only {checked} parameters checked");
     Ok(())
 }
+
+/// Stepping states at different positions and row counts together gives
+/// each the logits and weights of its own step, and leaves each where its
+/// own step would.
+#[test]
+fn step_many_equals_each_state_alone() -> anyhow::Result<()> {
+    let (_v, model) = build(&DecoderConfig::tiny(VOCAB, MEM));
+    let mem = memory(2, 13);
+    let ctx = model.image_context(&mem, None)?;
+    let images = ctx.split()?;
+    let opts = StepOptions::last().with_weights_of(1);
+    // State a: 2 rows (beams) of image 0, three tokens in; state b: one
+    // row of image 1, fresh.
+    let mut a = model.start(&images[0], 2)?;
+    let mut a_alone = model.start(&images[0], 2)?;
+    for s in [&mut a, &mut a_alone] {
+        model.step(s, &tokens(&[&[1, 5, 7], &[1, 4, 4]]), opts)?;
+    }
+    let mut b = model.start(&images[1], 1)?;
+    let mut b_alone = model.start(&images[1], 1)?;
+    for step in 0..4u32 {
+        let ta = tokens(&[&[step + 2], &[step + 9]]);
+        let tb = tokens(&[&[step + 1]]);
+        let together = model.step_many(&mut [&mut a, &mut b], &[ta.clone(), tb.clone()], opts)?;
+        let alone = [
+            model.step(&mut a_alone, &ta, opts)?,
+            model.step(&mut b_alone, &tb, opts)?,
+        ];
+        for (t, s) in together.iter().zip(&alone) {
+            assert_eq!(t.values.dims(), s.values.dims());
+            assert!(max_abs_diff(&t.values, &s.values) < 1e-5, "step {step}");
+            let (tw, sw) = (t.weights.as_ref(), s.weights.as_ref());
+            let (tw, sw) = (tw.expect("weights"), sw.expect("weights"));
+            assert!(max_abs_diff(tw, sw) < 1e-6, "step {step}: weights");
+        }
+    }
+    assert_eq!((a.position(), b.position()), (7, 4));
+    // Lengths that differ are refused before anything moves.
+    let err = model.step_many(
+        &mut [&mut a, &mut b],
+        &[tokens(&[&[1, 2], &[3, 4]]), tokens(&[&[1]])],
+        opts,
+    );
+    assert!(
+        matches!(
+            err,
+            Err(vl_decoder::DecoderError::Argument { arg: "tokens", .. })
+        ),
+        "{err:?}"
+    );
+    assert_eq!((a.position(), b.position()), (7, 4));
+    Ok(())
+}

@@ -12,8 +12,9 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 use vl_decoder::{
-    generate, generate_from, DecoderConfig, DecoderError, EarlyStopping, ForwardMasks, Generated,
-    GenerationConfig, StopReason, Strategy, TokenEvent, VisionLanguageDecoder,
+    generate, generate_from, step_decodings, DecoderConfig, DecoderError, Decoding, EarlyStopping,
+    ForwardMasks, Generated, GenerationConfig, StopReason, Strategy, TokenEvent,
+    VisionLanguageDecoder,
 };
 
 const MEMORY_DIM: usize = 16;
@@ -834,5 +835,163 @@ fn prompts_are_continued_by_every_strategy() -> Result<()> {
             other => panic!("expected an argument error, got {other:?}"),
         }
     }
+    Ok(())
+}
+
+/// Decodings that join a running batch at different steps (and leave it
+/// as they end), each with its own settings, give each image the tokens,
+/// stop, score and cross-attention that `generate_from` gives it alone,
+/// and stream exactly those tokens.
+#[test]
+fn decodings_joining_a_running_batch_equal_each_image_alone() -> Result<()> {
+    let t = tiny(32, 9, |c| c.max_position_embeddings = 24)?;
+    let mem = memory(5, 9)?;
+    let free = tokens(&run(&t, &mem, &no_eos(&t, 10))?);
+    let (eos, _) = eos_with_distinct_lengths(&free, 32);
+    let base = GenerationConfig {
+        eos_token_ids: vec![eos],
+        cross_attention_of: Some(1),
+        ..GenerationConfig::greedy(&t.cfg, 10)
+    };
+    let sample = Strategy::Sample {
+        temperature: 1.3,
+        top_k: Some(10),
+        top_p: Some(0.9),
+        seed: 4,
+    };
+    // (image, settings, prompt, the step it joins at)
+    let jobs: Vec<(usize, GenerationConfig, Vec<u32>, usize)> = vec![
+        (0, base.clone(), vec![], 0),
+        (1, base.clone().with_strategy(Strategy::beam(3)), vec![], 0),
+        (2, base.clone().with_strategy(sample.clone()), vec![], 2),
+        (3, base.clone(), vec![7, 3], 3),
+        (
+            4,
+            base.clone().with_strategy(Strategy::Beam {
+                num_beams: 2,
+                length_penalty: 0.5,
+                early_stopping: EarlyStopping::True,
+            }),
+            vec![5],
+            5,
+        ),
+        (
+            1,
+            GenerationConfig {
+                max_new_tokens: 30,
+                eos_token_ids: vec![],
+                ..base.clone()
+            },
+            vec![],
+            6,
+        ),
+    ];
+    let ctx = t.model.image_context(&mem, None)?;
+    let images = ctx.split()?;
+    assert_eq!(images.len(), 5);
+    let mut running: Vec<(usize, Decoding)> = Vec::new();
+    let mut results: Vec<Option<Generated>> = vec![None; jobs.len()];
+    let mut streamed: Vec<Vec<u32>> = vec![Vec::new(); jobs.len()];
+    let mut most_together = 0;
+    for step in 0.. {
+        for (j, (image, gen, prompt, at)) in jobs.iter().enumerate() {
+            if *at == step {
+                running.push((j, Decoding::start(&t.model, &images[*image], gen, prompt)?));
+            }
+        }
+        if running.is_empty() && step > 6 {
+            break;
+        }
+        most_together = most_together.max(running.len());
+        let ids: Vec<usize> = running.iter().map(|(j, _)| *j).collect();
+        let mut refs: Vec<&mut Decoding> = running.iter_mut().map(|(_, d)| d).collect();
+        step_decodings(&t.model, &mut refs, &mut |e| {
+            assert_eq!(e.index, streamed[ids[e.image]].len());
+            streamed[ids[e.image]].push(e.token);
+        })?;
+        for (j, d) in std::mem::take(&mut running) {
+            match d.generated() {
+                Some(_) => results[j] = d.into_generated(),
+                None => running.push((j, d)),
+            }
+        }
+    }
+    assert!(
+        most_together >= 4,
+        "the jobs should overlap: {most_together}"
+    );
+    for (j, (image, gen, prompt, _)) in jobs.iter().enumerate() {
+        let got = results[j]
+            .as_ref()
+            .ok_or_else(|| anyhow!("job {j} did not end"))?;
+        let alone = generate_from(&t.model, &images[*image], gen, prompt, &mut |_| {})?;
+        let want = &alone[0];
+        assert_eq!(got.tokens, want.tokens, "job {j}");
+        assert_eq!(got.stop, want.stop, "job {j}");
+        assert_eq!(streamed[j], want.tokens, "job {j} streamed");
+        match (got.score, want.score) {
+            (Some(x), Some(y)) => assert!((x - y).abs() < 1e-5, "job {j}: {x} vs {y}"),
+            (x, y) => assert_eq!(x, y, "job {j}"),
+        }
+        assert_eq!(
+            got.cross_attention.len(),
+            want.cross_attention.len(),
+            "job {j}"
+        );
+        for (a, b) in got.cross_attention.iter().zip(&want.cross_attention) {
+            let diff = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(diff < 1e-5, "job {j}: cross-attention differs by {diff}");
+        }
+    }
+    // The long one ran into the position limit while others came and went.
+    assert_eq!(
+        results[5].as_ref().map(|g| g.stop),
+        Some(StopReason::MaxPositions)
+    );
+    Ok(())
+}
+
+/// What a caller can get wrong about decodings is named.
+#[test]
+fn decodings_refuse_what_cannot_step_together() -> Result<()> {
+    let t = tiny(32, 9, |_| {})?;
+    let mem = memory(2, 9)?;
+    let ctx = t.model.image_context(&mem, None)?;
+    let gen = no_eos(&t, 4);
+    let err = Decoding::start(&t.model, &ctx, &gen, &[]).err();
+    assert!(
+        matches!(&err, Some(DecoderError::Argument { arg: "image", .. })),
+        "{err:?}"
+    );
+    let images = ctx.split()?;
+    let mut a = Decoding::start(&t.model, &images[0], &gen, &[])?;
+    let with_maps = GenerationConfig {
+        cross_attention_of: Some(0),
+        ..gen.clone()
+    };
+    let mut b = Decoding::start(&t.model, &images[1], &with_maps, &[])?;
+    let err = step_decodings(&t.model, &mut [&mut a, &mut b], &mut |_| {}).err();
+    assert!(
+        matches!(
+            &err,
+            Some(DecoderError::Argument {
+                arg: "decodings",
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+    let mut c = Decoding::start(&t.model, &t.model.text_only_context(), &gen, &[])?;
+    let err = step_decodings(&t.model, &mut [&mut a, &mut c], &mut |_| {}).err();
+    assert!(
+        matches!(&err, Some(DecoderError::Argument { arg: "states", .. })),
+        "{err:?}"
+    );
+    // Nothing stepped: both still start from their prefix.
+    assert_eq!((a.position(), c.position()), (0, 0));
     Ok(())
 }

@@ -77,6 +77,19 @@ pub struct AttnOutput {
     pub weights: Option<Tensor>,
 }
 
+/// What a grouped attention call returns: rows of several groups, each
+/// attending to its own keys and values (e.g. requests decoding at
+/// different positions, batched through the projections).
+#[derive(Debug, Clone)]
+pub struct GroupedOutput {
+    /// The output of every row, groups in order; its shape is documented
+    /// by each caller.
+    pub output: Tensor,
+    /// Per group, its attention weights per head `(rows, heads, q_len,
+    /// k_len)` when [`Weights::Return`] was asked.
+    pub weights: Vec<Option<Tensor>>,
+}
+
 /// The longest query block that [`Backend::Auto`] sends to the fused path
 /// off CPU (on CPU it sends every block there).
 pub const AUTO_FUSED_MAX_Q_LEN: usize = 16;

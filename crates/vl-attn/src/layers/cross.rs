@@ -9,10 +9,10 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
 
-use crate::attention::{AttnOutput, Backend, Weights};
+use crate::attention::{AttnOutput, Backend, GroupedOutput, Weights};
 use crate::dropout::{Dropout, Mode};
 use crate::error::{AttnError, Result};
-use crate::heads::{AttnCore, CoreDims};
+use crate::heads::{AttnCore, CoreDims, GroupKv};
 use crate::mask::Mask;
 use crate::proj::Proj;
 
@@ -144,6 +144,18 @@ impl CrossKv {
             v: self.v.index_select(indices, 0)?,
         })
     }
+}
+
+/// One group of rows of [`CrossAttention::attend_groups`]: how many, the
+/// memory they read and their mask.
+#[derive(Debug, Clone, Copy)]
+pub struct CrossGroup<'a> {
+    /// Rows of the group, a multiple of `kv.batch()`.
+    pub rows: usize,
+    /// The memory's keys and values.
+    pub kv: &'a CrossKv,
+    /// `(rows | 1, q_len | 1, mem_len)`, `1` = may attend.
+    pub mask: Option<&'a Mask>,
 }
 
 /// Multi-head cross-attention (grouped-query when `num_kv_heads < num_heads`).
@@ -349,35 +361,84 @@ impl CrossAttention {
         mask: Option<&Mask>,
         weights: Weights,
     ) -> Result<AttnOutput> {
+        let (b, _) = self
+            .core
+            .check_input("queries", queries, self.cfg.query_dim, "query_dim")?;
+        let group = CrossGroup { rows: b, kv, mask };
+        let mut out = self.attend_groups(queries, &[group], weights)?;
+        Ok(AttnOutput {
+            output: out.output,
+            weights: out.weights.pop().flatten(),
+        })
+    }
+
+    /// [`CrossAttention::attend`] for rows in groups that read different
+    /// memories (e.g. requests over different images batched together):
+    /// the query and output projections run once over every row, the
+    /// attention group by group. Each row's output is what
+    /// [`CrossAttention::attend`] gives it in its group alone, up to the
+    /// products' rounding for another row count.
+    ///
+    /// # Shapes
+    /// - `queries: (rows, q_len, query_dim)`, `rows` the sum of the groups'
+    ///   rows, in their order; each group's rows a multiple of its
+    ///   `kv.batch()`
+    /// - each group's `mask: (rows | 1, q_len | 1, mem_len)`
+    /// - returns `output (rows, q_len, out_dim)` and, per group, `weights
+    ///   (rows, heads, q_len, mem_len)`
+    ///
+    /// # Errors
+    /// As [`CrossAttention::attend`]; [`AttnError::Argument`] naming
+    /// `groups` when there is none or their rows do not add up to the
+    /// queries'.
+    pub fn attend_groups(
+        &self,
+        queries: &Tensor,
+        groups: &[CrossGroup<'_>],
+        weights: Weights,
+    ) -> Result<GroupedOutput> {
         let (b, t) = self
             .core
             .check_input("queries", queries, self.cfg.query_dim, "query_dim")?;
-        if kv.batch() == 0 || b % kv.batch() != 0 {
-            return Err(AttnError::Shape {
-                arg: "queries",
-                expected: format!(
-                    "(a multiple of the memory batch {}, q_len, {})",
-                    kv.batch(),
-                    self.cfg.query_dim
-                ),
-                actual: queries.dims().to_vec(),
-            });
-        }
+        crate::self_attn::check_group_rows(groups.iter().map(|g| g.rows), b)?;
         let hl = self.core.heads();
-        let (_, kv_heads, _, head_dim) = kv.k().dims4()?;
-        if kv_heads != hl.num_kv_heads || head_dim != hl.head_dim {
-            return Err(AttnError::Shape {
-                arg: "cross kv",
-                expected: format!("(batch, {}, len, {})", hl.num_kv_heads, hl.head_dim),
-                actual: kv.k().dims().to_vec(),
-            });
-        }
-        if let Some(m) = mask {
-            m.check(b, t, kv.len())?;
+        for g in groups {
+            let kv = g.kv;
+            if kv.batch() == 0 || g.rows % kv.batch() != 0 {
+                return Err(AttnError::Shape {
+                    arg: "queries",
+                    expected: format!(
+                        "(a multiple of the memory batch {}, q_len, {})",
+                        kv.batch(),
+                        self.cfg.query_dim
+                    ),
+                    actual: vec![g.rows, t, self.cfg.query_dim],
+                });
+            }
+            let (_, kv_heads, _, head_dim) = kv.k().dims4()?;
+            if kv_heads != hl.num_kv_heads || head_dim != hl.head_dim {
+                return Err(AttnError::Shape {
+                    arg: "cross kv",
+                    expected: format!("(batch, {}, len, {})", hl.num_kv_heads, hl.head_dim),
+                    actual: kv.k().dims().to_vec(),
+                });
+            }
+            if let Some(m) = g.mask {
+                m.check(g.rows, t, kv.len())?;
+            }
         }
         // (b, t, inner) -> (b, heads, t, head_dim)
         let q = self.core.queries(queries, b, t)?;
-        self.core.attend(&q, kv.k(), kv.v(), mask, weights, b, t)
+        let parts: Vec<GroupKv> = groups
+            .iter()
+            .map(|g| GroupKv {
+                rows: g.rows,
+                k: g.kv.k().clone(),
+                v: g.kv.v().clone(),
+                mask: g.mask.cloned(),
+            })
+            .collect();
+        self.core.attend_groups(&q, &parts, weights, t)
     }
 
     /// Cross-attention of `queries` over `memory`, projected on the spot

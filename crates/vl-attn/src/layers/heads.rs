@@ -9,7 +9,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 
-use crate::attention::{self, AttnOutput, Backend, Weights};
+use crate::attention::{self, AttnOutput, Backend, GroupedOutput, Weights};
 use crate::dropout::{Dropout, Mode};
 use crate::error::{check_dtype_device, AttnError, Result};
 use crate::mask::Mask;
@@ -267,23 +267,101 @@ impl AttnCore {
         b: usize,
         t: usize,
     ) -> Result<AttnOutput> {
-        let AttnOutput { output, weights } = attention::attention_with_dropout(
-            q,
-            k,
-            v,
-            mask,
-            self.heads.scale(),
-            self.backend,
-            weights,
-            (self.attn_dropout, &self.mode),
-        )?;
-        let out = self.o_proj.forward(&merge_heads(&output, b, t)?)?;
-        let output = match mask {
-            None => out,
-            Some(m) => out.broadcast_mul(&m.any_key(out.dtype())?)?,
+        let group = GroupKv {
+            rows: b,
+            k: k.clone(),
+            v: v.clone(),
+            mask: mask.cloned(),
         };
-        Ok(AttnOutput { output, weights })
+        let mut out = self.attend_groups(q, &[group], weights, t)?;
+        Ok(AttnOutput {
+            output: out.output,
+            weights: out.weights.pop().flatten(),
+        })
     }
+
+    /// [`AttnCore::attend`] for consecutive groups of the rows of `q (rows,
+    /// heads, t, hd)`, each over its own keys, values and mask: the
+    /// attention runs group by group, `o_proj` once over every row.
+    pub fn attend_groups(
+        &self,
+        q: &Tensor,
+        groups: &[GroupKv],
+        weights: Weights,
+        t: usize,
+    ) -> Result<GroupedOutput> {
+        let mut outputs = Vec::with_capacity(groups.len());
+        let mut group_weights = Vec::with_capacity(groups.len());
+        let mut start = 0;
+        for g in groups {
+            let q = if groups.len() == 1 {
+                q.clone()
+            } else {
+                q.narrow(0, start, g.rows)?
+            };
+            start += g.rows;
+            let AttnOutput { output, weights } = attention::attention_with_dropout(
+                &q,
+                &g.k,
+                &g.v,
+                g.mask.as_ref(),
+                self.heads.scale(),
+                self.backend,
+                weights,
+                (self.attn_dropout, &self.mode),
+            )?;
+            outputs.push(output);
+            group_weights.push(weights);
+        }
+        let output = match outputs.len() {
+            1 => outputs.pop().ok_or_else(empty_groups)?,
+            0 => return Err(empty_groups()),
+            _ => Tensor::cat(&outputs, 0)?,
+        };
+        let out = self.o_proj.forward(&merge_heads(&output, start, t)?)?;
+        // Queries with no key to attend to get exactly nothing.
+        let output = if let [GroupKv { mask: Some(m), .. }] = groups {
+            out.broadcast_mul(&m.any_key(out.dtype())?)?
+        } else if groups.iter().any(|g| g.mask.is_some()) {
+            let dtype = out.dtype();
+            let any: Vec<Tensor> = groups
+                .iter()
+                .map(|g| match &g.mask {
+                    Some(m) => Ok(m
+                        .any_key(dtype)?
+                        .broadcast_as((g.rows, t, 1))?
+                        .contiguous()?),
+                    None => Ok(Tensor::ones((g.rows, t, 1), dtype, out.device())?),
+                })
+                .collect::<Result<_>>()?;
+            out.broadcast_mul(&Tensor::cat(&any, 0)?)?
+        } else {
+            out
+        };
+        Ok(GroupedOutput {
+            output,
+            weights: group_weights,
+        })
+    }
+}
+
+fn empty_groups() -> AttnError {
+    AttnError::Argument {
+        arg: "groups",
+        reason: "expected at least one group of rows".into(),
+    }
+}
+
+/// One group of a grouped attention call: its row count and what its rows
+/// attend to.
+#[derive(Debug, Clone)]
+pub(crate) struct GroupKv {
+    pub rows: usize,
+    /// `(rows | divisor of rows, kv_heads, k_len, head_dim)`.
+    pub k: Tensor,
+    pub v: Tensor,
+    /// `(rows | 1, t | 1, k_len)`.
+    pub mask: Option<Mask>,
 }
 
 /// `(b, t, heads * head_dim)` -> `(b, heads, t, head_dim)`, contiguous.

@@ -7,11 +7,11 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
 use candle_nn::VarBuilder;
 
-use crate::attention::{AttnOutput, Backend, Weights};
+use crate::attention::{AttnOutput, Backend, GroupedOutput, Weights};
 use crate::cache::KvCache;
 use crate::dropout::{Dropout, Mode};
-use crate::error::Result;
-use crate::heads::{AttnCore, CoreDims};
+use crate::error::{AttnError, Result};
+use crate::heads::{AttnCore, CoreDims, GroupKv};
 use crate::mask::{self, Mask};
 use crate::proj::Proj;
 
@@ -265,16 +265,64 @@ impl CausalSelfAttention {
         weights: Weights,
     ) -> Result<AttnOutput> {
         let (q, k, v, b, t) = self.project(x)?;
-        let offset = cache.as_ref().map_or(0, |c| c.len());
-        if let Some(m) = key_mask {
-            m.check(b, t, offset + t)?;
+        let group = cached_group(b, t, k, v, cache, key_mask, x.device())?;
+        let mut out = self.core.attend_groups(&q, &[group], weights, t)?;
+        Ok(AttnOutput {
+            output: out.output,
+            weights: out.weights.pop().flatten(),
+        })
+    }
+
+    /// [`CausalSelfAttention::attend`] for rows in groups that decode at
+    /// different positions, each with its own cache (e.g. requests that
+    /// joined a running batch at different steps): the projections run
+    /// once over every row, the attention group by group over each cache.
+    /// Each row's output is what [`CausalSelfAttention::attend`] gives it in
+    /// its group alone, up to the products' rounding for another row count.
+    ///
+    /// # Shapes
+    /// - `x: (rows, new, hidden)`, `rows` the sum of the groups' rows, in
+    ///   their order
+    /// - each group's `key_mask`: `(rows | 1, new | 1, p + new)` over its
+    ///   keys after the append (`p` = its cache's length)
+    /// - returns `output (rows, new, hidden)` and, per group, `weights
+    ///   (rows, heads, new, p + new)`
+    ///
+    /// # Errors
+    /// As [`CausalSelfAttention::attend`]; [`AttnError::Argument`] naming
+    /// `groups` when there is none or their rows do not add up to `x`'s.
+    /// Shapes and masks are checked before any cache is appended to; a
+    /// cache whose buffer does not fit its group's keys fails its own
+    /// append, after the groups before it appended theirs.
+    pub fn attend_groups(
+        &self,
+        x: &Tensor,
+        groups: &mut [CacheGroup<'_>],
+        weights: Weights,
+    ) -> Result<GroupedOutput> {
+        let (q, k, v, b, t) = self.project(x)?;
+        check_group_rows(groups.iter().map(|g| g.rows), b)?;
+        for g in groups.iter() {
+            if let Some(m) = g.key_mask {
+                m.check(g.rows, t, g.cache.len() + t)?;
+            }
         }
-        let (k, v) = match cache {
-            Some(cache) => cache.append(&k, &v)?,
-            None => (k, v),
-        };
-        let mask = combined_mask(t, offset, key_mask, x.device())?;
-        self.core.attend(&q, &k, &v, mask.as_ref(), weights, b, t)
+        let mut parts = Vec::with_capacity(groups.len());
+        let mut start = 0;
+        for g in groups.iter_mut() {
+            let (k, v) = (k.narrow(0, start, g.rows)?, v.narrow(0, start, g.rows)?);
+            start += g.rows;
+            parts.push(cached_group(
+                g.rows,
+                t,
+                k,
+                v,
+                Some(&mut *g.cache),
+                g.key_mask,
+                x.device(),
+            )?);
+        }
+        self.core.attend_groups(&q, &parts, weights, t)
     }
 
     /// [`CausalSelfAttention::attend`] over `x` alone, without the weights.
@@ -285,6 +333,65 @@ impl CausalSelfAttention {
     pub fn forward(&self, x: &Tensor, key_mask: Option<&Mask>) -> Result<Tensor> {
         Ok(self.attend(x, None, key_mask, Weights::Skip)?.output)
     }
+}
+
+/// One group of rows of [`CausalSelfAttention::attend_groups`]: how many,
+/// their cache and their key mask.
+#[derive(Debug)]
+pub struct CacheGroup<'a> {
+    /// Rows of the group.
+    pub rows: usize,
+    /// Its keys and values so far, `(rows, kv_heads, p, head_dim)`.
+    pub cache: &'a mut KvCache,
+    /// Its key mask, combined with causality.
+    pub key_mask: Option<&'a Mask>,
+}
+
+/// Checks that groups of `rows` add up to `total` rows, with at least one
+/// group.
+pub(crate) fn check_group_rows(rows: impl Iterator<Item = usize>, total: usize) -> Result<()> {
+    let (mut n, mut sum) = (0usize, 0usize);
+    for r in rows {
+        n += 1;
+        sum = sum.saturating_add(r);
+    }
+    if n == 0 || sum != total {
+        return Err(AttnError::Argument {
+            arg: "groups",
+            reason: format!(
+                "expected groups whose rows add up to {total}, got {n} groups of {sum} rows"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// A group's keys and values after appending the new ones to its cache
+/// (if any), and its mask: causality after the cached keys, and'ed with
+/// the key mask (checked against the keys after the append).
+fn cached_group(
+    rows: usize,
+    t: usize,
+    k: Tensor,
+    v: Tensor,
+    cache: Option<&mut KvCache>,
+    key_mask: Option<&Mask>,
+    device: &Device,
+) -> Result<GroupKv> {
+    let offset = cache.as_ref().map_or(0, |c| c.len());
+    if let Some(m) = key_mask {
+        m.check(rows, t, offset + t)?;
+    }
+    let (k, v) = match cache {
+        Some(cache) => cache.append(&k, &v)?,
+        None => (k, v),
+    };
+    Ok(GroupKv {
+        rows,
+        k,
+        v,
+        mask: combined_mask(t, offset, key_mask, device)?,
+    })
 }
 
 /// The causal mask for `t` queries after `offset` keys, and'ed with the

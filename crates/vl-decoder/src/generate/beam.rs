@@ -272,6 +272,148 @@ impl ImageSearch {
     }
 }
 
+impl Params {
+    /// The settings of `cfg`'s beam search for `images` images after a
+    /// prefix of `prefix_len` tokens, and the stop reason of a search that
+    /// reaches its last token.
+    fn new(
+        model: &VisionLanguageDecoder,
+        cfg: &GenerationConfig,
+        images: usize,
+        prefix_len: usize,
+    ) -> Result<(Self, StopReason)> {
+        let Strategy::Beam {
+            num_beams,
+            length_penalty,
+            early_stopping,
+        } = cfg.strategy
+        else {
+            return arg_err("strategy", "beam search needs Strategy::Beam");
+        };
+        let max_positions = model.config().max_position_embeddings;
+        let vocab = model.config().vocab_size;
+        let per_beam = 2.max(1 + cfg.eos_token_ids.len());
+        if vocab < per_beam {
+            return arg_err(
+                "eos_token_ids",
+                format!(
+                    "beam search keeps {per_beam} * num_beams candidates per step, more than the \
+                     vocabulary size {vocab} * num_beams"
+                ),
+            );
+        }
+        // Every row is one beam of one image, indexed by u32.
+        let beams_to_keep = per_beam.checked_mul(num_beams);
+        let (Some(beams_to_keep), Some(_)) = (beams_to_keep, decode_rows(images, num_beams)) else {
+            return arg_err(
+                "num_beams",
+                format!(
+                    "expected at most {} beams per image ({images} images, {per_beam} candidates \
+                     kept per beam), got {num_beams}",
+                    (MAX_ROWS / images).min(usize::MAX / per_beam)
+                ),
+            );
+        };
+        let p = Params {
+            num_beams,
+            length_penalty,
+            early_stopping,
+            // The prefix takes positions of its own (the start token's is
+            // counted as a generated one's, as before).
+            max_new: cfg
+                .max_new_tokens
+                .min(max_positions.saturating_sub(prefix_len.saturating_sub(1))),
+            beams_to_keep,
+        };
+        let limit = if p.max_new < cfg.max_new_tokens {
+            StopReason::MaxPositions
+        } else {
+            StopReason::MaxNewTokens
+        };
+        Ok((p, limit))
+    }
+}
+
+/// One image's beam search with its settings: what a decode loop drives.
+pub(crate) struct BeamSearch {
+    search: ImageSearch,
+    p: Params,
+    limit: StopReason,
+}
+
+impl BeamSearch {
+    /// A search of `cfg` (beam search) over one image after `prefix_len`
+    /// tokens.
+    pub(crate) fn new(
+        model: &VisionLanguageDecoder,
+        cfg: &GenerationConfig,
+        prefix_len: usize,
+    ) -> Result<Self> {
+        let (p, limit) = Params::new(model, cfg, 1, prefix_len)?;
+        Ok(Self {
+            search: ImageSearch::new(p.num_beams),
+            p,
+            limit,
+        })
+    }
+
+    /// Beams, the search's rows.
+    pub(crate) fn beams(&self) -> usize {
+        self.p.num_beams
+    }
+
+    /// One step: see [`advance`].
+    pub(crate) fn advance(
+        &mut self,
+        log_probs: Vec<Vec<f32>>,
+        weights: &[Option<Vec<f32>>],
+        prefix: &[u32],
+        cfg: &GenerationConfig,
+    ) -> (Vec<(usize, u32)>, Option<Generated>) {
+        advance(
+            &mut self.search,
+            log_probs,
+            weights,
+            prefix,
+            &self.p,
+            cfg,
+            self.limit,
+        )
+    }
+}
+
+/// One step of an image's search over its beams' log-probabilities
+/// `(num_beams, vocab)` (processed here) and cross-attention weights: the
+/// new running beams as `(source beam, token)`, and the result when the
+/// search ended.
+fn advance(
+    search: &mut ImageSearch,
+    mut log_probs: Vec<Vec<f32>>,
+    weights: &[Option<Vec<f32>>],
+    prefix: &[u32],
+    p: &Params,
+    cfg: &GenerationConfig,
+    limit: StopReason,
+) -> (Vec<(usize, u32)>, Option<Generated>) {
+    for (row, beam) in log_probs.iter_mut().zip(&search.running) {
+        process(row, prefix, beam, cfg);
+    }
+    let chosen = search.step(&log_probs, weights, p, cfg);
+    let result = search.done.then(|| search.result(cfg, p, limit));
+    (chosen, result)
+}
+
+/// Streams a finished search's tokens as `image`'s.
+pub(crate) fn stream(g: &Generated, image: usize, on_token: &mut dyn FnMut(TokenEvent)) {
+    for (index, &token) in g.tokens.iter().enumerate() {
+        on_token(TokenEvent {
+            image,
+            token,
+            index,
+        });
+    }
+}
+
 /// Beam search over every image at once: `num_beams` rows per image.
 ///
 /// Each image's best hypothesis is streamed to `on_token` when that image's
@@ -284,55 +426,9 @@ pub(crate) fn decode(
     prefix: &[u32],
     on_token: &mut dyn FnMut(TokenEvent),
 ) -> Result<Vec<Generated>> {
-    let Strategy::Beam {
-        num_beams,
-        length_penalty,
-        early_stopping,
-    } = cfg.strategy
-    else {
-        return arg_err("strategy", "beam search needs Strategy::Beam");
-    };
-    let max_positions = model.config().max_position_embeddings;
-    let vocab = model.config().vocab_size;
-    let per_beam = 2.max(1 + cfg.eos_token_ids.len());
-    if vocab < per_beam {
-        return arg_err(
-            "eos_token_ids",
-            format!(
-                "beam search keeps {per_beam} * num_beams candidates per step, more than the \
-                 vocabulary size {vocab} * num_beams"
-            ),
-        );
-    }
-    // Every row is one beam of one image, indexed by u32.
     let images = image.images().max(1);
-    let beams_to_keep = per_beam.checked_mul(num_beams);
-    let (Some(beams_to_keep), Some(_)) = (beams_to_keep, decode_rows(images, num_beams)) else {
-        return arg_err(
-            "num_beams",
-            format!(
-                "expected at most {} beams per image ({images} images, {per_beam} candidates \
-                 kept per beam), got {num_beams}",
-                (MAX_ROWS / images).min(usize::MAX / per_beam)
-            ),
-        );
-    };
-    let p = Params {
-        num_beams,
-        length_penalty,
-        early_stopping,
-        // The prefix takes positions of its own (the start token's is
-        // counted as a generated one's, as before).
-        max_new: cfg
-            .max_new_tokens
-            .min(max_positions.saturating_sub(prefix.len() - 1)),
-        beams_to_keep,
-    };
-    let limit = if p.max_new < cfg.max_new_tokens {
-        StopReason::MaxPositions
-    } else {
-        StopReason::MaxNewTokens
-    };
+    let (p, limit) = Params::new(model, cfg, images, prefix.len())?;
+    let num_beams = p.num_beams;
     let mut state = model.start(image, num_beams)?;
     let rows = state.rows();
     let mut searches: Vec<ImageSearch> = (0..rows / num_beams)
@@ -346,42 +442,26 @@ pub(crate) fn decode(
         next.truncate(rows);
         let (logits, weights) =
             super::step_last(model, &mut state, &input, cfg.cross_attention_of)?; // (rows, vocab)
-        let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?.to_vec2::<f32>()?;
+        let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        let (log_probs, weights) = super::sampling::rows_of(&log_probs, weights)?;
         let mut log_probs = log_probs.into_iter();
-        let mut weights = match weights {
-            Some(w) => w.to_vec2::<f32>()?.into_iter().map(Some).collect(), // (rows, image_len)
-            None => vec![None; rows],
-        }
-        .into_iter();
+        let mut weights = weights.into_iter();
         let mut order: Vec<u32> = (0..rows as u32).collect();
         for (i, search) in searches.iter_mut().enumerate() {
-            let mut block: Vec<Vec<f32>> = log_probs.by_ref().take(num_beams).collect(); // (num_beams, vocab)
+            let block: Vec<Vec<f32>> = log_probs.by_ref().take(num_beams).collect(); // (num_beams, vocab)
             let block_weights: Vec<Option<Vec<f32>>> = weights.by_ref().take(num_beams).collect();
             let first = i * num_beams;
             if search.done {
                 next[first..first + num_beams].fill(cfg.pad_token_id);
                 continue;
             }
-            for (row, beam) in block.iter_mut().zip(&search.running) {
-                process(row, prefix, beam, cfg);
-            }
-            for (j, (src, token)) in search
-                .step(&block, &block_weights, &p, cfg)
-                .into_iter()
-                .enumerate()
-            {
+            let (chosen, result) = advance(search, block, &block_weights, prefix, &p, cfg, limit);
+            for (j, (src, token)) in chosen.into_iter().enumerate() {
                 order[first + j] = (first + src) as u32;
                 next[first + j] = token;
             }
-            if search.done {
-                let g = search.result(cfg, &p, limit);
-                for (index, &token) in g.tokens.iter().enumerate() {
-                    on_token(TokenEvent {
-                        image: i,
-                        token,
-                        index,
-                    });
-                }
+            if let Some(g) = result {
+                stream(&g, i, on_token);
                 results[i] = Some(g);
             }
         }
