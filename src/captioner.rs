@@ -11,7 +11,9 @@ use std::path::{Path, PathBuf};
 
 use candle_core::Tensor;
 use image::{DynamicImage, RgbImage};
-use vl_decoder::{generate_from, GenerationConfig, TokenEvent};
+use vl_decoder::{
+    generate_from, step_decodings, Decoding, Generated, GenerationConfig, TokenEvent,
+};
 use vl_vision::preprocess::load_image;
 
 use crate::checkpoint::{LoadOptions, Source};
@@ -173,12 +175,42 @@ impl<'a> Request<'a> {
 }
 
 /// Where a request's prompt goes.
+#[derive(Debug)]
 enum Prompted {
     /// After the decoder's start token (BLIP), or nowhere.
     Decoder(Vec<u32>),
     /// Into the text encoder after the image tokens (Florence-2), with the
     /// task whose output is parsed.
     Encoder { ids: Vec<u32>, task: Option<Task> },
+}
+
+/// One image's caption in progress: started by [`Captioner::start`],
+/// advanced by [`Captioner::step`] with any others, turned into its
+/// [`Caption`] by [`Captioner::finish`] once [`Captioning::is_done`].
+#[derive(Debug)]
+pub struct Captioning {
+    decoding: Decoding,
+    prompted: Prompted,
+    size: (u32, u32),
+    /// The vision encoder's tokens per image.
+    image_len: usize,
+}
+
+impl Captioning {
+    /// Whether the caption has ended.
+    pub fn is_done(&self) -> bool {
+        self.decoding.generated().is_some()
+    }
+
+    /// Decoder rows it takes in a step: 1, or its beams.
+    pub fn rows(&self) -> usize {
+        self.decoding.rows()
+    }
+
+    /// Tokens fed so far.
+    pub fn position(&self) -> usize {
+        self.decoding.position()
+    }
 }
 
 /// One input's outcome, handed to [`Captioner::caption_each`]'s callback
@@ -494,8 +526,7 @@ impl Captioner {
         prompted: &Prompted,
         on_token: &mut dyn FnMut(TokenEvent),
     ) -> Result<Vec<Caption>> {
-        let vision = self.model.vision()?;
-        let image_tokens = vision.encode(pixels)?;
+        let image_tokens = self.model.vision()?.encode(pixels)?;
         let image_len = image_tokens.dim(1)?;
         let (memory, prompt_ids) = match prompted {
             Prompted::Decoder(ids) => (image_tokens, ids.as_slice()),
@@ -504,14 +535,29 @@ impl Captioner {
                 &[] as &[u32],
             ),
         };
-        let decoder = &self.model.decoder;
-        let ctx = decoder.image_context(&memory, None)?;
-        let generated = generate_from(decoder, &ctx, gen, prompt_ids, on_token)?;
+        let ctx = self.model.decoder.image_context(&memory, None)?;
+        let generated = generate_from(&self.model.decoder, &ctx, gen, prompt_ids, on_token)?;
+        generated
+            .into_iter()
+            .zip(sizes)
+            .map(|(g, &size)| self.caption_of(g, prompted, size, image_len))
+            .collect()
+    }
+
+    /// A generation's caption: its text as the model's processor decodes
+    /// it, a task's parsed output, its heatmaps over the patches.
+    fn caption_of(
+        &self,
+        g: Generated,
+        prompted: &Prompted,
+        size: (u32, u32),
+        image_len: usize,
+    ) -> Result<Caption> {
         // Image tokens before the patches: CLS (and DeiT's distillation
         // token), DaViT's pooled token; heatmaps are refused for resampled
         // tokens. A text encoder's memory has the prompt after the patches.
-        let prefix = vision.patches_from().unwrap_or(0);
-        let patches = prefix..image_len.max(prefix);
+        let from = self.model.vision()?.patches_from().unwrap_or(0);
+        let patches = from..image_len.max(from);
         let decode = |ids: &[u32], skip_special: bool| {
             self.model
                 .tokenizer
@@ -521,50 +567,159 @@ impl Captioner {
                     reason: format!("cannot decode {ids:?}: {e}"),
                 })
         };
-        let task_cfg = self.model.config.tasks.clone().unwrap_or_default();
-        generated
-            .into_iter()
-            .zip(sizes)
-            .map(|(g, &size)| {
-                let (text, task) = match prompted {
-                    // The prompt's words, then the caption (the start token
-                    // is special, skipped either way).
-                    Prompted::Decoder(ids) => {
-                        let all: Vec<u32> = ids.iter().chain(&g.tokens).copied().collect();
-                        (decode(&all, true)?, None)
-                    }
-                    // As the processor: decoded with the special tokens
-                    // (locations among them), then parsed for the task.
-                    Prompted::Encoder { task, .. } => {
-                        let raw = decode(&g.tokens, false)?;
-                        let parsed = task.map(|t| crate::tasks::parse(&raw, t, size, &task_cfg));
-                        let text = match &parsed {
-                            Some(TaskOutput::Text(t)) => t.clone(),
-                            _ => raw
-                                .replace("<s>", "")
-                                .replace("</s>", "")
-                                .trim()
-                                .to_string(),
-                        };
-                        (text, parsed)
-                    }
+        let (text, task) = match prompted {
+            // The prompt's words, then the caption (the start token is
+            // special, skipped either way).
+            Prompted::Decoder(ids) => {
+                let all: Vec<u32> = ids.iter().chain(&g.tokens).copied().collect();
+                (decode(&all, true)?, None)
+            }
+            // As the processor: decoded with the special tokens (locations
+            // among them), then parsed for the task.
+            Prompted::Encoder { task, .. } => {
+                let raw = decode(&g.tokens, false)?;
+                let task_cfg = self.model.config.tasks.clone().unwrap_or_default();
+                let parsed = task.map(|t| crate::tasks::parse(&raw, t, size, &task_cfg));
+                let text = match &parsed {
+                    Some(TaskOutput::Text(t)) => t.clone(),
+                    _ => raw
+                        .replace("<s>", "")
+                        .replace("</s>", "")
+                        .trim()
+                        .to_string(),
                 };
-                Ok(Caption {
-                    text,
-                    token_ids: g.tokens,
-                    heatmaps: g
-                        .cross_attention
-                        .into_iter()
-                        .map(|w| {
-                            w.get(patches.clone())
-                                .map(<[f32]>::to_vec)
-                                .unwrap_or_default()
-                        })
-                        .collect(),
-                    task,
+                (text, parsed)
+            }
+        };
+        Ok(Caption {
+            text,
+            token_ids: g.tokens,
+            heatmaps: g
+                .cross_attention
+                .into_iter()
+                .map(|w| {
+                    w.get(patches.clone())
+                        .map(<[f32]>::to_vec)
+                        .unwrap_or_default()
                 })
+                .collect(),
+            task,
+        })
+    }
+
+    /// Starts captioning each image of `pixels` (from
+    /// [`Captioner::pixels`]) with its own request, for a caller that
+    /// advances captions step by step and lets new ones join between steps
+    /// ([`Captioner::step`]): the images are encoded together and each
+    /// one's keys and values projected once. `sizes` holds each original
+    /// image's (width, height) for a task's locations.
+    ///
+    /// A request that cannot start (a prompt that does not fit, settings
+    /// the model refuses) is its own error; the others start.
+    ///
+    /// # Errors
+    /// [`Error::Argument`] naming `sizes` or `requests` when they do not
+    /// have one entry per image; encoding errors, which fail every image.
+    pub fn start(
+        &self,
+        pixels: &[Tensor],
+        sizes: &[(u32, u32)],
+        requests: &[Request],
+    ) -> Result<Vec<Result<Captioning>>> {
+        for (arg, n) in [("sizes", sizes.len()), ("requests", requests.len())] {
+            if n != pixels.len() {
+                return arg_err(arg, format!("{n} entries for {} images", pixels.len()));
+            }
+        }
+        if pixels.is_empty() {
+            return Ok(Vec::new());
+        }
+        let prompted: Vec<Result<Prompted>> = requests.iter().map(|r| self.prompted(r)).collect();
+        let image_tokens = self.model.vision()?.encode(pixels)?;
+        let image_len = image_tokens.dim(1)?;
+        let decoder = &self.model.decoder;
+        // Prompts for the decoder share one projection of every image;
+        // a text encoder reads each image with its own prompt.
+        let shared = if prompted
+            .iter()
+            .any(|p| matches!(p, Ok(Prompted::Decoder(_))))
+        {
+            decoder.image_context(&image_tokens, None)?.split()?
+        } else {
+            Vec::new()
+        };
+        let start = |i: usize, prompted: Prompted| -> Result<Captioning> {
+            let gen = &requests[i].generation;
+            let decoding = match &prompted {
+                Prompted::Decoder(ids) => Decoding::start(decoder, &shared[i], gen, ids)?,
+                Prompted::Encoder { ids, .. } => {
+                    let memory = self
+                        .model
+                        .encoder_memory(&image_tokens.narrow(0, i, 1)?, ids)?;
+                    let ctx = decoder.image_context(&memory, None)?;
+                    Decoding::start(decoder, &ctx, gen, &[])?
+                }
+            };
+            Ok(Captioning {
+                decoding,
+                prompted,
+                size: sizes[i],
+                image_len,
             })
-            .collect()
+        };
+        Ok(prompted
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| start(i, p?))
+            .collect())
+    }
+
+    /// Advances every caption of `captions` that has not ended by one token
+    /// in one pass of the decoder over all their rows (see
+    /// [`vl_decoder::step_decodings`]), streaming each token with
+    /// [`TokenEvent::image`] the caption's index in `captions`. A caption's
+    /// tokens are those [`Captioner::caption_pixels_sized`] gives its image
+    /// alone with its request, up to the products' rounding for the row
+    /// count (see [`vl_decoder::VisionLanguageDecoder::step_many`]).
+    ///
+    /// # Errors
+    /// As [`vl_decoder::step_decodings`]: captions recording heatmaps of
+    /// different blocks cannot step together.
+    pub fn step(
+        &self,
+        captions: &mut [&mut Captioning],
+        on_token: &mut dyn FnMut(TokenEvent),
+    ) -> Result<()> {
+        let mut decodings: Vec<&mut Decoding> =
+            captions.iter_mut().map(|c| &mut c.decoding).collect();
+        Ok(step_decodings(
+            &self.model.decoder,
+            &mut decodings,
+            on_token,
+        )?)
+    }
+
+    /// The caption of one that ended, as [`Captioner::caption_pixels_sized`]
+    /// returns it.
+    ///
+    /// # Errors
+    /// [`Error::Argument`] naming `captioning` when it has not ended;
+    /// tokenizer errors.
+    pub fn finish(&self, captioning: Captioning) -> Result<Caption> {
+        let Captioning {
+            decoding,
+            prompted,
+            size,
+            image_len,
+        } = captioning;
+        let position = decoding.position();
+        match decoding.into_generated() {
+            Some(g) => self.caption_of(g, &prompted, size, image_len),
+            None => arg_err(
+                "captioning",
+                format!("it has not ended (at position {position})"),
+            ),
+        }
     }
 
     /// The block whose cross-attention the heatmaps show: the last one that

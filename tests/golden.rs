@@ -125,3 +125,75 @@ fn borrowed_pixels_caption_as_the_image() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Captions started at different steps and stepped together, each with
+/// its own settings (greedy, beams, heatmaps or not), are the captions
+/// that `caption_pixels` gives each image alone: text, ids and heatmaps.
+#[test]
+fn captions_joining_a_running_batch_equal_each_alone() -> anyhow::Result<()> {
+    use vl::captioner::Captioning;
+    use vl::vl_decoder::Strategy;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let captioner = Captioner::load(&root.join(MODEL), &LoadOptions::default())?;
+    let greedy = captioner.greedy_config(15);
+    let maps = captioner.with_heatmaps(&greedy)?;
+    let beams = greedy.clone().with_strategy(Strategy::beam(3));
+    let settings = [greedy.clone(), beams, maps, greedy];
+    let pixels: Vec<candle_core::Tensor> = (0..6)
+        .map(|i| {
+            let img = load_image(&root.join(MODEL).join(format!("samples/scene_000{i}.png")))?;
+            captioner.pixels(&img).map_err(anyhow::Error::from)
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let side = captioner.model().vision()?.spec().image_size as u32;
+    let mut running: Vec<(usize, Captioning)> = Vec::new();
+    let mut got = vec![None; pixels.len()];
+    let mut joined = 0;
+    for step in 0..40 {
+        // Two images join at step 0, then one every other step.
+        let new: Vec<usize> = match step {
+            0 => vec![0, 1],
+            s if s % 2 == 0 && s / 2 + 1 < pixels.len() => vec![s / 2 + 1],
+            _ => vec![],
+        };
+        let requests: Vec<Request> = new
+            .iter()
+            .map(|&i| Request::new(settings[i % settings.len()].clone()))
+            .collect();
+        let batch: Vec<_> = new.iter().map(|&i| pixels[i].clone()).collect();
+        for (&i, c) in
+            new.iter()
+                .zip(captioner.start(&batch, &vec![(side, side); new.len()], &requests)?)
+        {
+            running.push((i, c?));
+            joined += 1;
+        }
+        let mut refs: Vec<&mut Captioning> = running.iter_mut().map(|(_, c)| c).collect();
+        captioner.step(&mut refs, &mut |_| {})?;
+        for (i, c) in std::mem::take(&mut running) {
+            if c.is_done() {
+                got[i] = Some(captioner.finish(c)?);
+            } else {
+                running.push((i, c));
+            }
+        }
+    }
+    assert_eq!(joined, pixels.len());
+    for (i, got) in got.into_iter().enumerate() {
+        let got = got.ok_or_else(|| anyhow::anyhow!("image {i} did not end"))?;
+        let request = Request::new(settings[i % settings.len()].clone());
+        let alone = captioner.caption_pixels(&pixels[i..=i], &request, &mut |_| {})?;
+        assert_eq!(got.text, alone[0].text, "image {i}");
+        assert_eq!(got.token_ids, alone[0].token_ids, "image {i}");
+        assert_eq!(got.heatmaps.len(), alone[0].heatmaps.len(), "image {i}");
+        for (a, b) in got.heatmaps.iter().zip(&alone[0].heatmaps) {
+            let d = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(d < 1e-5, "image {i}: heatmap differs by {d}");
+        }
+    }
+    Ok(())
+}

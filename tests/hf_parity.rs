@@ -198,3 +198,63 @@ fn config_errors_name_the_field_and_file() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// A request that joins a running batch: stepped together with one three
+/// tokens ahead over another image, each one's logits equal those of its
+/// own step alone within the parity tolerance — and transformers' greedy
+/// ids come out of the joined steps.
+#[test]
+fn requests_joined_mid_decode_keep_their_logits() -> anyhow::Result<()> {
+    let f: Fixture<Expected> = load(FAMILY, "equal")?;
+    let pixels = &f.tensors["pixel_values"];
+    // A second image: the first, mirrored.
+    let batch = candle_core::Tensor::cat(&[pixels.clone(), pixels.flip(&[3])?], 0)?;
+    let decoder = &f.model.decoder;
+    let images = decoder
+        .image_context(&f.model.encode_pixels(&batch)?, None)?
+        .split()?;
+    let start = f.model.generation.start_token_id;
+    let greedy = &f.expected.greedy;
+    let ids = |t: &[u32]| candle_core::Tensor::new(t, &Device::Cpu)?.unsqueeze(0);
+    let mut ahead = decoder.start(&images[0], 1)?;
+    let mut ahead_alone = decoder.start(&images[0], 1)?;
+    let prefix: Vec<u32> = std::iter::once(start)
+        .chain(greedy[..3].iter().copied())
+        .collect();
+    for s in [&mut ahead, &mut ahead_alone] {
+        decoder.step(s, &ids(&prefix)?, vl::vl_decoder::StepOptions::last())?;
+    }
+    let mut joined = decoder.start(&images[1], 1)?;
+    let mut joined_alone = decoder.start(&images[1], 1)?;
+    let mut worst = 0f32;
+    let (mut a_next, mut b_next) = (greedy[3], start);
+    for _ in 0..6 {
+        let (ta, tb) = (ids(&[a_next])?, ids(&[b_next])?);
+        let opts = vl::vl_decoder::StepOptions::last();
+        let together = decoder.step_many(
+            &mut [&mut ahead, &mut joined],
+            &[ta.clone(), tb.clone()],
+            opts,
+        )?;
+        let alone = [
+            decoder.step(&mut ahead_alone, &ta, opts)?,
+            decoder.step(&mut joined_alone, &tb, opts)?,
+        ];
+        for (t, a) in together.iter().zip(&alone) {
+            worst = worst.max(max_abs_diff(&t.values, &a.values)?);
+        }
+        let next = |t: &vl::vl_decoder::StepOutput| -> anyhow::Result<u32> {
+            Ok(t.values.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?[0])
+        };
+        a_next = next(&together[0])?;
+        b_next = next(&together[1])?;
+        let a_pos = ahead.position() - 1; // tokens after the start token
+        assert_eq!(
+            a_next, greedy[a_pos],
+            "the request ahead left transformers' ids"
+        );
+    }
+    eprintln!("joined mid-decode: logits max abs diff {worst:e}");
+    assert!(worst <= parity::TOL, "logits differ by {worst}");
+    Ok(())
+}

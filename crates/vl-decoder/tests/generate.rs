@@ -875,11 +875,14 @@ fn decodings_joining_a_running_batch_equal_each_image_alone() -> Result<()> {
             vec![5],
             5,
         ),
+        // Long, past the position limit, recording no cross-attention
+        // while the others do.
         (
             1,
             GenerationConfig {
                 max_new_tokens: 30,
                 eos_token_ids: vec![],
+                cross_attention_of: None,
                 ..base.clone()
             },
             vec![],
@@ -973,8 +976,13 @@ fn decodings_refuse_what_cannot_step_together() -> Result<()> {
         cross_attention_of: Some(0),
         ..gen.clone()
     };
+    let other_maps = GenerationConfig {
+        cross_attention_of: Some(1),
+        ..gen.clone()
+    };
     let mut b = Decoding::start(&t.model, &images[1], &with_maps, &[])?;
-    let err = step_decodings(&t.model, &mut [&mut a, &mut b], &mut |_| {}).err();
+    let mut b2 = Decoding::start(&t.model, &images[1], &other_maps, &[])?;
+    let err = step_decodings(&t.model, &mut [&mut a, &mut b, &mut b2], &mut |_| {}).err();
     assert!(
         matches!(
             &err,

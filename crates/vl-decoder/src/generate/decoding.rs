@@ -200,7 +200,7 @@ impl Decoding {
 /// # Errors
 /// As [`VisionLanguageDecoder::step_many`] (every decoding reads an image,
 /// or none does); [`crate::DecoderError::Argument`] naming `decodings`
-/// when they do not all ask for the same block's cross-attention weights.
+/// when two record the cross-attention weights of different blocks.
 pub fn step_decodings(
     model: &VisionLanguageDecoder,
     decodings: &mut [&mut Decoding],
@@ -209,17 +209,19 @@ pub fn step_decodings(
     let live: Vec<usize> = (0..decodings.len())
         .filter(|&i| decodings[i].result.is_none())
         .collect();
-    let Some(&first) = live.first() else {
+    if live.is_empty() {
         return Ok(());
-    };
-    let weights_of = decodings[first].cfg.cross_attention_of;
-    if live
+    }
+    // The block whose weights some decoding records: the step computes
+    // them for every row, and those that record none drop them.
+    let mut asked = live
         .iter()
-        .any(|&i| decodings[i].cfg.cross_attention_of != weights_of)
-    {
+        .filter_map(|&i| decodings[i].cfg.cross_attention_of);
+    let weights_of = asked.next();
+    if asked.any(|layer| Some(layer) != weights_of) {
         return arg_err(
             "decodings",
-            "expected every decoding to ask for the same block's cross-attention weights",
+            "expected the decodings that record cross-attention to record the same block's",
         );
     }
     let options = StepOptions {
@@ -253,7 +255,10 @@ pub fn step_decodings(
             model.step_many(&mut states, &inputs, options)?
         };
         for (&i, out) in group.iter().zip(outputs) {
-            let weights = super::mean_heads(out.weights)?;
+            let weights = match decodings[i].cfg.cross_attention_of {
+                Some(_) => super::mean_heads(out.weights)?,
+                None => None,
+            };
             decodings[i].advance(&out.values, weights, i, max_positions, on_token)?;
         }
     }
