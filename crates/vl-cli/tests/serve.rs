@@ -212,6 +212,11 @@ fn answers_equal_vl_caption_and_bad_input_is_named() {
             "max_tokens",
         ),
         (
+            request(&urls[0], json!({"max_tokens": 4, "min_tokens": 5})),
+            400,
+            "min_tokens",
+        ),
+        (
             request(&urls[0], json!({"temperature": 3.0})),
             400,
             "temperature",

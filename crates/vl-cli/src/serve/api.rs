@@ -78,7 +78,8 @@ impl IntoResponse for ApiError {
 }
 
 /// `POST /v1/chat/completions`'s body. Unknown fields are ignored, as
-/// OpenAI-compatible servers do; vl's own are `num_beams` and `task`.
+/// OpenAI-compatible servers do; vl's own are `min_tokens`, `num_beams`,
+/// `task` and `attention_map`.
 #[derive(Debug, Deserialize)]
 pub struct ChatRequest {
     /// The served model's id (`GET /v1/models`); absent = the served one.
@@ -107,6 +108,10 @@ pub struct ChatRequest {
     /// Server-sent events, one chunk per token.
     #[serde(default)]
     pub stream: Option<bool>,
+    /// vl (as vLLM's extra parameter): generate at least this many tokens
+    /// before an end token may end the answer.
+    #[serde(default)]
+    pub min_tokens: Option<usize>,
     /// vl: beam search with this many beams.
     #[serde(default)]
     pub num_beams: Option<usize>,

@@ -257,6 +257,18 @@ fn check(req: ChatRequest, r: &Ready) -> Result<Checked, ApiError> {
         generation.max_new_tokens = n;
         generation.min_new_tokens = generation.min_new_tokens.min(n);
     }
+    if let Some(m) = req.min_tokens {
+        if m > generation.max_new_tokens {
+            return Err(ApiError::invalid(
+                "min_tokens",
+                format!(
+                    "{m} is more than the {} tokens that may be generated (max_tokens)",
+                    generation.max_new_tokens
+                ),
+            ));
+        }
+        generation.min_new_tokens = m;
+    }
     if let Some(t) = req.temperature {
         if !(0.0..=2.0).contains(&t) {
             return Err(ApiError::invalid(

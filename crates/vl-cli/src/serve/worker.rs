@@ -1,11 +1,11 @@
-//! The one thread that owns the model: it takes the queued requests,
-//! captions those that can share a batch together (the same settings,
-//! greedy or beams; a sampled request alone, so that its draws do not
-//! depend on its neighbours), and streams each request's text as its
-//! tokens are chosen.
-//!
-//! Batches form between batches: requests that arrive while one decodes
-//! wait for the next (requests do not join a running batch).
+//! The one thread that owns the model, batching continuously: requests
+//! that arrive while others decode are encoded and join the running batch
+//! at the next step boundary, whatever their settings (greedy, sampled,
+//! beams, tasks, heatmaps: each request decodes with its own search over
+//! its own image, and its tokens are those it gets alone — see
+//! `Captioner::step`); requests that end leave at once; a request whose
+//! client went away is dropped at the next step. Each request's text is
+//! streamed as its tokens are chosen.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -13,9 +13,9 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 use tokio::sync::mpsc;
-use vl::captioner::{Captioner, Request};
+use vl::captioner::{Caption, Captioner, Captioning, Request};
 use vl::tasks::Task;
-use vl::vl_decoder::{GenerationConfig, Strategy};
+use vl::vl_decoder::{GenerationConfig, TokenEvent};
 
 /// One request for the worker.
 pub struct Job {
@@ -71,7 +71,8 @@ pub struct Metrics {
     pub tokens: AtomicU64,
     /// Requests waiting for the worker.
     pub queued: AtomicUsize,
-    /// Batch sizes: counts of batches of 1, ≤2, ≤4, ≤8, ≤16, ≤32, more.
+    /// Requests decoded together, per decode step: counts of steps of 1,
+    /// ≤2, ≤4, ≤8, ≤16, ≤32, more.
     pub batches: Mutex<[u64; 7]>,
     /// Time to first token, seconds: (sum, count).
     pub ttft: Mutex<(f64, u64)>,
@@ -114,7 +115,7 @@ impl Metrics {
             "# HELP vl_queue_depth Requests waiting for the model.\n# TYPE vl_queue_depth gauge\nvl_queue_depth {}\n",
             self.queued.load(Ordering::Relaxed)
         );
-        out += "# HELP vl_batch_size Requests per batch.\n# TYPE vl_batch_size histogram\n";
+        out += "# HELP vl_batch_size Requests decoded together, per decode step.\n# TYPE vl_batch_size histogram\n";
         if let Ok(b) = self.batches.lock() {
             let mut cum = 0;
             for (i, le) in ["1", "2", "4", "8", "16", "32", "+Inf"].iter().enumerate() {
@@ -153,133 +154,373 @@ fn observe(m: &Mutex<(f64, u64)>, since: Instant) {
     }
 }
 
-/// Whether two jobs may share a batch: the same settings, not sampled.
-fn batchable(a: &Job, b: &Job) -> bool {
-    !matches!(a.generation.strategy, Strategy::Sample { .. })
-        && a.generation == b.generation
-        && a.prompt == b.prompt
-        && a.task == b.task
+/// A request being decoded: its job, its caption in progress, and what
+/// it has streamed.
+struct Running {
+    job: Job,
+    captioning: Captioning,
+    /// The ids chosen so far (beam search: none until it ends).
+    ids: Vec<u32>,
+    /// The text streamed so far.
+    sent: String,
 }
 
-/// Runs until every sender of `jobs` is gone, batching up to `max_batch`
-/// requests.
+/// Runs until every sender of `jobs` is gone and the running requests
+/// have ended: continuous batching. Between two decode steps, the
+/// requests that arrived are encoded together and join the running batch
+/// (up to `max_batch` requests); each step decodes one token of every
+/// running request in one pass of the decoder; requests that end leave,
+/// and those whose client went away are dropped.
 pub fn run(
     captioner: Captioner,
-    mut jobs: mpsc::Receiver<Job>,
+    jobs: mpsc::Receiver<Job>,
     max_batch: usize,
     metrics: Arc<Metrics>,
 ) {
-    while let Some(first) = jobs.blocking_recv() {
-        let mut waiting = vec![first];
-        while waiting.len() < max_batch {
+    run_observed(captioner, jobs, max_batch, &metrics, &mut |_| {});
+}
+
+/// [`run`], calling `before_step` with the running requests' count before
+/// each decode step (tests hold a step there to send a request mid-decode).
+fn run_observed(
+    captioner: Captioner,
+    mut jobs: mpsc::Receiver<Job>,
+    max_batch: usize,
+    metrics: &Metrics,
+    before_step: &mut dyn FnMut(usize),
+) {
+    let mut running: Vec<Running> = Vec::new();
+    let mut open = true;
+    loop {
+        // Admit: wait for work when idle, else take what has arrived.
+        let mut arrived = Vec::new();
+        if running.is_empty() {
+            match jobs.blocking_recv() {
+                Some(j) => arrived.push(j),
+                None => return,
+            }
+        }
+        while open && running.len() + arrived.len() < max_batch {
             match jobs.try_recv() {
-                Ok(j) => waiting.push(j),
-                Err(_) => break,
+                Ok(j) => arrived.push(j),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => open = false,
             }
         }
-        metrics.queued.fetch_sub(waiting.len(), Ordering::Relaxed);
-        // Requests the client gave up on are not decoded.
-        waiting.retain(|j| !j.events.is_closed());
-        while !waiting.is_empty() {
-            let head = waiting.remove(0);
-            let (mut group, rest): (Vec<Job>, Vec<Job>) =
-                waiting.into_iter().partition(|j| batchable(&head, j));
-            waiting = rest;
-            group.insert(0, head);
-            metrics.batch(group.len());
-            caption_group(&captioner, &group, &metrics);
-        }
-    }
-}
-
-/// Captions `group` in one batch (retried request by request if the
-/// batch fails), streaming each request's text.
-fn caption_group(captioner: &Captioner, group: &[Job], metrics: &Metrics) {
-    let outcome = caption_batch(captioner, group, metrics);
-    match outcome {
-        Ok(()) => {}
-        Err(_) if group.len() > 1 => {
-            for job in group {
-                if let Err(e) = caption_batch(captioner, std::slice::from_ref(job), metrics) {
-                    let _ = job.events.send(Event::Done(Err(e)));
-                }
+        metrics.queued.fetch_sub(arrived.len(), Ordering::Relaxed);
+        // Requests the client gave up on are not decoded further.
+        arrived.retain(|j| !j.events.is_closed());
+        running.retain(|r| !r.job.events.is_closed());
+        running.extend(admit(&captioner, arrived));
+        if running.is_empty() {
+            if open {
+                continue;
             }
-        }
-        Err(e) => {
-            let _ = group[0].events.send(Event::Done(Err(e)));
-        }
-    }
-}
-
-fn caption_batch(captioner: &Captioner, group: &[Job], metrics: &Metrics) -> Result<(), String> {
-    let head = &group[0];
-    let request = Request {
-        generation: head.generation.clone(),
-        prompt: head.prompt.as_deref(),
-        task: head.task,
-    };
-    let pixels: Vec<Tensor> = group.iter().map(|j| j.pixels.clone()).collect();
-    let sizes: Vec<(u32, u32)> = group.iter().map(|j| j.size).collect();
-    let tokenizer = &captioner.model().tokenizer;
-    let mut ids: Vec<Vec<u32>> = vec![Vec::new(); group.len()];
-    let mut sent: Vec<String> = vec![String::new(); group.len()];
-    let mut on_token = |ev: vl::vl_decoder::TokenEvent| {
-        let Some(job) = group.get(ev.image) else {
             return;
-        };
-        if ids[ev.image].is_empty() {
-            observe(&metrics.ttft, job.queued);
         }
-        ids[ev.image].push(ev.token);
-        // The text so far, decoded whole (a character may span tokens):
-        // the new part is what grew.
-        if let Ok(text) = tokenizer.decode(&ids[ev.image], true) {
-            if let Some(delta) = text.strip_prefix(sent[ev.image].as_str()) {
-                if !delta.is_empty() {
-                    let _ = job.events.send(Event::Delta(delta.to_string()));
+        before_step(running.len());
+        metrics.batch(running.len());
+        step(&captioner, &mut running, metrics);
+    }
+}
+
+/// Starts `jobs` (encoded together), answering those that cannot start;
+/// if the batch fails as a whole, each job is started alone so that only
+/// the bad one fails.
+fn admit(captioner: &Captioner, jobs: Vec<Job>) -> Vec<Running> {
+    if jobs.is_empty() {
+        return Vec::new();
+    }
+    let started = start(captioner, &jobs);
+    let outcomes: Vec<Result<Captioning, String>> = match started {
+        Ok(each) => each,
+        Err(_) if jobs.len() > 1 => jobs
+            .iter()
+            .map(|j| {
+                start(captioner, std::slice::from_ref(j))
+                    .and_then(|mut v| v.pop().unwrap_or_else(|| Err("not started".into())))
+            })
+            .collect(),
+        Err(e) => vec![Err(e)],
+    };
+    jobs.into_iter()
+        .zip(outcomes)
+        .filter_map(|(job, outcome)| match outcome {
+            Ok(captioning) => Some(Running {
+                job,
+                captioning,
+                ids: Vec::new(),
+                sent: String::new(),
+            }),
+            Err(e) => {
+                let _ = job.events.send(Event::Done(Err(e)));
+                None
+            }
+        })
+        .collect()
+}
+
+fn start(captioner: &Captioner, jobs: &[Job]) -> Result<Vec<Result<Captioning, String>>, String> {
+    let pixels: Vec<Tensor> = jobs.iter().map(|j| j.pixels.clone()).collect();
+    let sizes: Vec<(u32, u32)> = jobs.iter().map(|j| j.size).collect();
+    let requests: Vec<Request> = jobs
+        .iter()
+        .map(|j| Request {
+            generation: j.generation.clone(),
+            prompt: j.prompt.as_deref(),
+            task: j.task,
+        })
+        .collect();
+    let started = captioner
+        .start(&pixels, &sizes, &requests)
+        .map_err(|e| e.to_string())?;
+    Ok(started
+        .into_iter()
+        .map(|r| r.map_err(|e| e.to_string()))
+        .collect())
+}
+
+/// One decode step of every running request: streams the new text,
+/// answers the requests that ended and removes them. A step that fails
+/// fails the requests it was decoding (the model is unchanged for the
+/// next ones).
+fn step(captioner: &Captioner, running: &mut Vec<Running>, metrics: &Metrics) {
+    let tokenizer = &captioner.model().tokenizer;
+    let outcome = {
+        let (mut captionings, mut streams): (Vec<&mut Captioning>, Vec<_>) = running
+            .iter_mut()
+            .map(|r| (&mut r.captioning, (&r.job, &mut r.ids, &mut r.sent)))
+            .unzip();
+        captioner.step(&mut captionings, &mut |ev: TokenEvent| {
+            let Some((job, ids, sent)) = streams.get_mut(ev.image) else {
+                return;
+            };
+            if ids.is_empty() {
+                observe(&metrics.ttft, job.queued);
+            }
+            ids.push(ev.token);
+            // The text so far, decoded whole (a character may span
+            // tokens): the new part is what grew.
+            if let Ok(text) = tokenizer.decode(ids, true) {
+                if let Some(delta) = text.strip_prefix(sent.as_str()) {
+                    if !delta.is_empty() {
+                        let _ = job.events.send(Event::Delta(delta.to_string()));
+                    }
+                    **sent = text;
                 }
-                sent[ev.image] = text;
+            }
+        })
+    };
+    if let Err(e) = outcome {
+        for r in running.drain(..) {
+            let _ = r.job.events.send(Event::Done(Err(e.to_string())));
+        }
+        return;
+    }
+    for r in std::mem::take(running) {
+        if !r.captioning.is_done() {
+            running.push(r);
+            continue;
+        }
+        let Running {
+            job, captioning, ..
+        } = r;
+        let answer = captioner
+            .finish(captioning)
+            .map(|c| finished(&job, c, tokenizer, metrics))
+            .map_err(|e| e.to_string());
+        let _ = job.events.send(Event::Done(answer));
+    }
+}
+
+/// A finished caption as the handlers answer it.
+fn finished(
+    job: &Job,
+    c: Caption,
+    tokenizer: &tokenizers::Tokenizer,
+    metrics: &Metrics,
+) -> Finished {
+    metrics
+        .tokens
+        .fetch_add(c.token_ids.len() as u64, Ordering::Relaxed);
+    observe(&metrics.latency, job.queued);
+    let stopped = c
+        .token_ids
+        .last()
+        .is_some_and(|t| job.generation.eos_token_ids.contains(t));
+    let task = c.task.as_ref().and_then(|t| serde_json::to_value(t).ok());
+    // Each token's text as it grows the caption (a word's space included),
+    // so that the pieces join to the text streamed.
+    let mut before = String::new();
+    let attention = c
+        .heatmaps
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let upto = tokenizer
+                .decode(&c.token_ids[..=i], true)
+                .unwrap_or_default();
+            let piece = upto
+                .strip_prefix(before.as_str())
+                .unwrap_or(&upto)
+                .to_string();
+            before = upto;
+            (piece, w.clone())
+        })
+        .collect();
+    Finished {
+        tokens: c.token_ids.len(),
+        token_ids: c.token_ids,
+        text: c.text,
+        stopped,
+        task,
+        attention,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vl::checkpoint::Source;
+
+    fn load() -> Captioner {
+        let source = Source::Memory {
+            name: std::path::Path::new(crate::embedded::NAME),
+            files: crate::embedded::SHAPES_CAPTIONER,
+        };
+        Captioner::new(vl::load(source, &vl::LoadOptions::default()).expect("the embedded model"))
+    }
+
+    fn job(
+        captioner: &Captioner,
+        scene: &str,
+        generation: &GenerationConfig,
+    ) -> (Job, mpsc::UnboundedReceiver<Event>) {
+        let samples = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("models/shapes-captioner/samples");
+        let img = vl::vl_vision::preprocess::load_image(&samples.join(scene)).expect("sample");
+        let (events, rx) = mpsc::unbounded_channel();
+        let job = Job {
+            pixels: captioner.pixels(&img).expect("pixels"),
+            size: (img.width(), img.height()),
+            generation: generation.clone(),
+            prompt: None,
+            task: None,
+            events,
+            queued: Instant::now(),
+        };
+        (job, rx)
+    }
+
+    /// The request's answer, if it has come.
+    fn answer(rx: &mut mpsc::UnboundedReceiver<Event>) -> Option<Finished> {
+        while let Ok(e) = rx.try_recv() {
+            if let Event::Done(d) = e {
+                return Some(d.expect("captioned"));
             }
         }
-    };
-    let captions = captioner
-        .caption_pixels_sized(&pixels, &sizes, &request, &mut on_token)
-        .map_err(|e| e.to_string())?;
-    let eos = &head.generation.eos_token_ids;
-    for (job, c) in group.iter().zip(captions) {
-        metrics
-            .tokens
-            .fetch_add(c.token_ids.len() as u64, Ordering::Relaxed);
-        observe(&metrics.latency, job.queued);
-        let stopped = c.token_ids.last().is_some_and(|t| eos.contains(t));
-        let task = c.task.as_ref().and_then(|t| serde_json::to_value(t).ok());
-        // Each token's text as it grows the caption (a word's space
-        // included), so that the pieces join to the text streamed.
-        let mut before = String::new();
-        let attention = c
-            .heatmaps
-            .iter()
-            .enumerate()
-            .map(|(i, w)| {
-                let upto = tokenizer
-                    .decode(&c.token_ids[..=i], true)
-                    .unwrap_or_default();
-                let piece = upto
-                    .strip_prefix(before.as_str())
-                    .unwrap_or(&upto)
-                    .to_string();
-                before = upto;
-                (piece, w.clone())
-            })
-            .collect();
-        let _ = job.events.send(Event::Done(Ok(Finished {
-            tokens: c.token_ids.len(),
-            token_ids: c.token_ids,
-            text: c.text,
-            stopped,
-            task,
-            attention,
-        })));
+        None
     }
-    Ok(())
+
+    /// A request sent while another decodes joins it at the next step and
+    /// leaves when it ends, before the long one; both get the caption
+    /// they get alone.
+    #[test]
+    fn a_request_joins_a_running_decode_and_leaves_first() {
+        let captioner = load();
+        let greedy = captioner.greedy_config(15);
+        // A runs to its 15th token; B is an ordinary caption.
+        let long = GenerationConfig {
+            min_new_tokens: 15,
+            ..greedy.clone()
+        };
+        let alone = |scene: &str, g: &GenerationConfig| {
+            let (j, mut rx) = job(&captioner, scene, g);
+            let (tx, jobs) = mpsc::channel(1);
+            tx.try_send(j).expect("queued");
+            drop(tx);
+            run(load(), jobs, 1, Arc::new(Metrics::default()));
+            answer(&mut rx).expect("answered")
+        };
+        let a_alone = alone("scene_0000.png", &long);
+        let b_alone = alone("scene_0001.png", &greedy);
+        assert_eq!(a_alone.tokens, 15);
+        assert!(b_alone.tokens < 15, "B should end before A: {b_alone:?}");
+
+        let (a, mut a_rx) = job(&captioner, "scene_0000.png", &long);
+        let (b, mut b_rx) = job(&captioner, "scene_0001.png", &greedy);
+        let (tx, jobs) = mpsc::channel(4);
+        tx.try_send(a).expect("queued");
+        let metrics = Metrics::default();
+        metrics.queued.store(1, Ordering::Relaxed);
+        let mut sender = Some((tx, b));
+        let mut steps = Vec::new();
+        let mut b_out = None;
+        run_observed(load(), jobs, 4, &metrics, &mut |running| {
+            steps.push(running);
+            if b_out.is_none() {
+                b_out = answer(&mut b_rx).map(|f| (steps.len(), f));
+            }
+            // B is sent before the third step and joins at the fourth;
+            // then no request comes: the worker ends when A does.
+            if steps.len() == 3 {
+                if let Some((tx, b)) = sender.take() {
+                    metrics.queued.fetch_add(1, Ordering::Relaxed);
+                    tx.try_send(b).expect("queued");
+                }
+            }
+        });
+        let a_out = answer(&mut a_rx).expect("A answered");
+        let (b_step, b_out) = b_out.expect("B answered while A decoded");
+        assert_eq!(a_out.token_ids, a_alone.token_ids);
+        assert_eq!(b_out.token_ids, b_alone.token_ids);
+        assert_eq!(b_out.text, b_alone.text);
+        // A alone for three steps, then both until B ends, then A alone.
+        assert_eq!(&steps[..4], &[1, 1, 1, 2], "{steps:?}");
+        assert_eq!(steps.len(), 15, "A takes 15 steps: {steps:?}");
+        assert_eq!(
+            steps[b_step - 1],
+            1,
+            "B left before step {b_step}: {steps:?}"
+        );
+        assert_eq!(
+            steps.iter().filter(|&&n| n == 2).count(),
+            b_alone.tokens,
+            "B decoded one token per shared step: {steps:?}"
+        );
+        assert_eq!(metrics.queued.load(Ordering::Relaxed), 0);
+    }
+
+    /// A client that goes away mid-decode frees its row at the next step;
+    /// the request beside it is untouched.
+    #[test]
+    fn a_client_that_leaves_frees_its_row_at_the_next_step() {
+        let captioner = load();
+        let long = GenerationConfig {
+            min_new_tokens: 15,
+            ..captioner.greedy_config(15)
+        };
+        let (a, mut a_rx) = job(&captioner, "scene_0002.png", &long);
+        let (c, c_rx) = job(&captioner, "scene_0003.png", &long);
+        let (tx, jobs) = mpsc::channel(4);
+        tx.try_send(a).expect("queued");
+        tx.try_send(c).expect("queued");
+        drop(tx);
+        let metrics = Metrics::default();
+        metrics.queued.store(2, Ordering::Relaxed);
+        let mut c_rx = Some(c_rx);
+        let mut steps = Vec::new();
+        run_observed(load(), jobs, 4, &metrics, &mut |running| {
+            steps.push(running);
+            if steps.len() == 3 {
+                // The client hangs up (its receiver is dropped).
+                c_rx = None;
+            }
+        });
+        assert!(c_rx.is_none());
+        assert_eq!(&steps[..4], &[2, 2, 2, 1], "{steps:?}");
+        assert_eq!(steps.len(), 15, "{steps:?}");
+        let a_out = answer(&mut a_rx).expect("A answered");
+        assert_eq!(a_out.tokens, 15);
+    }
 }
