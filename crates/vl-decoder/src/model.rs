@@ -856,6 +856,23 @@ impl VisionLanguageDecoder {
     /// when the context was made by a decoder with other blocks (another
     /// block count or other blocks with cross-attention).
     pub fn start(&self, image: &ImageContext, per_image: usize) -> Result<DecodeState> {
+        self.start_for(image, per_image, 256)
+    }
+
+    /// [`VisionLanguageDecoder::start`] for a decode of at most `tokens`
+    /// tokens in all (prefix included): the text caches are allocated for
+    /// that many positions (at most the model's), so that a short caption
+    /// does not allocate and fault in a long cache. A longer decode still
+    /// works: the caches grow by doubling.
+    ///
+    /// # Errors
+    /// As [`VisionLanguageDecoder::start`].
+    pub fn start_for(
+        &self,
+        image: &ImageContext,
+        per_image: usize,
+        tokens: usize,
+    ) -> Result<DecodeState> {
         if per_image == 0 {
             return arg_err("per_image", "must be positive, got 0");
         }
@@ -886,7 +903,7 @@ impl VisionLanguageDecoder {
         } else {
             None
         };
-        let capacity = self.cfg.max_position_embeddings.min(256);
+        let capacity = self.cfg.max_position_embeddings.min(tokens.max(1));
         Ok(DecodeState {
             image: image.clone(),
             image_mask,

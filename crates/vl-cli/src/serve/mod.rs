@@ -67,6 +67,11 @@ pub struct Args {
     /// Requests decoded together at most.
     #[arg(long, default_value = "16", value_parser = crate::args::positive)]
     max_batch: std::num::NonZeroUsize,
+    /// Requests admitted between two decode steps at most: their images
+    /// are encoded together while the running requests wait (a CPU
+    /// encodes a large batch no faster per image than a small one).
+    #[arg(long, default_value = "1", value_parser = crate::args::positive)]
+    encode_batch: std::num::NonZeroUsize,
     /// Largest request body, in MiB.
     #[arg(long, default_value_t = 20)]
     max_body_mib: usize,
@@ -792,7 +797,10 @@ async fn serve(args: &Args) -> anyhow::Result<()> {
     // model that cannot load ends the server with its error.
     let (jobs, rx) = mpsc::channel(args.max_queue.get());
     let metrics = state.metrics.clone();
-    let max_batch = args.max_batch.get();
+    let limits = worker::Limits {
+        max_batch: args.max_batch.get(),
+        encode_batch: args.encode_batch.get(),
+    };
     let loader_state = state.clone();
     let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<anyhow::Error>();
     std::thread::Builder::new()
@@ -830,7 +838,7 @@ async fn serve(args: &Args) -> anyhow::Result<()> {
             match loaded {
                 Ok(captioner) => {
                     tracing::info!("model loaded: {}", model_args.name());
-                    worker::run(captioner, rx, max_batch, metrics);
+                    worker::run(captioner, rx, limits, metrics);
                 }
                 Err(e) => {
                     let _ = failed_tx.send(e);

@@ -166,18 +166,26 @@ struct Running {
 }
 
 /// Runs until every sender of `jobs` is gone and the running requests
-/// have ended: continuous batching. Between two decode steps, the
-/// requests that arrived are encoded together and join the running batch
-/// (up to `max_batch` requests); each step decodes one token of every
-/// running request in one pass of the decoder; requests that end leave,
-/// and those whose client went away are dropped.
-pub fn run(
-    captioner: Captioner,
-    jobs: mpsc::Receiver<Job>,
-    max_batch: usize,
-    metrics: Arc<Metrics>,
-) {
-    run_observed(captioner, jobs, max_batch, &metrics, &mut |_| {});
+/// have ended: continuous batching. Between two decode steps, up to
+/// `encode_batch` of the requests that arrived are encoded together and
+/// join the running batch (of up to `max_batch` requests); each step
+/// decodes one token of every running request in one pass of the decoder;
+/// requests that end leave, and those whose client went away are dropped.
+pub fn run(captioner: Captioner, jobs: mpsc::Receiver<Job>, limits: Limits, metrics: Arc<Metrics>) {
+    run_observed(captioner, jobs, limits, &metrics, &mut |_| {});
+}
+
+/// How many requests the worker takes in.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Requests decoded together at most.
+    pub max_batch: usize,
+    /// Requests admitted (their images encoded together) between two
+    /// decode steps at most: the running requests wait for that encoding,
+    /// and a large image batch encodes no faster per image than a small
+    /// one on a CPU, so that taking a few at a time keeps the running
+    /// requests streaming.
+    pub encode_batch: usize,
 }
 
 /// [`run`], calling `before_step` with the running requests' count before
@@ -185,10 +193,14 @@ pub fn run(
 fn run_observed(
     captioner: Captioner,
     mut jobs: mpsc::Receiver<Job>,
-    max_batch: usize,
+    limits: Limits,
     metrics: &Metrics,
     before_step: &mut dyn FnMut(usize),
 ) {
+    let Limits {
+        max_batch,
+        encode_batch,
+    } = limits;
     let mut running: Vec<Running> = Vec::new();
     let mut open = true;
     loop {
@@ -200,7 +212,7 @@ fn run_observed(
                 None => return,
             }
         }
-        while open && running.len() + arrived.len() < max_batch {
+        while open && running.len() + arrived.len() < max_batch && arrived.len() < encode_batch {
             match jobs.try_recv() {
                 Ok(j) => arrived.push(j),
                 Err(mpsc::error::TryRecvError::Empty) => break,
@@ -211,7 +223,14 @@ fn run_observed(
         // Requests the client gave up on are not decoded further.
         arrived.retain(|j| !j.events.is_closed());
         running.retain(|r| !r.job.events.is_closed());
-        running.extend(admit(&captioner, arrived));
+        if !arrived.is_empty() {
+            let (n, t) = (arrived.len(), Instant::now());
+            running.extend(admit(&captioner, arrived));
+            tracing::debug!(
+                "admitted {n} requests in {:.1} ms",
+                t.elapsed().as_secs_f64() * 1e3
+            );
+        }
         if running.is_empty() {
             if open {
                 continue;
@@ -220,7 +239,12 @@ fn run_observed(
         }
         before_step(running.len());
         metrics.batch(running.len());
+        let (n, t) = (running.len(), Instant::now());
         step(&captioner, &mut running, metrics);
+        tracing::debug!(
+            "decoded {n} requests in {:.1} ms",
+            t.elapsed().as_secs_f64() * 1e3
+        );
     }
 }
 
@@ -383,6 +407,11 @@ mod tests {
     use super::*;
     use vl::checkpoint::Source;
 
+    const FOUR: Limits = Limits {
+        max_batch: 4,
+        encode_batch: 4,
+    };
+
     fn load() -> Captioner {
         let source = Source::Memory {
             name: std::path::Path::new(crate::embedded::NAME),
@@ -439,7 +468,15 @@ mod tests {
             let (tx, jobs) = mpsc::channel(1);
             tx.try_send(j).expect("queued");
             drop(tx);
-            run(load(), jobs, 1, Arc::new(Metrics::default()));
+            run(
+                load(),
+                jobs,
+                Limits {
+                    max_batch: 1,
+                    encode_batch: 1,
+                },
+                Arc::new(Metrics::default()),
+            );
             answer(&mut rx).expect("answered")
         };
         let a_alone = alone("scene_0000.png", &long);
@@ -456,7 +493,7 @@ mod tests {
         let mut sender = Some((tx, b));
         let mut steps = Vec::new();
         let mut b_out = None;
-        run_observed(load(), jobs, 4, &metrics, &mut |running| {
+        run_observed(load(), jobs, FOUR, &metrics, &mut |running| {
             steps.push(running);
             if b_out.is_none() {
                 b_out = answer(&mut b_rx).map(|f| (steps.len(), f));
@@ -510,7 +547,7 @@ mod tests {
         metrics.queued.store(2, Ordering::Relaxed);
         let mut c_rx = Some(c_rx);
         let mut steps = Vec::new();
-        run_observed(load(), jobs, 4, &metrics, &mut |running| {
+        run_observed(load(), jobs, FOUR, &metrics, &mut |running| {
             steps.push(running);
             if steps.len() == 3 {
                 // The client hangs up (its receiver is dropped).

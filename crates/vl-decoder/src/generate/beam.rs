@@ -429,7 +429,7 @@ pub(crate) fn decode(
     let images = image.images().max(1);
     let (p, limit) = Params::new(model, cfg, images, prefix.len())?;
     let num_beams = p.num_beams;
-    let mut state = model.start(image, num_beams)?;
+    let mut state = model.start_for(image, num_beams, prefix.len().saturating_add(p.max_new))?;
     let rows = state.rows();
     let mut searches: Vec<ImageSearch> = (0..rows / num_beams)
         .map(|_| ImageSearch::new(num_beams))

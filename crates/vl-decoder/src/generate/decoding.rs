@@ -93,7 +93,8 @@ impl Decoding {
             Search::Beam(b) => b.beams(),
             Search::Row { .. } => 1,
         };
-        let state = model.start(image, rows)?;
+        let state =
+            model.start_for(image, rows, prefix.len().saturating_add(cfg.max_new_tokens))?;
         Ok(Self {
             next: prefix.repeat(rows),
             prefix,

@@ -111,7 +111,7 @@ pub(crate) fn decode(
     prefix: &[u32],
     on_token: &mut dyn FnMut(TokenEvent),
 ) -> Result<Vec<Generated>> {
-    let mut state = model.start(image, 1)?;
+    let mut state = model.start_for(image, 1, prefix.len().saturating_add(cfg.max_new_tokens))?;
     let rows = state.rows();
     let max_positions = model.config().max_position_embeddings;
     let mut chooser = Chooser::new(&cfg.strategy, rows);
