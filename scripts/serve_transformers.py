@@ -14,7 +14,6 @@ requests never split the same `--threads` cores between two `generate`s
 serves the bf16 model.
 """
 
-from __future__ import annotations
 
 import argparse
 import base64
