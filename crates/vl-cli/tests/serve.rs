@@ -186,6 +186,66 @@ fn answers_equal_vl_caption_and_bad_input_is_named() {
     assert!(done, "no [DONE]");
     assert_eq!(text, want[3]);
 
+    // n choices: greedy ones are the caption each; sampled ones draw from
+    // seed, seed + 1, …: the first is the single sampled answer.
+    let (status, body) = server.post(&request(&urls[2], json!({"n": 3})));
+    assert_eq!(status, 200, "{body}");
+    let choices = body["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 3);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["message"]["content"], want[2]);
+    }
+    let completion: u64 = body["usage"]["completion_tokens"].as_u64().expect("usage");
+    let (_, one) = server.post(&request(&urls[2], json!({})));
+    assert_eq!(
+        completion,
+        3 * one["usage"]["completion_tokens"].as_u64().expect("usage")
+    );
+    let sampled = |n: usize, seed: u64| {
+        let (status, body) = server.post(&request(
+            &urls[2],
+            json!({"n": n, "temperature": 1.5, "seed": seed}),
+        ));
+        assert_eq!(status, 200, "{body}");
+        body["choices"]
+            .as_array()
+            .expect("choices")
+            .iter()
+            .map(|c| c["message"]["content"].as_str().expect("text").to_string())
+            .collect::<Vec<_>>()
+    };
+    let four = sampled(4, 11);
+    assert_eq!(four[0], sampled(1, 11)[0]);
+    assert_eq!(four[1], sampled(1, 12)[0]);
+    // Streamed, each choice's deltas make its text.
+    let r = ureq::post(&format!("{}/v1/chat/completions", server.base))
+        .send_string(&request(
+            &urls[2],
+            json!({"n": 4, "temperature": 1.5, "seed": 11, "stream": true}),
+        ))
+        .expect("stream");
+    let mut texts = vec![String::new(); 4];
+    let mut finished = 0;
+    for line in BufReader::new(r.into_reader()).lines() {
+        let line = line.expect("line");
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk: Value = serde_json::from_str(data).expect("chunk");
+        let c = &chunk["choices"][0];
+        let i = c["index"].as_u64().expect("index") as usize;
+        if let Some(d) = c["delta"]["content"].as_str() {
+            texts[i].push_str(d);
+        }
+        finished += usize::from(!c["finish_reason"].is_null());
+    }
+    assert_eq!(finished, 4);
+    assert_eq!(texts, four);
+
     // Bad input: a 4xx naming the field, the server unharmed.
     let garbage = format!(
         "data:image/png;base64,{}",
@@ -221,7 +281,7 @@ fn answers_equal_vl_caption_and_bad_input_is_named() {
             400,
             "temperature",
         ),
-        (request(&urls[0], json!({"n": 2})), 400, "n"),
+        (request(&urls[0], json!({"n": 17})), 400, "n"),
         (request(&urls[0], json!({"task": "od"})), 400, "task"),
         (
             json!({"messages": [{"role": "user", "content": "hi"}]}).to_string(),
@@ -270,7 +330,7 @@ fn answers_equal_vl_caption_and_bad_input_is_named() {
         .into_string()
         .expect("text");
     assert!(
-        metrics.contains("vl_requests_total{status=\"200\"} 18"),
+        metrics.contains("vl_requests_total{status=\"200\"} 24"),
         "{metrics}"
     );
     assert!(

@@ -149,6 +149,8 @@ async fn metrics(State(s): State<Shared>) -> String {
 
 /// The request in vl's terms, checked: an error names the field.
 struct Checked {
+    /// Choices asked for (OpenAI's `n`).
+    n: usize,
     image: Vec<u8>,
     image_param: String,
     generation: GenerationConfig,
@@ -156,6 +158,9 @@ struct Checked {
     task: Option<Task>,
     stream: bool,
 }
+
+/// The most choices (`n`) one request may ask for.
+const MAX_CHOICES: usize = 16;
 
 fn check(req: ChatRequest, r: &Ready) -> Result<Checked, ApiError> {
     if let Some(m) = &req.model {
@@ -171,8 +176,12 @@ fn check(req: ChatRequest, r: &Ready) -> Result<Checked, ApiError> {
             ));
         }
     }
-    if req.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::invalid("n", "only n = 1 is supported"));
+    let n = req.n.unwrap_or(1);
+    if !(1..=MAX_CHOICES).contains(&n) {
+        return Err(ApiError::invalid(
+            "n",
+            format!("{n} is not in 1..={MAX_CHOICES}"),
+        ));
     }
     let mut image = None;
     let mut texts = Vec::new();
@@ -320,6 +329,7 @@ fn check(req: ChatRequest, r: &Ready) -> Result<Checked, ApiError> {
         }
     }
     Ok(Checked {
+        n,
         image,
         image_param,
         generation,
@@ -432,135 +442,151 @@ async fn chat_inner(s: &Shared, body: Bytes) -> Result<Response, ApiError> {
             .as_deref()
             .and_then(|p| r.tokenizer.encode(p, false).ok())
             .map_or(0, |e| e.len());
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let job = Job {
-        pixels,
-        size,
-        generation: checked.generation,
-        prompt: checked.prompt,
-        task: checked.task,
-        events: tx,
-        queued: Instant::now(),
-    };
-    enqueue(s, r, job)?;
+    // One job per choice, all over the same pixels; sampled choices draw
+    // from seeds `seed`, `seed + 1`, … (greedy and beam choices are equal).
+    let mut receivers = Vec::with_capacity(checked.n);
+    for i in 0..checked.n {
+        let mut generation = checked.generation.clone();
+        if let Strategy::Sample { seed, .. } = &mut generation.strategy {
+            *seed = seed.wrapping_add(i as u64);
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        enqueue(
+            s,
+            r,
+            Job {
+                pixels: pixels.clone(),
+                size,
+                generation,
+                prompt: checked.prompt.clone(),
+                task: checked.task,
+                events: tx,
+                queued: Instant::now(),
+            },
+        )?;
+        receivers.push(rx);
+    }
     let id = completion_id();
     let created = now_secs();
     let model = r.id.clone();
+    let deadline = tokio::time::Instant::now() + s.timeout;
     if checked.stream {
-        let timeout = s.timeout;
-        let deadline = tokio::time::Instant::now() + timeout;
-        let chunk = move |delta: serde_json::Value, finish: Option<&str>| {
+        let chunk = move |index: usize, delta: serde_json::Value, finish: Option<&str>| {
             serde_json::json!({
                 "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                "choices": [{"index": index, "delta": delta, "finish_reason": finish}],
             })
         };
-        let first = chunk(
-            serde_json::json!({"role": "assistant", "content": ""}),
-            None,
-        );
-        let stream = futures_util::stream::unfold(
-            (Some(first), rx, false, chunk),
-            move |(pending, mut rx, done, chunk)| async move {
-                if let Some(c) = pending {
-                    return Some((
-                        Ok::<_, std::convert::Infallible>(SseEvent::default().data(c.to_string())),
-                        (None, rx, done, chunk),
-                    ));
-                }
+        let sse = |v: serde_json::Value| {
+            Ok::<_, std::convert::Infallible>(SseEvent::default().data(v.to_string()))
+        };
+        let firsts: Vec<_> = (0..checked.n)
+            .map(|i| {
+                sse(chunk(
+                    i,
+                    serde_json::json!({"role": "assistant", "content": ""}),
+                    None,
+                ))
+            })
+            .collect();
+        use futures_util::StreamExt;
+        // Each choice's events, tagged with its index, until its end or
+        // the deadline; merged as they come.
+        let per_choice = receivers.into_iter().enumerate().map(|(index, rx)| {
+            futures_util::stream::unfold((rx, false), move |(mut rx, done)| async move {
                 if done {
                     return None;
                 }
                 match tokio::time::timeout_at(deadline, rx.recv()).await {
-                    Ok(Some(Event::Delta(d))) => {
-                        let c = chunk(serde_json::json!({"content": d}), None);
-                        Some((
-                            Ok(SseEvent::default().data(c.to_string())),
-                            (None, rx, false, chunk),
-                        ))
-                    }
-                    Ok(Some(Event::Done(Ok(f)))) => {
-                        let reason = if f.stopped { "stop" } else { "length" };
-                        let mut c = chunk(serde_json::json!({}), Some(reason));
-                        if let Some(a) = attention_json(&f) {
-                            c["vl_attention"] = a;
-                        }
-                        Some((
-                            Ok(SseEvent::default().data(c.to_string())),
-                            (None, rx, true, chunk),
-                        ))
-                    }
-                    Ok(Some(Event::Done(Err(e)))) => {
-                        let body = ApiError::new(
-                            StatusCode::INTERNAL_SERVER_ERROR,
-                            "generation_failed",
-                            None,
-                            e,
-                        )
-                        .body();
-                        Some((
-                            Ok(SseEvent::default().data(body.to_string())),
-                            (None, rx, true, chunk),
-                        ))
+                    Ok(Some(e)) => {
+                        let end = matches!(e, Event::Done(_));
+                        Some(((index, e), (rx, end)))
                     }
                     Ok(None) | Err(_) => None,
                 }
-            },
-        );
-        let done = futures_util::stream::once(async {
-            Ok::<_, std::convert::Infallible>(SseEvent::default().data("[DONE]"))
+            })
+            .boxed()
         });
-        use futures_util::StreamExt;
-        return Ok(Sse::new(stream.chain(done)).into_response());
-    }
-    let outcome = tokio::time::timeout(s.timeout, outcome_of(&mut rx)).await;
-    let finished: Finished = match outcome {
-        Err(_) => {
-            return Err(ApiError::new(
-                StatusCode::GATEWAY_TIMEOUT,
-                "timeout",
-                None,
-                format!(
-                    "not answered within --request-timeout {} s",
-                    s.timeout.as_secs()
-                ),
-            ))
-        }
-        Ok(None) => {
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "shutting_down",
-                None,
-                "the model worker stopped",
-            ))
-        }
-        Ok(Some(Err(e))) => {
-            return Err(ApiError::new(
+        let events = futures_util::stream::select_all(per_choice).map(move |(index, e)| match e {
+            Event::Delta(d) => sse(chunk(index, serde_json::json!({"content": d}), None)),
+            Event::Done(Ok(f)) => {
+                let reason = if f.stopped { "stop" } else { "length" };
+                let mut c = chunk(index, serde_json::json!({}), Some(reason));
+                if let Some(a) = attention_json(&f) {
+                    c["vl_attention"] = a;
+                }
+                sse(c)
+            }
+            Event::Done(Err(e)) => sse(ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "generation_failed",
                 None,
                 e,
-            ))
+            )
+            .body()),
+        });
+        let done = futures_util::stream::once(async {
+            Ok::<_, std::convert::Infallible>(SseEvent::default().data("[DONE]"))
+        });
+        return Ok(
+            Sse::new(futures_util::stream::iter(firsts).chain(events).chain(done)).into_response(),
+        );
+    }
+    let mut choices = Vec::with_capacity(checked.n);
+    let mut completion_tokens = 0;
+    for (index, mut rx) in receivers.into_iter().enumerate() {
+        let finished = match tokio::time::timeout_at(deadline, outcome_of(&mut rx)).await {
+            Err(_) => {
+                return Err(ApiError::new(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "timeout",
+                    None,
+                    format!(
+                        "not answered within --request-timeout {} s",
+                        s.timeout.as_secs()
+                    ),
+                ))
+            }
+            Ok(None) => {
+                return Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "shutting_down",
+                    None,
+                    "the model worker stopped",
+                ))
+            }
+            Ok(Some(Err(e))) => {
+                return Err(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "generation_failed",
+                    None,
+                    e,
+                ))
+            }
+            Ok(Some(Ok(f))) => f,
+        };
+        completion_tokens += finished.tokens;
+        let mut message = serde_json::json!({"role": "assistant", "content": finished.text});
+        if let Some(a) = attention_json(&finished) {
+            message["vl_attention"] = a;
         }
-        Ok(Some(Ok(f))) => f,
-    };
+        if let (Some(t), Some(v)) = (checked.task, &finished.task) {
+            // A task's parsed output under the processor's key, as --json.
+            message["vl_task"] = serde_json::json!({ t.token(): v });
+        }
+        choices.push(serde_json::json!({
+            "index": index, "message": message,
+            "finish_reason": if finished.stopped { "stop" } else { "length" },
+        }));
+    }
     let usage = Usage {
         prompt_tokens,
-        completion_tokens: finished.tokens,
-        total_tokens: prompt_tokens + finished.tokens,
+        completion_tokens,
+        total_tokens: prompt_tokens + completion_tokens,
     };
-    let mut message = serde_json::json!({"role": "assistant", "content": finished.text});
-    if let Some(a) = attention_json(&finished) {
-        message["vl_attention"] = a;
-    }
-    if let (Some(t), Some(v)) = (checked.task, finished.task) {
-        // A task's parsed output under the processor's key, as --json.
-        message["vl_task"] = serde_json::json!({ t.token(): v });
-    }
     Ok(Json(serde_json::json!({
         "id": id, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": message,
-                     "finish_reason": if finished.stopped { "stop" } else { "length" }}],
+        "choices": choices,
         "usage": usage,
     }))
     .into_response())
