@@ -513,3 +513,37 @@ fn florence2_tasks_are_served() {
     assert_eq!(status, 400, "{err}");
     assert_eq!(err["error"]["param"], "messages");
 }
+
+/// `--allow-local-files DIR`: a `file://` URL under DIR is captioned as
+/// its bytes would be; one outside DIR is a 400 naming the URL's field;
+/// a folder that does not exist stops the server at start.
+#[test]
+fn local_files_are_read_only_under_the_allowed_folder() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let imgs = images(&tmp.path().join("imgs"), 2);
+    let want = ok(&run(&[s(&imgs[0])])).trim().to_string();
+    let outside = tmp.path().join("outside.png");
+    std::fs::copy(&imgs[1], &outside).expect("copy");
+    let dir = tmp.path().join("imgs");
+    let server = Server::start(&["--allow-local-files", &s(&dir)]);
+    let file_url =
+        |p: &std::path::Path| format!("file://{}", p.canonicalize().expect("path").display());
+    let (status, body) = server.post(&request(&file_url(&imgs[0]), json!({})));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["message"]["content"], want);
+    let (status, body) = server.post(&request(&file_url(&outside), json!({})));
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(
+        body["error"]["param"],
+        "messages[0].content[1].image_url.url"
+    );
+    drop(server);
+    let out = Command::new(vl_bin())
+        .args(["serve", "--port", "0", "--allow-local-files"])
+        .arg(tmp.path().join("missing"))
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--allow-local-files"), "{err}");
+}

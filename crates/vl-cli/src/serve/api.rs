@@ -213,6 +213,12 @@ pub fn data_url_bytes(url: &str, param: &str) -> Result<Vec<u8>, ApiError> {
             "remote image URLs are not fetched (the server makes no outbound requests); send the image as a data URL: data:image/png;base64,…",
         ));
     }
+    if url.starts_with("file://") {
+        return Err(ApiError::invalid(
+            param,
+            "local files are read only under the folder given to --allow-local-files; send the image as a data URL: data:image/png;base64,…",
+        ));
+    }
     let Some(rest) = url.strip_prefix("data:") else {
         return Err(ApiError::invalid(
             param,
@@ -236,9 +242,85 @@ pub fn data_url_bytes(url: &str, param: &str) -> Result<Vec<u8>, ApiError> {
         .map_err(|e| ApiError::invalid(param, format!("invalid base64: {e}")))
 }
 
+/// Where a request's image comes from.
+#[derive(Debug)]
+pub enum ImageData {
+    /// A data URL's bytes.
+    Bytes(Vec<u8>),
+    /// A `file://` URL under `--allow-local-files`: the file, resolved.
+    File(std::path::PathBuf),
+}
+
+/// The image of an `image_url`: a data URL's bytes, or with `local` (the
+/// resolved `--allow-local-files` folder) a `file://` URL naming a file
+/// inside it (links resolved first, so that none leads out); `param` is
+/// named in every error.
+pub fn image_data(
+    url: &str,
+    param: &str,
+    local: Option<&std::path::Path>,
+) -> Result<ImageData, ApiError> {
+    let (Some(root), Some(path)) = (local, url.strip_prefix("file://")) else {
+        return data_url_bytes(url, param).map(ImageData::Bytes);
+    };
+    let resolved = std::path::Path::new(path)
+        .canonicalize()
+        .map_err(|e| ApiError::invalid(param, format!("cannot read {path}: {e}")))?;
+    if !resolved.starts_with(root) || !resolved.is_file() {
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "{path} is not a file under {} (--allow-local-files)",
+                root.display()
+            ),
+        ));
+    }
+    Ok(ImageData::File(resolved))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn local_files_only_under_the_allowed_folder() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("allowed");
+        std::fs::create_dir(&root).unwrap();
+        std::fs::write(root.join("a.png"), b"x").unwrap();
+        std::fs::write(tmp.path().join("secret.png"), b"x").unwrap();
+        let root = root.canonicalize().unwrap();
+        let url = |p: &std::path::Path| format!("file://{}", p.display());
+        // Without the flag, refused by name.
+        let e = image_data(&url(&root.join("a.png")), "u", None).unwrap_err();
+        assert!(e.message.contains("--allow-local-files"), "{e:?}");
+        assert!(matches!(
+            image_data(&url(&root.join("a.png")), "u", Some(&root)),
+            Ok(ImageData::File(p)) if p == root.join("a.png")
+        ));
+        // Outside, through `..`, a folder, a missing file: the param named.
+        for bad in [
+            tmp.path().join("secret.png"),
+            root.join("../secret.png"),
+            root.clone(),
+            root.join("missing.png"),
+        ] {
+            let e = image_data(&url(&bad), "u", Some(&root)).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("u"), "{bad:?}");
+        }
+        #[cfg(unix)]
+        {
+            std::os::unix::fs::symlink(tmp.path().join("secret.png"), root.join("link.png"))
+                .unwrap();
+            let e = image_data(&url(&root.join("link.png")), "u", Some(&root)).unwrap_err();
+            assert!(e.message.contains("not a file under"), "{e:?}");
+        }
+        // Data URLs still work with the flag.
+        assert!(matches!(
+            image_data("data:image/png;base64,AAEC", "u", Some(&root)),
+            Ok(ImageData::Bytes(b)) if b == [0, 1, 2]
+        ));
+    }
 
     #[test]
     fn fields_at_fault_are_named() {

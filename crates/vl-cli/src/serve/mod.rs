@@ -41,7 +41,7 @@ use vl::vl_decoder::{GenerationConfig, Strategy};
 use vl::vl_vision::PixelSpec;
 
 use crate::args::ModelArgs;
-use api::{data_url_bytes, parse_request, ApiError, ChatRequest, Content, Part, Usage};
+use api::{image_data, parse_request, ApiError, ChatRequest, Content, ImageData, Part, Usage};
 use worker::{Event, Finished, Job, Metrics};
 
 /// Serve a model over HTTP (OpenAI's chat completions).
@@ -67,6 +67,11 @@ pub struct Args {
     /// Requests decoded together at most.
     #[arg(long, default_value = "16", value_parser = crate::args::positive)]
     max_batch: std::num::NonZeroUsize,
+    /// Also take `file://` image URLs naming files under DIR (links
+    /// resolved first; nothing outside it is read). Off by default: a
+    /// request can then only send its image's bytes.
+    #[arg(long, value_name = "DIR")]
+    allow_local_files: Option<std::path::PathBuf>,
     /// Requests admitted between two decode steps at most: their images
     /// are encoded together while the running requests wait (a CPU
     /// encodes a large batch no faster per image than a small one).
@@ -101,6 +106,8 @@ struct Ready {
 
 struct AppState {
     ready: OnceLock<Ready>,
+    /// `--allow-local-files`, resolved.
+    allow_local: Option<std::path::PathBuf>,
     /// `--max-body-mib`, in bytes.
     max_body: usize,
     metrics: Arc<Metrics>,
@@ -151,7 +158,7 @@ async fn metrics(State(s): State<Shared>) -> String {
 struct Checked {
     /// Choices asked for (OpenAI's `n`).
     n: usize,
-    image: Vec<u8>,
+    image: ImageData,
     image_param: String,
     generation: GenerationConfig,
     prompt: Option<String>,
@@ -162,7 +169,11 @@ struct Checked {
 /// The most choices (`n`) one request may ask for.
 const MAX_CHOICES: usize = 16;
 
-fn check(req: ChatRequest, r: &Ready) -> Result<Checked, ApiError> {
+fn check(
+    req: ChatRequest,
+    r: &Ready,
+    local: Option<&std::path::Path>,
+) -> Result<Checked, ApiError> {
     if let Some(m) = &req.model {
         if m != &r.id {
             return Err(ApiError::new(
@@ -211,7 +222,7 @@ fn check(req: ChatRequest, r: &Ready) -> Result<Checked, ApiError> {
                                     "one image per request: this one is the second",
                                 ));
                             }
-                            image = Some((data_url_bytes(&image_url.url, &param)?, param));
+                            image = Some((image_data(&image_url.url, &param, local)?, param));
                         }
                     }
                 }
@@ -431,10 +442,14 @@ async fn chat_inner(s: &Shared, body: Bytes) -> Result<Response, ApiError> {
     let Some(r) = s.ready.get() else {
         return Err(not_ready());
     };
-    let checked = check(parse_request(&body)?, r)?;
+    let checked = check(parse_request(&body)?, r, s.allow_local.as_deref())?;
     // Decode and preprocess off the async threads; a bad image is this
     // request's 400 before it queues.
-    let (pixels, size) = prepare(r.spec, checked.image, checked.image_param.clone()).await?;
+    let bytes = match checked.image {
+        ImageData::Bytes(b) => b,
+        ImageData::File(path) => read_local(path, s.max_body, &checked.image_param).await?,
+    };
+    let (pixels, size) = prepare(r.spec, bytes, checked.image_param.clone()).await?;
 
     let prompt_tokens = r.image_tokens
         + checked
@@ -590,6 +605,31 @@ async fn chat_inner(s: &Shared, body: Bytes) -> Result<Response, ApiError> {
         "usage": usage,
     }))
     .into_response())
+}
+
+/// A `--allow-local-files` image, read off the async threads; one past
+/// `--max-body-mib` or unreadable is `param`'s 400.
+async fn read_local(
+    path: std::path::PathBuf,
+    max: usize,
+    param: &str,
+) -> Result<Vec<u8>, ApiError> {
+    let len = tokio::fs::metadata(&path)
+        .await
+        .map_err(|e| ApiError::invalid(param, format!("cannot read {}: {e}", path.display())))?
+        .len();
+    if len > max as u64 {
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "{} is {len} bytes, more than --max-body-mib allows ({max})",
+                path.display()
+            ),
+        ));
+    }
+    tokio::fs::read(&path)
+        .await
+        .map_err(|e| ApiError::invalid(param, format!("cannot read {}: {e}", path.display())))
 }
 
 /// Decodes and preprocesses an image off the async threads; a bad image
@@ -793,8 +833,19 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
 }
 
 async fn serve(args: &Args) -> anyhow::Result<()> {
+    let allow_local = args
+        .allow_local_files
+        .as_ref()
+        .map(|d| {
+            d.canonicalize()
+                .ok()
+                .filter(|d| d.is_dir())
+                .with_context(|| format!("--allow-local-files {}: not a folder", d.display()))
+        })
+        .transpose()?;
     let state = Arc::new(AppState {
         ready: OnceLock::new(),
+        allow_local,
         max_body: args.max_body_mib * 1024 * 1024,
         metrics: Arc::new(Metrics::default()),
         timeout: Duration::from_secs(args.request_timeout),
