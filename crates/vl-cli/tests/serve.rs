@@ -525,7 +525,7 @@ fn local_files_are_read_only_under_the_allowed_folder() {
     let outside = tmp.path().join("outside.png");
     std::fs::copy(&imgs[1], &outside).expect("copy");
     let dir = tmp.path().join("imgs");
-    let server = Server::start(&["--allow-local-files", &s(&dir)]);
+    let server = Server::start(&["--allow-local-files", s(&dir)]);
     let file_url =
         |p: &std::path::Path| format!("file://{}", p.canonicalize().expect("path").display());
     let (status, body) = server.post(&request(&file_url(&imgs[0]), json!({})));
