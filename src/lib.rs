@@ -20,6 +20,7 @@ pub use vl_shapes;
 pub use vl_vision;
 
 pub mod captioner;
+pub mod donut;
 pub mod checkpoint;
 pub mod error;
 pub mod heatmap;
