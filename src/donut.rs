@@ -70,7 +70,10 @@ fn py_space(c: char) -> bool {
 /// engine gives up, which a literal never makes it do).
 fn find_ci(haystack: &str, pattern: &str) -> Option<(usize, usize)> {
     let re = Regex::new(&format!("(?i){pattern}")).ok()?;
-    re.find(haystack).ok().flatten().map(|m| (m.start(), m.end()))
+    re.find(haystack)
+        .ok()
+        .flatten()
+        .map(|m| (m.start(), m.end()))
 }
 
 /// `tokens` (a generated sequence decoded with its special tokens) as
@@ -126,7 +129,10 @@ fn parse(tokens: &str, inner: bool, added_vocab: &HashSet<String>) -> Parsed {
         ))
         .ok()
         .and_then(|re| re.captures(&tokens).ok().flatten())
-        .and_then(|c| c.get(1).map(|m| m.as_str().trim_matches(py_space).to_string()));
+        .and_then(|c| {
+            c.get(1)
+                .map(|m| m.as_str().trim_matches(py_space).to_string())
+        });
         if let Some(content) = content {
             if content.contains("<s_") && content.contains("</s_") {
                 // A field of objects.

@@ -20,8 +20,8 @@ pub use vl_shapes;
 pub use vl_vision;
 
 pub mod captioner;
-pub mod donut;
 pub mod checkpoint;
+pub mod donut;
 pub mod error;
 pub mod heatmap;
 #[cfg(feature = "hub")]

@@ -38,7 +38,10 @@ fn token2json_equals_transformers() -> anyhow::Result<()> {
 #[test]
 fn objects_keep_their_order_and_nest() {
     let added = HashSet::new();
-    let v = token2json("<s_b>1</s_b><s_a><s_x>2</s_x><sep/><s_x>3</s_x></s_a>", &added);
+    let v = token2json(
+        "<s_b>1</s_b><s_a><s_x>2</s_x><sep/><s_x>3</s_x></s_a>",
+        &added,
+    );
     let want = DonutValue::Object(vec![
         ("b".into(), DonutValue::Text("1".into())),
         (
