@@ -554,18 +554,11 @@ impl NativeModel {
 }
 
 /// Has glibc's allocator keep freed memory for reuse, as the `vl` command
-/// does once its model is loaded (see `vl_cli`'s `keep_freed_memory`):
-/// a batch's activations are allocated and freed layer after layer.
+/// does once its model is loaded ([`vl::keep_freed_memory`]): a batch's
+/// activations are allocated and freed layer after layer.
 #[pyfunction]
 fn keep_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: `mallopt` only sets the allocator's parameters (it takes the
-    // allocator's lock).
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-        libc::mallopt(libc::M_TOP_PAD, 64 << 20);
-    }
+    vl::keep_freed_memory();
 }
 
 /// The native module.

@@ -74,7 +74,7 @@ impl ModelArgs {
     /// load: [`vl::load`]).
     pub fn load(&self) -> anyhow::Result<VlModel> {
         let model = self.load_model()?;
-        keep_freed_memory();
+        vl::keep_freed_memory();
         Ok(model)
     }
 
@@ -197,30 +197,5 @@ impl ThreadArgs {
             .num_threads(n.get())
             .build_global()
             .with_context(|| format!("--threads {n}"))
-    }
-}
-
-/// Has glibc's allocator keep freed memory for reuse instead of handing it
-/// back to the kernel: blocks up to 32 MB (its most) from the heap rather
-/// than fresh mappings, and no trimming of the heap's top. Called once the
-/// model is loaded, for inference (the loader's buffers are returned as
-/// glibc's defaults would; the peaks below were the same either way): a
-/// batch's activations are
-/// allocated and freed layer after layer, and with glibc's defaults each
-/// large one was a new mapping whose every page faulted in again (a
-/// BLIP-base caption of 8 images at batch 8 in bf16: 2.34-2.43 → 2.19 s,
-/// the same peak RSS). The cost: memory kept can be fragmented, so a batch
-/// run's peak can grow (`vl bench` of vit-gpt2 in f32, batch 8 included:
-/// 1122 → 1241 MB; q8_0: 0.79 → 0.80 of the weights file). The 64 MB of
-/// top padding is what makes the gain (without it, 2.33-2.38 s).
-/// Elsewhere a no-op.
-pub(crate) fn keep_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: `mallopt` only sets the allocator's parameters (it takes the
-    // allocator's lock).
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-        libc::mallopt(libc::M_TOP_PAD, 64 << 20);
     }
 }

@@ -259,7 +259,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         })
     })?;
     // As `vl caption` runs after its load.
-    crate::args::keep_freed_memory();
+    vl::keep_freed_memory();
     let spec = *model.pixel_spec()?;
     let side = spec.image_size;
     // A fixed, non-constant test image at the input size.
