@@ -593,9 +593,7 @@ impl VisionLanguageDecoder {
         }
     }
 
-    /// Logits of every position, in one pass with no cache kept (with
-    /// 16-bit text caches, [`Self::cache_dtype`], the keys and values are
-    /// rounded as a decode step rounds them).
+    /// Logits of every position, in one pass with no cache.
     ///
     /// # Shapes
     /// - `tokens: (batch, len)` u32
@@ -620,16 +618,8 @@ impl VisionLanguageDecoder {
                 image_mask: masks.image,
                 want_weights: false,
             };
-            // With 16-bit text caches (see `cache_dtype`), the keys and
-            // values go through one here too, so that the full pass rounds
-            // them as decoding does (cached == uncached).
-            let dtype = self.cache_dtype();
             for block in &self.blocks {
-                let mut cache = match dtype {
-                    Some(d) => Some(KvCache::new(tokens.dim(1)?)?.with_dtype(Some(d))),
-                    None => None,
-                };
-                x = block.forward(&x, image, cache.as_mut(), inputs)?.0;
+                x = block.forward(&x, image, None, inputs)?.0;
             }
             self.logits(&x)
         })
@@ -857,19 +847,6 @@ impl VisionLanguageDecoder {
         }))
     }
 
-    /// The dtype decode states keep the text's keys and values in: that of
-    /// the image's keys and values (16 bits under quantized or 16-bit
-    /// weights with f32 activations on the CPU, see
-    /// [`vl_attn::CrossAttention::quantize`]), so that a step over many
-    /// rows or a long text reads half the cache bytes; `None` (the
-    /// activations' dtype) for dense f32 weights and text-only decoders.
-    pub fn cache_dtype(&self) -> Option<DType> {
-        self.blocks
-            .iter()
-            .find_map(DecoderBlock::cross_branch)
-            .and_then(|c| c.cross_attn.memory_dtype())
-    }
-
     /// A fresh decode state over `image`, with `per_image` rows per image
     /// (beams or samples), or `per_image` rows in text-only mode.
     ///
@@ -932,7 +909,7 @@ impl VisionLanguageDecoder {
             image_mask,
             row_samples,
             caches: (0..self.blocks.len())
-                .map(|_| Ok(KvCache::new(capacity)?.with_dtype(self.cache_dtype())))
+                .map(|_| KvCache::new(capacity))
                 .collect::<vl_attn::Result<Vec<_>>>()?,
             rows,
             per_image,

@@ -1,6 +1,6 @@
 //! The text key/value cache of causal self-attention.
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
 use crate::error::{AttnError, Result};
 
@@ -17,8 +17,6 @@ pub struct KvCache {
     v: Option<Tensor>,
     len: usize,
     initial_capacity: usize,
-    /// The dtype keys and values are kept in; `None`: as appended.
-    dtype: Option<DType>,
 }
 
 impl KvCache {
@@ -48,22 +46,7 @@ impl KvCache {
             v: None,
             len: 0,
             initial_capacity: capacity.max(1),
-            dtype: None,
         })
-    }
-
-    /// Keeps keys and values in `dtype`, converting them as they are
-    /// appended (e.g. bf16 under f32 activations: half the bytes a decode
-    /// step reads from the cache; attention widens them as it reads them).
-    /// `None`: in the dtype they are appended in.
-    pub fn with_dtype(mut self, dtype: Option<DType>) -> Self {
-        self.dtype = dtype;
-        self
-    }
-
-    /// The dtype keys and values are kept in, `None` for the appended one.
-    pub fn dtype(&self) -> Option<DType> {
-        self.dtype
     }
 
     /// Tokens cached.
@@ -106,10 +89,6 @@ impl KvCache {
     /// new` passes [`KvCache::MAX_CAPACITY`] or the grown buffer's element
     /// count overflows `usize`.
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (k, v) = match self.dtype {
-            Some(dtype) if k.dtype() != dtype => (&k.to_dtype(dtype)?, &v.to_dtype(dtype)?),
-            _ => (k, v),
-        };
         let (b, h, t, d) = k.dims4()?;
         if v.dims() != k.dims() {
             return Err(AttnError::Shape {
