@@ -337,6 +337,10 @@ fn answers_equal_vl_caption_and_bad_input_is_named() {
         metrics.contains("vl_requests_total{status=\"404\"} 1"),
         "{metrics}"
     );
+    assert!(
+        metrics.contains("# TYPE vl_running_requests gauge\nvl_running_requests "),
+        "{metrics}"
+    );
 
     // SIGTERM: exit 0.
     let status = server.terminate();

@@ -71,6 +71,8 @@ pub struct Metrics {
     pub tokens: AtomicU64,
     /// Requests waiting for the worker.
     pub queued: AtomicUsize,
+    /// Requests in the running decode batch.
+    pub running: AtomicUsize,
     /// Requests decoded together, per decode step: counts of steps of 1,
     /// ≤2, ≤4, ≤8, ≤16, ≤32, more.
     pub batches: Mutex<[u64; 7]>,
@@ -114,6 +116,10 @@ impl Metrics {
         out += &format!(
             "# HELP vl_queue_depth Requests waiting for the model.\n# TYPE vl_queue_depth gauge\nvl_queue_depth {}\n",
             self.queued.load(Ordering::Relaxed)
+        );
+        out += &format!(
+            "# HELP vl_running_requests Requests in the running decode batch.\n# TYPE vl_running_requests gauge\nvl_running_requests {}\n",
+            self.running.load(Ordering::Relaxed)
         );
         out += "# HELP vl_batch_size Requests decoded together, per decode step.\n# TYPE vl_batch_size histogram\n";
         if let Ok(b) = self.batches.lock() {
@@ -231,6 +237,7 @@ fn run_observed(
                 t.elapsed().as_secs_f64() * 1e3
             );
         }
+        metrics.running.store(running.len(), Ordering::Relaxed);
         if running.is_empty() {
             if open {
                 continue;
@@ -241,6 +248,7 @@ fn run_observed(
         metrics.batch(running.len());
         let (n, t) = (running.len(), Instant::now());
         step(&captioner, &mut running, metrics);
+        metrics.running.store(running.len(), Ordering::Relaxed);
         tracing::debug!(
             "decoded {n} requests in {:.1} ms",
             t.elapsed().as_secs_f64() * 1e3
@@ -494,6 +502,7 @@ mod tests {
         let mut steps = Vec::new();
         let mut b_out = None;
         run_observed(load(), jobs, FOUR, &metrics, &mut |running| {
+            assert_eq!(metrics.running.load(Ordering::Relaxed), running);
             steps.push(running);
             if b_out.is_none() {
                 b_out = answer(&mut b_rx).map(|f| (steps.len(), f));
@@ -526,6 +535,8 @@ mod tests {
             "B decoded one token per shared step: {steps:?}"
         );
         assert_eq!(metrics.queued.load(Ordering::Relaxed), 0);
+        assert_eq!(metrics.running.load(Ordering::Relaxed), 0);
+        assert!(metrics.render().contains("vl_running_requests 0\n"));
     }
 
     /// A client that goes away mid-decode frees its row at the next step;
