@@ -611,7 +611,8 @@ impl Captioner {
     /// [`Captioner::pixels`]) with its own request, for a caller that
     /// advances captions step by step and lets new ones join between steps
     /// ([`Captioner::step`]): the images are encoded together and each
-    /// one's keys and values projected once. `sizes` holds each original
+    /// one's keys and values projected once — once for requests given the
+    /// same pixel tensor (clones of one, e.g. a request's choices). `sizes` holds each original
     /// image's (width, height) for a task's locations.
     ///
     /// A request that cannot start (a prompt that does not fit, settings
@@ -635,7 +636,22 @@ impl Captioner {
             return Ok(Vec::new());
         }
         let prompted: Vec<Result<Prompted>> = requests.iter().map(|r| self.prompted(r)).collect();
-        let image_tokens = self.model.vision()?.encode(pixels)?;
+        // Requests over the same pixels (one tensor: the choices of one
+        // request) share one encoding: `slot[i]` is request i's image.
+        let mut unique: Vec<Tensor> = Vec::with_capacity(pixels.len());
+        let slot: Vec<usize> = pixels
+            .iter()
+            .map(|p| {
+                unique
+                    .iter()
+                    .position(|u| u.id() == p.id())
+                    .unwrap_or_else(|| {
+                        unique.push(p.clone());
+                        unique.len() - 1
+                    })
+            })
+            .collect();
+        let image_tokens = self.model.vision()?.encode(&unique)?;
         let image_len = image_tokens.dim(1)?;
         let decoder = &self.model.decoder;
         // Prompts for the decoder share one projection of every image;
@@ -651,11 +667,11 @@ impl Captioner {
         let start = |i: usize, prompted: Prompted| -> Result<Captioning> {
             let gen = &requests[i].generation;
             let decoding = match &prompted {
-                Prompted::Decoder(ids) => Decoding::start(decoder, &shared[i], gen, ids)?,
+                Prompted::Decoder(ids) => Decoding::start(decoder, &shared[slot[i]], gen, ids)?,
                 Prompted::Encoder { ids, .. } => {
                     let memory = self
                         .model
-                        .encoder_memory(&image_tokens.narrow(0, i, 1)?, ids)?;
+                        .encoder_memory(&image_tokens.narrow(0, slot[i], 1)?, ids)?;
                     let ctx = decoder.image_context(&memory, None)?;
                     Decoding::start(decoder, &ctx, gen, &[])?
                 }

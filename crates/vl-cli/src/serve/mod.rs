@@ -72,9 +72,10 @@ pub struct Args {
     /// request can then only send its image's bytes.
     #[arg(long, value_name = "DIR")]
     allow_local_files: Option<std::path::PathBuf>,
-    /// Requests admitted between two decode steps at most: their images
-    /// are encoded together while the running requests wait (a CPU
-    /// encodes a large batch no faster per image than a small one).
+    /// Distinct images admitted between two decode steps at most (a
+    /// request's `n` choices share one): they are encoded together while
+    /// the running requests wait (a CPU encodes a large batch no faster per
+    /// image than a small one).
     #[arg(long, default_value = "1", value_parser = crate::args::positive)]
     encode_batch: std::num::NonZeroUsize,
     /// Largest request body, in MiB.

@@ -186,8 +186,9 @@ pub fn run(captioner: Captioner, jobs: mpsc::Receiver<Job>, limits: Limits, metr
 pub struct Limits {
     /// Requests decoded together at most.
     pub max_batch: usize,
-    /// Requests admitted (their images encoded together) between two
-    /// decode steps at most: the running requests wait for that encoding,
+    /// Distinct images admitted (encoded together) between two decode
+    /// steps at most — requests over one image (a request's choices) count
+    /// once: the running requests wait for that encoding,
     /// and a large image batch encodes no faster per image than a small
     /// one on a CPU, so that taking a few at a time keeps the running
     /// requests streaming.
@@ -209,18 +210,32 @@ fn run_observed(
     } = limits;
     let mut running: Vec<Running> = Vec::new();
     let mut open = true;
+    // A job taken from the queue whose image would have passed
+    // `encode_batch`: the first of the next admission.
+    let mut held: Option<Job> = None;
     loop {
-        // Admit: wait for work when idle, else take what has arrived.
-        let mut arrived = Vec::new();
-        if running.is_empty() {
+        // Admit: wait for work when idle, else take what has arrived, up
+        // to `encode_batch` distinct images (a request's choices share
+        // their image: one encoding, see `Captioner::start`).
+        let mut arrived: Vec<Job> = Vec::new();
+        if let Some(j) = held.take() {
+            arrived.push(j);
+        } else if running.is_empty() {
             match jobs.blocking_recv() {
                 Some(j) => arrived.push(j),
                 None => return,
             }
         }
-        while open && running.len() + arrived.len() < max_batch && arrived.len() < encode_batch {
+        while open && running.len() + arrived.len() < max_batch {
             match jobs.try_recv() {
-                Ok(j) => arrived.push(j),
+                Ok(j) => {
+                    let seen = |a: &Job| a.pixels.id() == j.pixels.id();
+                    if !arrived.iter().any(seen) && images(&arrived) >= encode_batch {
+                        held = Some(j);
+                        break;
+                    }
+                    arrived.push(j);
+                }
                 Err(mpsc::error::TryRecvError::Empty) => break,
                 Err(mpsc::error::TryRecvError::Disconnected) => open = false,
             }
@@ -239,7 +254,7 @@ fn run_observed(
         }
         metrics.running.store(running.len(), Ordering::Relaxed);
         if running.is_empty() {
-            if open {
+            if open || held.is_some() {
                 continue;
             }
             return;
@@ -254,6 +269,14 @@ fn run_observed(
             t.elapsed().as_secs_f64() * 1e3
         );
     }
+}
+
+/// The distinct images of `jobs` (clones of one pixel tensor count once).
+fn images(jobs: &[Job]) -> usize {
+    jobs.iter()
+        .enumerate()
+        .filter(|(i, j)| !jobs[..*i].iter().any(|a| a.pixels.id() == j.pixels.id()))
+        .count()
 }
 
 /// Starts `jobs` (encoded together), answering those that cannot start;
@@ -570,5 +593,36 @@ mod tests {
         assert_eq!(steps.len(), 15, "{steps:?}");
         let a_out = answer(&mut a_rx).expect("A answered");
         assert_eq!(a_out.tokens, 15);
+    }
+
+    /// Requests over one pixel tensor (a request's choices) count as one
+    /// image toward `encode_batch`: both join the first step together, the
+    /// image encoded once; a third over another image waits a step.
+    #[test]
+    fn choices_of_one_image_are_admitted_together() {
+        let captioner = load();
+        let greedy = captioner.greedy_config(15);
+        let (a, mut a_rx) = job(&captioner, "scene_0004.png", &greedy);
+        let (mut b, mut b_rx) = job(&captioner, "scene_0004.png", &greedy);
+        b.pixels = a.pixels.clone();
+        let (c, mut c_rx) = job(&captioner, "scene_0005.png", &greedy);
+        let (tx, jobs) = mpsc::channel(4);
+        for j in [a, b, c] {
+            tx.try_send(j).expect("queued");
+        }
+        drop(tx);
+        let metrics = Metrics::default();
+        metrics.queued.store(3, Ordering::Relaxed);
+        let limits = Limits {
+            max_batch: 4,
+            encode_batch: 1,
+        };
+        let mut steps = Vec::new();
+        run_observed(load(), jobs, limits, &metrics, &mut |n| steps.push(n));
+        assert_eq!(&steps[..2], &[2, 3], "{steps:?}");
+        let (a, b) = (answer(&mut a_rx).expect("a"), answer(&mut b_rx).expect("b"));
+        assert_eq!(a.token_ids, b.token_ids);
+        assert!(answer(&mut c_rx).is_some());
+        assert_eq!(metrics.queued.load(Ordering::Relaxed), 0);
     }
 }
