@@ -6,6 +6,7 @@
 //! a Python binding only say where the images come from and where the
 //! captions go.
 
+use std::collections::HashSet;
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 
@@ -17,6 +18,7 @@ use vl_decoder::{
 use vl_vision::preprocess::load_image;
 
 use crate::checkpoint::{LoadOptions, Source};
+use crate::donut::{donut_text, token2json, DonutValue, Reader};
 use crate::error::{arg_err, Error, Result};
 use crate::heatmap;
 use crate::model::VlModel;
@@ -43,18 +45,25 @@ pub struct Caption {
     /// A task's parsed output (Florence-2 with [`Request::task`]): text,
     /// or boxes, quadrilaterals or polygons in the input image's pixels.
     pub task: Option<TaskOutput>,
+    /// A Donut checkpoint's output read as JSON ([`crate::donut::token2json`]
+    /// of [`Caption::text`], as `DonutProcessor.token2json`).
+    pub document: Option<DonutValue>,
 }
 
 impl Caption {
     /// The caption as `vl caption --json` writes it (without the `image`
-    /// key): `caption`, `token_ids`, and with `task` (the request's) its
+    /// key): `caption`, `token_ids`, with `task` (the request's) its
     /// parsed output under the task's token, in the processor's own keys
-    /// (e.g. `{"<OD>": {"bboxes": [...], "labels": [...]}}`).
+    /// (e.g. `{"<OD>": {"bboxes": [...], "labels": [...]}}`), and a Donut
+    /// checkpoint's JSON under `document`.
     pub fn to_json(&self, task: Option<Task>) -> serde_json::Value {
         let mut line = serde_json::json!({"caption": self.text, "token_ids": self.token_ids});
         if let (Some(task), Some(parsed)) = (task, &self.task) {
             // A `TaskOutput` is plain data: serialising it cannot fail.
             line[task.token()] = serde_json::to_value(parsed).unwrap_or_default();
+        }
+        if let Some(document) = &self.document {
+            line["document"] = serde_json::to_value(document).unwrap_or_default();
         }
         line
     }
@@ -179,9 +188,33 @@ impl<'a> Request<'a> {
 enum Prompted {
     /// After the decoder's start token (BLIP), or nowhere.
     Decoder(Vec<u32>),
+    /// In place of the decoder's start token (Donut's task prompts): the
+    /// first id starts, the rest follow.
+    Start(Vec<u32>),
     /// Into the text encoder after the image tokens (Florence-2), with the
     /// task whose output is parsed.
     Encoder { ids: Vec<u32>, task: Option<Task> },
+}
+
+impl Prompted {
+    /// The generation settings and the ids after the start token: for a
+    /// prompt that replaces the start token, its first id as the start.
+    fn generation<'a>(
+        &self,
+        gen: &GenerationConfig,
+        ids: &'a [u32],
+    ) -> (GenerationConfig, &'a [u32]) {
+        match (self, ids) {
+            (Self::Start(_), [start, rest @ ..]) => (
+                GenerationConfig {
+                    start_token_id: *start,
+                    ..gen.clone()
+                },
+                rest,
+            ),
+            _ => (gen.clone(), ids),
+        }
+    }
 }
 
 /// One image's caption in progress: started by [`Captioner::start`],
@@ -459,8 +492,8 @@ impl Captioner {
         request: &Request,
         on_token: &mut dyn FnMut(TokenEvent),
     ) -> Result<Vec<Caption>> {
-        let side = self.model.vision()?.spec().image_size as u32;
-        let sizes = vec![(side, side); pixels.len()];
+        let (h, w) = self.model.vision()?.spec().size();
+        let sizes = vec![(w as u32, h as u32); pixels.len()];
         self.caption_pixels_sized(pixels, &sizes, request, on_token)
     }
 
@@ -502,10 +535,11 @@ impl Captioner {
                     ),
                 );
             }
-            return Ok(Prompted::Decoder(match request.prompt {
-                Some(p) => model.prompt_ids(p)?,
-                None => Vec::new(),
-            }));
+            return Ok(match request.prompt {
+                Some(p) if model.prompt_replaces_start() => Prompted::Start(model.prompt_ids(p)?),
+                Some(p) => Prompted::Decoder(model.prompt_ids(p)?),
+                None => Prompted::Decoder(Vec::new()),
+            });
         }
         let (prompt, task) = match (request.task, request.prompt) {
             (Some(t), input) => (t.prompt(input)?, Some(t)),
@@ -529,14 +563,15 @@ impl Captioner {
         let image_tokens = self.model.vision()?.encode(pixels)?;
         let image_len = image_tokens.dim(1)?;
         let (memory, prompt_ids) = match prompted {
-            Prompted::Decoder(ids) => (image_tokens, ids.as_slice()),
+            Prompted::Decoder(ids) | Prompted::Start(ids) => (image_tokens, ids.as_slice()),
             Prompted::Encoder { ids, .. } => (
                 self.model.encoder_memory(&image_tokens, ids)?,
                 &[] as &[u32],
             ),
         };
+        let (gen, prompt_ids) = prompted.generation(gen, prompt_ids);
         let ctx = self.model.decoder.image_context(&memory, None)?;
-        let generated = generate_from(&self.model.decoder, &ctx, gen, prompt_ids, on_token)?;
+        let generated = generate_from(&self.model.decoder, &ctx, &gen, prompt_ids, on_token)?;
         generated
             .into_iter()
             .zip(sizes)
@@ -567,10 +602,42 @@ impl Captioner {
                     reason: format!("cannot decode {ids:?}: {e}"),
                 })
         };
+        let mut document = None;
         let (text, task) = match prompted {
+            // As DonutProcessor: the whole sequence decoded with its
+            // special tokens (the task's tags among them), the end and
+            // padding tokens and the first tag removed; then read as JSON.
+            Prompted::Decoder(ids) | Prompted::Start(ids)
+                if self.model.config.reader == Some(Reader::Donut) =>
+            {
+                let start = match prompted {
+                    Prompted::Decoder(_) => Some(self.model.generation.start_token_id),
+                    _ => None,
+                };
+                let all: Vec<u32> = start.iter().chain(ids).chain(&g.tokens).copied().collect();
+                let token = |id: Option<u32>| {
+                    id.and_then(|id| self.model.tokenizer.id_to_token(id))
+                        .unwrap_or_default()
+                };
+                let gen = &self.model.generation;
+                let text = donut_text(
+                    &decode(&all, false)?,
+                    &token(gen.eos_token_ids.first().copied()),
+                    &token(Some(gen.pad_token_id)),
+                );
+                let added: HashSet<String> = self
+                    .model
+                    .tokenizer
+                    .get_added_tokens_decoder()
+                    .into_values()
+                    .map(|t| t.content)
+                    .collect();
+                document = Some(token2json(&text, &added));
+                (text, None)
+            }
             // The prompt's words, then the caption (the start token is
             // special, skipped either way).
-            Prompted::Decoder(ids) => {
+            Prompted::Decoder(ids) | Prompted::Start(ids) => {
                 let all: Vec<u32> = ids.iter().chain(&g.tokens).copied().collect();
                 (decode(&all, true)?, None)
             }
@@ -604,6 +671,7 @@ impl Captioner {
                 })
                 .collect(),
             task,
+            document,
         })
     }
 
@@ -658,7 +726,7 @@ impl Captioner {
         // a text encoder reads each image with its own prompt.
         let shared = if prompted
             .iter()
-            .any(|p| matches!(p, Ok(Prompted::Decoder(_))))
+            .any(|p| matches!(p, Ok(Prompted::Decoder(_) | Prompted::Start(_))))
         {
             decoder.image_context(&image_tokens, None)?.split()?
         } else {
@@ -667,7 +735,10 @@ impl Captioner {
         let start = |i: usize, prompted: Prompted| -> Result<Captioning> {
             let gen = &requests[i].generation;
             let decoding = match &prompted {
-                Prompted::Decoder(ids) => Decoding::start(decoder, &shared[slot[i]], gen, ids)?,
+                Prompted::Decoder(ids) | Prompted::Start(ids) => {
+                    let (gen, ids) = prompted.generation(gen, ids);
+                    Decoding::start(decoder, &shared[slot[i]], &gen, ids)?
+                }
                 Prompted::Encoder { ids, .. } => {
                     let memory = self
                         .model

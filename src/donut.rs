@@ -26,6 +26,35 @@ use fancy_regex::Regex;
 use serde::ser::{SerializeMap, SerializeSeq};
 use serde::{Serialize, Serializer};
 
+/// Which document processor a Swin + mBART checkpoint's output goes
+/// through (its `preprocessor_config.json`'s class).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reader {
+    /// `DonutProcessor`: a task prompt replaces the start token; the
+    /// output's tag sequence is read as JSON ([`token2json`]).
+    Donut,
+    /// `NougatProcessor`: no prompt; the output is Markdown.
+    Nougat,
+}
+
+/// `DonutProcessor`'s text of a generated sequence (`batch_decode` with
+/// the special tokens, as its model cards do): `eos` and `pad` removed, the
+/// first tag (the task's start token) removed, stripped.
+pub fn donut_text(decoded: &str, eos: &str, pad: &str) -> String {
+    let mut text = decoded.replace(eos, "");
+    if !pad.is_empty() {
+        text = text.replace(pad, "");
+    }
+    // re.sub(r"<.*?>", "", sequence, count=1)
+    if let Some(open) = text.find('<') {
+        if let Some(len) = text[open..].find('>') {
+            text.replace_range(open..open + len + 1, "");
+        }
+    }
+    text.trim_matches(py_space).to_string()
+}
+
 /// A parsed value: objects keep their keys in the order they were found.
 #[derive(Debug, Clone, PartialEq)]
 pub enum DonutValue {

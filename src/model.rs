@@ -119,21 +119,34 @@ impl VlModel {
     }
 
     /// The ids a text prompt puts after the start token, tokenized as the
-    /// checkpoint's own processor does. Only BLIP defines prompts
-    /// (`BlipProcessor`, then `generate`): the text with the tokenizer's
-    /// special tokens, its first (`[CLS]`, whose place the start token `[DEC]`
-    /// takes) and last (`[SEP]`) ids dropped.
+    /// checkpoint's own processor does. BLIP (`BlipProcessor`, then
+    /// `generate`): the text with the tokenizer's special tokens, its first
+    /// (`[CLS]`, whose place the start token `[DEC]` takes) and last
+    /// (`[SEP]`) ids dropped. Donut ([`crate::donut::Reader::Donut`]): the
+    /// text without special tokens, which replaces the start token (see
+    /// [`VlModel::prompt_replaces_start`]).
     ///
     /// # Errors
     /// [`crate::Error::Argument`] naming `prompt` for a model whose family
     /// defines no prompt, a text the tokenizer rejects, or one that
-    /// tokenizes to fewer than the two special tokens.
+    /// tokenizes to fewer than the two special tokens (BLIP) or to none
+    /// (Donut).
     pub fn prompt_ids(&self, prompt: &str) -> Result<Vec<u32>> {
+        if self.prompt_replaces_start() {
+            let enc = match self.tokenizer.encode(prompt, false) {
+                Ok(e) => e,
+                Err(e) => return arg_err("prompt", format!("{prompt:?}: {e}")),
+            };
+            if enc.get_ids().is_empty() {
+                return arg_err("prompt", format!("{prompt:?} tokenizes to no token"));
+            }
+            return Ok(enc.get_ids().to_vec());
+        }
         if self.format != ModelFormat::Blip {
             return arg_err(
                 "prompt",
                 format!(
-                    "the model in {} ({:?}) defines no prompt handling; only BLIP checkpoints take a prompt",
+                    "the model in {} ({:?}) defines no prompt handling; only BLIP and Donut checkpoints take a prompt",
                     self.path.display(),
                     self.format
                 ),
@@ -150,6 +163,14 @@ impl VlModel {
                 format!("{prompt:?} tokenizes to {ids:?}, without [CLS] ... [SEP]"),
             ),
         }
+    }
+
+    /// Whether a prompt's ids replace the decoder's start token instead of
+    /// following it: Donut's task prompts (`<s_cord-v2>`,
+    /// `<s_docvqa><s_question>…`), which transformers' `generate` feeds
+    /// as they are under a `donut` encoder.
+    pub fn prompt_replaces_start(&self) -> bool {
+        self.config.reader == Some(crate::donut::Reader::Donut)
     }
 
     /// The ids of a text encoder's prompt (Florence-2): `<s>` prompt `</s>`

@@ -113,6 +113,7 @@ pub fn captioner_config(hidden: usize, layers: usize, patch_size: usize) -> VlCo
         generation: None,
         text_encoder: None,
         tasks: None,
+        reader: None,
     }
 }
 

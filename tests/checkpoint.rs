@@ -85,6 +85,7 @@ fn vl_config(cfg: &DecoderConfig) -> VlConfig {
         generation: None,
         text_encoder: None,
         tasks: None,
+        reader: None,
     }
 }
 

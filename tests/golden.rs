@@ -75,7 +75,7 @@ fn captions_the_samples(model: &str) -> anyhow::Result<()> {
 fn borrowed_pixels_caption_as_the_image() -> anyhow::Result<()> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let captioner = Captioner::load(&root.join(MODEL), &LoadOptions::default())?;
-    let side = captioner.model().vision()?.spec().image_size as u32;
+    let side = captioner.model().vision()?.spec().width as u32;
     let request = Request::new(captioner.greedy_config(15));
     for file in ["scene_0001.png", "scene_0002.png"] {
         let img = load_image(&root.join(MODEL).join("samples").join(file))?;
@@ -145,7 +145,7 @@ fn captions_joining_a_running_batch_equal_each_alone() -> anyhow::Result<()> {
             captioner.pixels(&img).map_err(anyhow::Error::from)
         })
         .collect::<anyhow::Result<_>>()?;
-    let side = captioner.model().vision()?.spec().image_size as u32;
+    let side = captioner.model().vision()?.spec().width as u32;
     let mut running: Vec<(usize, Captioning)> = Vec::new();
     let mut got = vec![None; pixels.len()];
     let mut joined = 0;

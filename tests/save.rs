@@ -26,6 +26,8 @@ fn sources() -> Vec<PathBuf> {
         fixture("trocr", "vit_projected"),
         fixture("blip", "vision32"),
         fixture("blip", "vision24"),
+        fixture("document", "donut"),
+        fixture("document", "nougat"),
     ]
 }
 

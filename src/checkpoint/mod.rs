@@ -62,7 +62,7 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 /// The `model_type`s vl loads, as [`Error::UnsupportedModel`] lists them.
 pub const SUPPORTED: &[&str] = &[
     "`vl` (vl's own directories)",
-    "`vision-encoder-decoder` with a `vit` or `deit` encoder and a `gpt2`, `trocr` or `mbart` decoder",
+    "`vision-encoder-decoder` with a `vit`, `deit` or `donut-swin` encoder and a `gpt2`, `trocr` or `mbart` decoder",
     "`blip` (BlipForConditionalGeneration)",
     "`florence2` (Florence2ForConditionalGeneration, or microsoft's original Florence-2 layout)",
 ];

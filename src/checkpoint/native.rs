@@ -61,6 +61,10 @@ pub struct VlConfig {
     /// (Florence-2; see [`crate::tasks`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tasks: Option<crate::tasks::TaskConfig>,
+    /// The document processor whose prompt and output handling the model
+    /// takes (Donut, Nougat; see [`crate::donut::Reader`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reader: Option<crate::donut::Reader>,
 }
 
 impl VlConfig {

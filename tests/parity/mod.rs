@@ -91,10 +91,11 @@ pub fn check_forward<E>(
     assert!(d <= PIXEL_TOL, "{kind}: pixel values differ by {d}");
 
     // Before any projection into the decoder's width.
-    let Some(VisionEncoder::Vit(vit)) = f.model.vision.as_ref().map(|v| v.encoder()) else {
-        panic!("{kind}: expected a ViT encoder");
+    let state = match f.model.vision.as_ref().map(|v| v.encoder()) {
+        Some(VisionEncoder::Vit(vit)) => vit.last_hidden_state(want_pixels)?,
+        Some(VisionEncoder::Swin(swin)) => swin.last_hidden_state(want_pixels)?,
+        _ => panic!("{kind}: expected a ViT or Swin encoder"),
     };
-    let state = vit.last_hidden_state(want_pixels)?;
     let d = max_abs_diff(&state, &f.tensors[hidden])?;
     eprintln!("{kind}: encoder hidden state max abs diff {d:e}");
     assert!(d <= TOL, "{kind}: encoder hidden state differs by {d}");
@@ -123,11 +124,11 @@ pub fn check_forward<E>(
 /// The model's logits for a fixed token sequence over its own encoding of
 /// a fixed image.
 pub fn logits(model: &VlModel) -> anyhow::Result<Tensor> {
-    let side = model.pixel_spec()?.image_size;
-    let n = 3 * side * side;
+    let (h, w) = model.pixel_spec()?.size();
+    let n = 3 * h * w;
     let pixels = Tensor::arange(0f32, n as f32, &Device::Cpu)?
         .affine(1.0 / n as f64, -0.5)?
-        .reshape((1, 3, side, side))?;
+        .reshape((1, 3, h, w))?;
     let memory = model.encode_pixels(&pixels)?;
     let vocab = model.decoder.config().vocab_size as u32;
     let ids: Vec<u32> = (0..6u32).map(|i| (i * 7 + 3) % vocab).collect();

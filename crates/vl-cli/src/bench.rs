@@ -261,11 +261,11 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     // As `vl caption` runs after its load.
     vl::keep_freed_memory();
     let spec = *model.pixel_spec()?;
-    let side = spec.image_size;
+    let (h, w) = spec.size();
     // A fixed, non-constant test image at the input size.
-    let pixels = Tensor::arange(0f32, (3 * side * side) as f32, device)?
-        .affine(1.0 / (3 * side * side) as f64, -0.5)?
-        .reshape((1, 3, side, side))?;
+    let pixels = Tensor::arange(0f32, (3 * h * w) as f32, device)?
+        .affine(1.0 / (3 * h * w) as f64, -0.5)?
+        .reshape((1, 3, h, w))?;
     let dec = &model.decoder;
 
     let encode_ms = bench(args.repeats, || {

@@ -66,7 +66,8 @@ pub struct Args {
     attention_map: Option<PathBuf>,
     /// Continue this text (BLIP checkpoints: conditional captioning, e.g. "a picture of");
     /// the caption printed is the whole text, token_ids the generated ones. Florence-2: a free
-    /// prompt instead of a task's.
+    /// prompt instead of a task's. Donut: the task prompt, which replaces the start token
+    /// (e.g. "<s_cord-v2>", or "<s_docvqa><s_question>Total?</s_question><s_answer>").
     #[arg(long, value_name = "TEXT", conflicts_with = "task")]
     prompt: Option<String>,
     /// Florence-2's task: caption, detailed-caption, more-detailed-caption, ocr,

@@ -1,4 +1,5 @@
-//! A vision encoder chosen by configuration: the mock ViT or a trained ViT.
+//! A vision encoder chosen by configuration: the mock ViT, a trained ViT,
+//! Florence-2's DaViT or Donut's and Nougat's Swin.
 
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
@@ -9,6 +10,7 @@ use crate::davit::{DavitConfig, Florence2Vision};
 use crate::error::Result;
 use crate::mock_vit::{MockVit, MockVitConfig};
 use crate::preprocess::PixelSpec;
+use crate::swin::{Swin, SwinConfig};
 use crate::vit::{Vit, VitConfig};
 
 /// The vision encoder of a model directory.
@@ -22,6 +24,8 @@ pub enum VisionConfig {
     /// Florence-2's DaViT and projector ([`Florence2Vision`]), weights
     /// under `vision.backbone.` and `vision.projector.`.
     Davit(DavitConfig),
+    /// Donut's and Nougat's [`Swin`], weights under `vision.`.
+    Swin(SwinConfig),
 }
 
 impl VisionConfig {
@@ -31,6 +35,7 @@ impl VisionConfig {
             Self::MockVit(c) => c.validate(),
             Self::Vit(c) => c.validate(),
             Self::Davit(c) => c.validate(),
+            Self::Swin(c) => c.validate(),
         }
     }
 
@@ -40,13 +45,16 @@ impl VisionConfig {
             Self::MockVit(c) => c.hidden_size,
             Self::Vit(c) => c.output_width(),
             Self::Davit(c) => c.projection_dim,
+            Self::Swin(c) => c.output_width(),
         }
     }
 
     /// Tokens before the patches in the encoder's output: the CLS token, and
-    /// DeiT's distillation token after it; DaViT's pooled token.
+    /// DeiT's distillation token after it; DaViT's pooled token; none for
+    /// Swin.
     pub fn num_prefix_tokens(&self) -> usize {
         match self {
+            Self::Swin(_) => 0,
             Self::MockVit(_) | Self::Davit(_) => 1,
             Self::Vit(c) => c.num_prefix_tokens(),
         }
@@ -59,6 +67,7 @@ impl VisionConfig {
             Self::MockVit(c) => PixelSpec::new(c.image_size, [0.5; 3], [0.5; 3]),
             Self::Vit(c) => c.pixel_spec(),
             Self::Davit(c) => c.pixel_spec(),
+            Self::Swin(c) => c.pixel_spec(),
         }
     }
 }
@@ -75,6 +84,8 @@ pub enum VisionEncoder {
     Vit(Vit),
     /// Florence-2's DaViT and projector.
     Florence2(Florence2Vision),
+    /// Donut's and Nougat's Swin.
+    Swin(Swin),
 }
 
 impl VisionEncoder {
@@ -88,6 +99,7 @@ impl VisionEncoder {
                 vb.pp("projector"),
                 c,
             )?),
+            VisionConfig::Swin(c) => Self::Swin(Swin::load(vb, c)?),
         })
     }
 
@@ -104,6 +116,7 @@ impl VisionEncoder {
             Self::MockVit(m) => Self::MockVit(m.clone()),
             Self::Vit(v) => Self::Vit(v.quantize(q.within("vision"))?),
             Self::Florence2(f) => Self::Florence2(f.quantize(&q.within("vision"))?),
+            Self::Swin(s) => Self::Swin(s.quantize(&q.within("vision"))?),
         })
     }
 
@@ -113,7 +126,7 @@ impl VisionEncoder {
         match self {
             // DaViT's only training-time layer is stochastic depth, which
             // vl does not train.
-            Self::MockVit(_) | Self::Florence2(_) => {}
+            Self::MockVit(_) | Self::Florence2(_) | Self::Swin(_) => {}
             Self::Vit(v) => v.set_mode(mode),
         }
     }
@@ -129,6 +142,7 @@ impl VisionEncoder {
             Self::MockVit(_) => Ok(()),
             Self::Vit(v) => v.named_tensors(prefix, out),
             Self::Florence2(f) => f.named_tensors(prefix, out),
+            Self::Swin(s) => s.named_tensors(prefix, out),
         }
     }
 
@@ -138,18 +152,20 @@ impl VisionEncoder {
             Self::MockVit(m) => VisionConfig::MockVit(m.config().clone()),
             Self::Vit(v) => VisionConfig::Vit(v.config().clone()),
             Self::Florence2(f) => VisionConfig::Davit(f.config().clone()),
+            Self::Swin(s) => VisionConfig::Swin(s.config().clone()),
         }
     }
 
     /// Image tokens of normalised pixels.
     ///
     /// # Shapes
-    /// `pixels: (batch, 3, size, size)` → `(batch, tokens, hidden)`.
+    /// `pixels: (batch, 3, height, width)` → `(batch, tokens, hidden)`.
     pub fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
         match self {
             Self::MockVit(m) => m.forward(pixels),
             Self::Vit(v) => v.forward(pixels),
             Self::Florence2(f) => f.forward(pixels),
+            Self::Swin(s) => s.forward(pixels),
         }
     }
 }

@@ -36,5 +36,6 @@ pub use encoder::{VisionConfig, VisionEncoder};
 pub use error::{Result, VisionError};
 pub use mock_vit::{MockVit, MockVitConfig};
 pub use pipeline::VisionPipeline;
-pub use preprocess::{PixelSpec, Resample, RgbView};
+pub use preprocess::{DocumentFit, PixelSpec, Resample, RgbView};
+pub use swin::{Swin, SwinConfig};
 pub use vit::{Vit, VitBlock, VitConfig};

@@ -5,11 +5,11 @@
 //! cross-attention reads:
 //!
 //! 1. [`VisionPipeline::pixels`]: [`PixelSpec::resized`] (the model's own
-//!    filter), then rescaled and normalised into a `(3, size, size)` f32
+//!    filter), then rescaled and normalised into a `(3, height, width)` f32
 //!    tensor on the encoder's device — each image on its own, so that one
 //!    bad image costs only itself;
 //! 2. [`VisionPipeline::encode`]: the images' tensors stacked once into
-//!    `(images, 3, size, size)`, cast once to the encoder's dtype inside
+//!    `(images, 3, height, width)`, cast once to the encoder's dtype inside
 //!    the encoder's patch embedding, encoded, then resampled when the model
 //!    has a resampler.
 
@@ -91,7 +91,7 @@ impl VisionPipeline {
     /// One image as the encoder's input (hop 1 above).
     ///
     /// # Shapes
-    /// Returns `(3, size, size)` f32 on the encoder's device.
+    /// Returns `(3, height, width)` f32 on the encoder's device.
     ///
     /// # Errors
     /// An image the spec cannot take (another size where the spec does not
@@ -103,7 +103,7 @@ impl VisionPipeline {
     /// [`VisionPipeline::pixels`] of borrowed RGB pixels, read in place.
     ///
     /// # Shapes
-    /// Returns `(3, size, size)` f32 on the encoder's device.
+    /// Returns `(3, height, width)` f32 on the encoder's device.
     ///
     /// # Errors
     /// As [`VisionPipeline::pixels`].
@@ -115,25 +115,25 @@ impl VisionPipeline {
     /// (hop 2 above).
     ///
     /// # Shapes
-    /// `pixels`: each `(3, size, size)` → `(pixels.len(), tokens, width)`.
+    /// `pixels`: each `(3, height, width)` → `(pixels.len(), tokens, width)`.
     ///
     /// # Errors
     /// [`crate::VisionError::Argument`] naming `pixels` when there are none
-    /// or one is not `(3, size, size)`; the encoder's errors.
+    /// or one is not `(3, height, width)`; the encoder's errors.
     pub fn encode(&self, pixels: &[Tensor]) -> Result<Tensor> {
-        let size = self.spec.image_size;
+        let (h, w) = self.spec.size();
         if pixels.is_empty() {
             return arg_err("pixels", "no image to encode");
         }
         if let Some((i, p)) = pixels
             .iter()
             .enumerate()
-            .find(|(_, p)| p.dims() != [3, size, size])
+            .find(|(_, p)| p.dims() != [3, h, w])
         {
             return arg_err(
                 "pixels",
                 format!(
-                    "image {i}: expected shape [3, {size}, {size}], got {:?}",
+                    "image {i}: expected shape [3, {h}, {w}], got {:?}",
                     p.dims()
                 ),
             );
@@ -141,7 +141,7 @@ impl VisionPipeline {
         self.encode_batch(&Tensor::stack(pixels, 0)?)
     }
 
-    /// Image tokens of a batch of pixels `(images, 3, size, size)`, e.g.
+    /// Image tokens of a batch of pixels `(images, 3, height, width)`, e.g.
     /// [`crate::preprocess::preprocess_batch`]'s.
     ///
     /// # Errors

@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use vl_attn::{Activation, FeedForward, LayerNorm, Proj, Quantizer};
 
 use crate::error::{config_err, Result};
+use crate::preprocess::{DocumentFit, PixelSpec, Resample};
 
 /// transformers' `DonutSwinConfig.layer_norm_eps` default.
 pub const SWIN_LAYER_NORM_EPS: f64 = 1e-5;
@@ -46,6 +47,12 @@ fn default_true() -> bool {
 }
 fn default_eps() -> f64 {
     SWIN_LAYER_NORM_EPS
+}
+fn half3() -> [f32; 3] {
+    [0.5; 3]
+}
+fn default_rescale() -> f32 {
+    1.0 / 255.0
 }
 
 /// An image size as transformers' configs give it: one side, or
@@ -105,6 +112,30 @@ pub struct SwinConfig {
     /// Nougat's).
     #[serde(default)]
     pub use_absolute_embeddings: bool,
+    /// The width of the tokens handed to the decoder when it differs from
+    /// the last stage's (transformers' `enc_to_dec_proj`); `None`: the last
+    /// stage's width.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_size: Option<usize>,
+    /// The preprocessor's per-channel mean (default 0.5, Donut's).
+    #[serde(default = "half3")]
+    pub image_mean: [f32; 3],
+    /// The preprocessor's per-channel std (default 0.5).
+    #[serde(default = "half3")]
+    pub image_std: [f32; 3],
+    /// Pixel values are multiplied by this first (default 1/255).
+    #[serde(default = "default_rescale")]
+    pub rescale_factor: f32,
+    /// The resize filter (default bilinear, Donut's and Nougat's).
+    #[serde(default)]
+    pub resample: Resample,
+    /// Whether images are resized (default true).
+    #[serde(default = "default_true")]
+    pub do_resize: bool,
+    /// The document processor's steps (Donut's and Nougat's); `None`:
+    /// images are stretched to `image_size`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub document: Option<DocumentFit>,
 }
 
 impl SwinConfig {
@@ -118,9 +149,30 @@ impl SwinConfig {
         self.embed_dim << s
     }
 
-    /// Width of the output tokens (the last stage's).
+    /// Width of the last stage's tokens.
     pub fn hidden_size(&self) -> usize {
         self.stage_dim(self.num_stages().saturating_sub(1))
+    }
+
+    /// Width of the tokens the encoder hands on: `output_size`, else the
+    /// last stage's.
+    pub fn output_width(&self) -> usize {
+        self.output_size.unwrap_or_else(|| self.hidden_size())
+    }
+
+    /// What the encoder expects of its pixels.
+    pub fn pixel_spec(&self) -> PixelSpec {
+        let (height, width) = self.image_size.height_width();
+        PixelSpec {
+            height,
+            width,
+            mean: self.image_mean,
+            std: self.image_std,
+            rescale_factor: self.rescale_factor,
+            resample: self.resample,
+            resize: self.do_resize,
+            document: self.document,
+        }
     }
 
     /// Each stage's map `(height, width)` in tokens, for an input of
@@ -184,6 +236,16 @@ impl SwinConfig {
                     self.patch_size, self.window_size, self.embed_dim
                 ),
             );
+        }
+        if let Some(v) = self
+            .image_std
+            .iter()
+            .find(|v| !(v.is_finite() && **v > 0.0))
+        {
+            return config_err("image_std", format!("must be positive, got {v}"));
+        }
+        if self.output_size == Some(0) {
+            return config_err("output_size", "must be at least 1");
         }
         if !(self.mlp_ratio > 0.0 && self.mlp_ratio.is_finite()) {
             return config_err("mlp_ratio", format!("{} is not positive", self.mlp_ratio));
@@ -318,6 +380,9 @@ struct Block {
     shift: usize,
     /// `(heads, window², window²)`: each head's bias over query × key.
     bias: Tensor,
+    /// The stored table the bias is gathered from, `((2·window − 1)²,
+    /// heads)`, kept for saving.
+    table: Tensor,
 }
 
 impl Block {
@@ -357,7 +422,30 @@ impl Block {
             window,
             shift: if i % 2 == 1 { window / 2 } else { 0 },
             bias,
+            table,
         })
+    }
+
+    fn named_tensors(&self, prefix: &str, out: &mut vl_attn::named::Named) -> Result<()> {
+        use vl_attn::named::join;
+        let sa = join(prefix, "attention.self");
+        self.norm1
+            .named_tensors(&join(prefix, "layernorm_before"), out);
+        out.insert(
+            join(&sa, "relative_position_bias_table"),
+            self.table.clone(),
+        );
+        self.query.named_tensors(&join(&sa, "query"), out)?;
+        self.key.named_tensors(&join(&sa, "key"), out)?;
+        self.value.named_tensors(&join(&sa, "value"), out)?;
+        self.out
+            .named_tensors(&join(prefix, "attention.output.dense"), out)?;
+        self.norm2
+            .named_tensors(&join(prefix, "layernorm_after"), out);
+        let (fc1, fc2) = self.ffn.parts();
+        fc1.named_tensors(&join(prefix, "intermediate.dense"), out)?;
+        fc2.named_tensors(&join(prefix, "output.dense"), out)?;
+        Ok(())
     }
 
     /// `x: (b, h, w, c)` → the same shape.
@@ -501,6 +589,8 @@ pub struct Swin {
     patch: Conv2d,
     embed_norm: LayerNorm,
     stages: Vec<(Vec<Block>, Option<Merge>)>,
+    /// From the last stage's width to `output_size`.
+    output_proj: Option<Proj>,
     cfg: SwinConfig,
     /// The activations' dtype.
     dtype: DType,
@@ -514,6 +604,16 @@ impl Swin {
     /// [`crate::VisionError::Config`] for an impossible config; a missing
     /// tensor or one of another shape, named.
     pub fn load(vb: VarBuilder, cfg: &SwinConfig) -> Result<Self> {
+        Self::load_split(vb.clone(), vb.pp("output_proj"), cfg)
+    }
+
+    /// [`Swin::load`] with the output projection (when `output_size` asks
+    /// for one) read under `projection` (transformers keeps it beside the
+    /// encoder, as `enc_to_dec_proj`).
+    ///
+    /// # Errors
+    /// As [`Swin::load`].
+    pub fn load_split(vb: VarBuilder, projection: VarBuilder, cfg: &SwinConfig) -> Result<Self> {
         cfg.validate()?;
         let e = vb.pp("embeddings");
         let p = e.pp("patch_embeddings").pp("projection");
@@ -553,10 +653,15 @@ impl Swin {
                 Ok((blocks, merge))
             })
             .collect::<Result<Vec<_>>>()?;
+        let output_proj = match cfg.output_size {
+            Some(out) => Some(linear(projection, cfg.hidden_size(), out, true)?),
+            None => None,
+        };
         Ok(Self {
             patch,
             embed_norm,
             stages,
+            output_proj,
             cfg: cfg.clone(),
             dtype: vb.dtype(),
         })
@@ -579,6 +684,23 @@ impl Swin {
     /// channel count, or a size whose stages' maps get smaller than the
     /// window.
     pub fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
+        let x = self.last_hidden_state(pixels)?;
+        Ok(match &self.output_proj {
+            Some(p) => p.forward(&x)?,
+            None => x,
+        })
+    }
+
+    /// The last stage's tokens before any output projection
+    /// (transformers' `last_hidden_state`).
+    ///
+    /// # Shapes
+    /// `pixels: (batch, 3, height, width)` → `(batch, tokens,
+    /// last stage's width)`.
+    ///
+    /// # Errors
+    /// As [`Swin::forward`].
+    pub fn last_hidden_state(&self, pixels: &Tensor) -> Result<Tensor> {
         let (_, ch, height, width) = pixels.dims4()?;
         if ch != self.cfg.num_channels {
             return crate::error::arg_err(
@@ -627,6 +749,37 @@ impl Swin {
         Ok(x.reshape((b, h * w, c))?)
     }
 
+    /// Adds the encoder's tensors under `prefix`, named as [`Swin::load`]
+    /// reads them (see [`vl_attn::named`]).
+    ///
+    /// # Errors
+    /// candle's, dequantizing a converted layer.
+    pub fn named_tensors(&self, prefix: &str, out: &mut vl_attn::named::Named) -> Result<()> {
+        use vl_attn::named::join;
+        let e = join(prefix, "embeddings");
+        let p = join(&e, "patch_embeddings.projection");
+        out.insert(join(&p, "weight"), self.patch.weight().clone());
+        if let Some(b) = self.patch.bias() {
+            out.insert(join(&p, "bias"), b.clone());
+        }
+        self.embed_norm.named_tensors(&join(&e, "norm"), out);
+        for (s, (blocks, merge)) in self.stages.iter().enumerate() {
+            let l = join(prefix, &format!("encoder.layers.{s}"));
+            for (i, b) in blocks.iter().enumerate() {
+                b.named_tensors(&join(&l, &format!("blocks.{i}")), out)?;
+            }
+            if let Some(m) = merge {
+                let d = join(&l, "downsample");
+                m.norm.named_tensors(&join(&d, "norm"), out);
+                m.reduction.named_tensors(&join(&d, "reduction"), out)?;
+            }
+        }
+        if let Some(p) = &self.output_proj {
+            p.named_tensors(&join(prefix, "output_proj"), out)?;
+        }
+        Ok(())
+    }
+
     /// The same encoder, its linear layers converted by `q` (tensor names
     /// as [`Swin::load`] reads them).
     ///
@@ -655,8 +808,13 @@ impl Swin {
                 Ok((blocks, merge))
             })
             .collect::<Result<Vec<_>>>()?;
+        let output_proj = match &self.output_proj {
+            Some(p) => Some(q.proj("output_proj", p)?),
+            None => None,
+        };
         Ok(Self {
             stages,
+            output_proj,
             ..self.clone()
         })
     }
@@ -716,6 +874,13 @@ mod tests {
             hidden_act: Activation::Gelu,
             layer_norm_eps: 1e-5,
             use_absolute_embeddings: false,
+            output_size: None,
+            image_mean: [0.5; 3],
+            image_std: [0.5; 3],
+            rescale_factor: 1.0 / 255.0,
+            resample: Resample::Bilinear,
+            do_resize: true,
+            document: None,
         };
         // 16x12, 8x6, 4x3: stage 2 is smaller than 5.
         assert_eq!(cfg.stage_sides(64, 48), [(16, 12), (8, 6), (4, 3)]);

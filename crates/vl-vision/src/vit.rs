@@ -109,12 +109,14 @@ impl VitConfig {
     /// What the encoder expects of its pixels.
     pub fn pixel_spec(&self) -> PixelSpec {
         PixelSpec {
-            image_size: self.image_size,
+            height: self.image_size,
+            width: self.image_size,
             mean: self.image_mean,
             std: self.image_std,
             rescale_factor: self.rescale_factor,
             resample: self.resample,
             resize: self.do_resize,
+            document: None,
         }
     }
 

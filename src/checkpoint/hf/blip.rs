@@ -303,8 +303,8 @@ impl HfBlipConfig {
 pub fn default_preprocessor() -> HfPreprocessorConfig {
     HfPreprocessorConfig {
         resample: PIL_BICUBIC,
-        image_mean: CLIP_MEAN,
-        image_std: CLIP_STD,
+        image_mean: Some(CLIP_MEAN),
+        image_std: Some(CLIP_STD),
         ..HfPreprocessorConfig::default()
     }
 }

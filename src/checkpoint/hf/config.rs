@@ -11,12 +11,14 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use vl_decoder::{DecoderConfig, EarlyStopping, GenerationConfig, Strategy};
-use vl_vision::{PixelSpec, Resample, VitConfig};
+use vl_vision::swin::ImageSize;
+use vl_vision::{DocumentFit, PixelSpec, Resample, SwinConfig, VisionConfig, VitConfig};
 
 use super::gpt2::HfGpt2Config;
 use super::mbart::HfMbartConfig;
+use super::swin::HfSwinConfig;
 use super::trocr::HfTrocrConfig;
-use super::vit::{HfVitConfig, ENCODERS};
+use super::vit::HfVitConfig;
 
 use crate::error::{config_err, Error, Result};
 
@@ -96,13 +98,77 @@ impl HfDecoderConfig {
     }
 }
 
+/// `config.json`'s `encoder`, by its `model_type`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(try_from = "Value")]
+pub enum HfEncoderConfig {
+    /// `vit` or `deit`.
+    Vit(HfVitConfig),
+    /// `donut-swin` (Donut's and Nougat's encoder).
+    Swin(HfSwinConfig),
+}
+
+impl TryFrom<Value> for HfEncoderConfig {
+    type Error = String;
+
+    fn try_from(v: Value) -> std::result::Result<Self, String> {
+        let family = v
+            .get("model_type")
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+        let parsed = match family.as_deref() {
+            Some(f) if super::vit::ENCODERS.contains(&f) => {
+                serde_path_to_error::deserialize(v).map(Self::Vit)
+            }
+            Some(f) if super::swin::ENCODERS.contains(&f) => {
+                serde_path_to_error::deserialize(v).map(Self::Swin)
+            }
+            other => return Err(format!("encoder.model_type: unsupported {other:?}")),
+        };
+        parsed.map_err(|e| {
+            format!(
+                "encoder.{} ({}): {}",
+                e.path(),
+                family.unwrap_or_default(),
+                e.inner()
+            )
+        })
+    }
+}
+
+impl HfEncoderConfig {
+    /// The family's `model_type`.
+    pub fn model_type(&self) -> &str {
+        match self {
+            Self::Vit(e) => &e.model_type,
+            Self::Swin(e) => &e.model_type,
+        }
+    }
+
+    /// The width of the encoder's tokens, before any `enc_to_dec_proj`.
+    pub fn hidden_size(&self) -> usize {
+        match self {
+            Self::Vit(e) => e.hidden_size,
+            Self::Swin(e) => e.swin.hidden_size(),
+        }
+    }
+
+    /// The configured input `(height, width)`.
+    pub fn image_size(&self) -> (usize, usize) {
+        match self {
+            Self::Vit(e) => (e.image_size, e.image_size),
+            Self::Swin(e) => e.swin.image_size.height_width(),
+        }
+    }
+}
+
 /// `config.json` of a vision-encoder-decoder checkpoint.
 #[derive(Debug, Clone, Deserialize)]
 pub struct HfConfig {
     /// Must be `"vision-encoder-decoder"`.
     pub model_type: String,
-    /// The image encoder (`vit` or `deit`).
-    pub encoder: HfVitConfig,
+    /// The image encoder.
+    pub encoder: HfEncoderConfig,
     /// The text decoder.
     pub decoder: HfDecoderConfig,
     /// Every other key: generation settings of older checkpoints.
@@ -119,37 +185,58 @@ impl HfConfig {
                 format!("expected {MODEL_TYPE:?}, got {:?}", self.model_type),
             );
         }
-        if !ENCODERS.contains(&self.encoder.model_type.as_str()) {
-            return config_err(
-                "encoder.model_type",
-                format!(
-                    "only {ENCODERS:?} encoders are supported, got {:?}",
-                    self.encoder.model_type
-                ),
-            );
-        }
         match &self.decoder {
             HfDecoderConfig::Gpt2(d) => d.validate()?,
-            HfDecoderConfig::Trocr(d) => d.validate(self.encoder.hidden_size)?,
+            HfDecoderConfig::Trocr(d) => d.validate(self.encoder.hidden_size())?,
             HfDecoderConfig::Mbart(d) => d.validate()?,
         }
-        self.vit_config(&PixelSpec::new(self.encoder.image_size, [0.5; 3], [0.5; 3]))
-            .validate()?;
+        match &self.encoder {
+            HfEncoderConfig::Vit(e) => self
+                .vit_config(e, &PixelSpec::new(e.image_size, [0.5; 3], [0.5; 3]))
+                .validate()?,
+            HfEncoderConfig::Swin(e) => e.validate()?,
+        }
         Ok(())
     }
 
     /// Whether the encoder's tokens go through `enc_to_dec_proj`.
     pub fn projects_encoder(&self) -> bool {
         match &self.decoder {
-            HfDecoderConfig::Gpt2(d) => self.encoder.hidden_size != d.n_embd,
-            HfDecoderConfig::Trocr(d) => d.projects_encoder(self.encoder.hidden_size),
-            HfDecoderConfig::Mbart(d) => d.projects_encoder(self.encoder.hidden_size),
+            HfDecoderConfig::Gpt2(d) => self.encoder.hidden_size() != d.n_embd,
+            HfDecoderConfig::Trocr(d) => d.projects_encoder(self.encoder.hidden_size()),
+            HfDecoderConfig::Mbart(d) => d.projects_encoder(self.encoder.hidden_size()),
         }
     }
 
-    /// The encoder as a vl [`VitConfig`], its normalisation from `pixels`.
-    pub fn vit_config(&self, pixels: &PixelSpec) -> VitConfig {
-        let e = &self.encoder;
+    /// The encoder as vl's [`VisionConfig`], its preprocessing from `pre`
+    /// (`preprocessor_config.json`, `None` when the directory has none).
+    ///
+    /// # Errors
+    /// A preprocessor the encoder cannot take, naming the field.
+    pub fn vision_config(&self, pre: Option<&HfPreprocessorConfig>) -> Result<VisionConfig> {
+        match &self.encoder {
+            HfEncoderConfig::Vit(e) => {
+                let default = HfPreprocessorConfig::default();
+                let pixels = pre.unwrap_or(&default).pixel_spec(e.image_size)?;
+                Ok(VisionConfig::Vit(self.vit_config(e, &pixels)))
+            }
+            HfEncoderConfig::Swin(e) => {
+                let mut swin = match pre {
+                    Some(pre) => pre.swin_pixels(&e.swin)?,
+                    None => HfPreprocessorConfig::donut_default(&e.swin)?,
+                };
+                swin.output_size = self
+                    .projects_encoder()
+                    .then_some(self.decoder.hidden_size());
+                swin.validate()?;
+                Ok(VisionConfig::Swin(swin))
+            }
+        }
+    }
+
+    /// The ViT encoder `e` as a vl [`VitConfig`], its normalisation from
+    /// `pixels`.
+    pub fn vit_config(&self, e: &HfVitConfig, pixels: &PixelSpec) -> VitConfig {
         VitConfig {
             image_size: e.image_size,
             patch_size: e.patch_size,
@@ -208,6 +295,9 @@ pub enum HfSize {
         /// The shorter side.
         shortest_edge: usize,
     },
+    /// Two numbers: Donut's and Nougat's processors read them as
+    /// `[width, height]`.
+    Pair([usize; 2]),
 }
 
 fn resample_bilinear() -> u32 {
@@ -220,10 +310,40 @@ fn half3() -> [f32; 3] {
     [0.5; 3]
 }
 
+fn imagenet_mean() -> [f32; 3] {
+    [0.485, 0.456, 0.406]
+}
+fn imagenet_std() -> [f32; 3] {
+    [0.229, 0.224, 0.225]
+}
+
 /// `preprocessor_config.json`: a transformers `ViTImageProcessor` (or the
-/// older `ViTFeatureExtractor`), with its defaults.
+/// older `ViTFeatureExtractor`), or for a Swin encoder Donut's or Nougat's
+/// processor, with their defaults.
 #[derive(Debug, Clone, Deserialize)]
 pub struct HfPreprocessorConfig {
+    /// The processor's class (`DonutImageProcessor`, …).
+    #[serde(default)]
+    pub image_processor_type: Option<String>,
+    /// The older name of the class (`DonutFeatureExtractor`, …).
+    #[serde(default)]
+    pub feature_extractor_type: Option<String>,
+    /// The processor around it (`DonutProcessor`, `NougatProcessor`), the
+    /// only class some files name.
+    #[serde(default)]
+    pub processor_class: Option<String>,
+    /// Donut's and Nougat's `do_thumbnail` (default true).
+    #[serde(default)]
+    pub do_thumbnail: Option<bool>,
+    /// Donut's and Nougat's `do_align_long_axis` (default false).
+    #[serde(default)]
+    pub do_align_long_axis: Option<bool>,
+    /// Donut's and Nougat's `do_pad` (default true).
+    #[serde(default)]
+    pub do_pad: Option<bool>,
+    /// Nougat's `do_crop_margin` (default true).
+    #[serde(default)]
+    pub do_crop_margin: Option<bool>,
     /// Resize to `size` (default true).
     #[serde(default = "default_true")]
     pub do_resize: bool,
@@ -242,25 +362,32 @@ pub struct HfPreprocessorConfig {
     /// Normalise by mean and std (default true).
     #[serde(default = "default_true")]
     pub do_normalize: bool,
-    /// Default 0.5 per channel.
-    #[serde(default = "half3")]
-    pub image_mean: [f32; 3],
-    /// Default 0.5 per channel.
-    #[serde(default = "half3")]
-    pub image_std: [f32; 3],
+    /// Default 0.5 per channel (Nougat's: ImageNet's).
+    #[serde(default)]
+    pub image_mean: Option<[f32; 3]>,
+    /// Default 0.5 per channel (Nougat's: ImageNet's).
+    #[serde(default)]
+    pub image_std: Option<[f32; 3]>,
 }
 
 impl Default for HfPreprocessorConfig {
     fn default() -> Self {
         Self {
+            image_processor_type: None,
+            feature_extractor_type: None,
+            processor_class: None,
+            do_thumbnail: None,
+            do_align_long_axis: None,
+            do_pad: None,
+            do_crop_margin: None,
             do_resize: true,
             size: None,
             resample: resample_bilinear(),
             do_rescale: true,
             rescale_factor: rescale_255(),
             do_normalize: true,
-            image_mean: half3(),
-            image_std: half3(),
+            image_mean: None,
+            image_std: None,
         }
     }
 }
@@ -285,6 +412,13 @@ impl HfPreprocessorConfig {
                         format!("shortest_edge {shortest_edge} resizing is not supported; the ViT takes {image_size}x{image_size}"),
                     )
                 }
+                Some(HfSize::Pair([a, b])) if a == b => *a,
+                Some(HfSize::Pair([a, b])) => {
+                    return config_err(
+                        "size",
+                        format!("[{a}, {b}] is not square; the ViT takes {image_size}x{image_size}"),
+                    )
+                }
             };
             if side != image_size {
                 return config_err(
@@ -302,16 +436,11 @@ impl HfPreprocessorConfig {
                 ),
             );
         };
-        let (mean, std) = if self.do_normalize {
-            (self.image_mean, self.image_std)
-        } else {
-            ([0.0; 3], [1.0; 3])
-        };
-        if let Some(s) = std.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
-            return config_err("image_std", format!("must be positive, got {s}"));
-        }
+        let (mean, std) = self.normalisation(half3(), half3())?;
         Ok(PixelSpec {
-            image_size,
+            height: image_size,
+            width: image_size,
+            document: None,
             mean,
             std,
             rescale_factor: if self.do_rescale {
@@ -322,6 +451,131 @@ impl HfPreprocessorConfig {
             resample,
             resize: self.do_resize,
         })
+    }
+
+    /// The mean and std to normalise by (`default_*` where the file gives
+    /// none; no normalisation when `do_normalize` is off).
+    fn normalisation(
+        &self,
+        default_mean: [f32; 3],
+        default_std: [f32; 3],
+    ) -> Result<([f32; 3], [f32; 3])> {
+        let (mean, std) = if self.do_normalize {
+            (
+                self.image_mean.unwrap_or(default_mean),
+                self.image_std.unwrap_or(default_std),
+            )
+        } else {
+            ([0.0; 3], [1.0; 3])
+        };
+        if let Some(s) = std.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
+            return config_err("image_std", format!("must be positive, got {s}"));
+        }
+        Ok((mean, std))
+    }
+
+    /// The processor's class name: `image_processor_type`, the older
+    /// `feature_extractor_type`, else `processor_class`.
+    pub fn processor_type(&self) -> Option<&str> {
+        self.image_processor_type
+            .as_deref()
+            .or(self.feature_extractor_type.as_deref())
+            .or(self.processor_class.as_deref())
+    }
+
+    /// Whether this is Nougat's processor (else Donut's, for a Swin).
+    fn is_nougat(&self) -> bool {
+        self.processor_type()
+            .is_some_and(|t| t.starts_with("Nougat"))
+    }
+
+    /// `swin` with this processor's preprocessing: Donut's or Nougat's
+    /// steps ([`DocumentFit`]) with their defaults, at the processor's
+    /// `size` (what transformers feeds the encoder), or stretched to the
+    /// size as a ViT processor does when the file names another class.
+    ///
+    /// # Errors
+    /// A `size` that is not a height and a width, an unknown filter, a
+    /// non-positive std; each named.
+    pub fn swin_pixels(&self, swin: &SwinConfig) -> Result<SwinConfig> {
+        let kind = self.processor_type().unwrap_or("DonutImageProcessor");
+        let document = kind.starts_with("Donut") || kind.starts_with("Nougat");
+        let nougat = self.is_nougat();
+        let (height, width) = match &self.size {
+            None => swin.image_size.height_width(),
+            Some(HfSize::HeightWidth { height, width }) => (*height, *width),
+            // transformers' Donut and Nougat processors reverse a list
+            // (`size[::-1]`) before reading it as height, width.
+            Some(HfSize::Pair([w, h])) if document => (*h, *w),
+            Some(HfSize::Pair([h, w])) => (*h, *w),
+            Some(HfSize::Side(s)) => (*s, *s),
+            Some(HfSize::ShortestEdge { shortest_edge }) => return config_err(
+                "size",
+                format!(
+                    "shortest_edge {shortest_edge}: a Swin's processor needs a height and a width"
+                ),
+            ),
+        };
+        if (height, width) != swin.image_size.height_width() {
+            tracing::info!(
+                "preprocessor size {height}x{width} (height x width) differs from the encoder's \
+                 image_size {:?}; images are fed at the preprocessor's, as transformers does",
+                swin.image_size
+            );
+        }
+        let Some(resample) = Resample::from_pil(self.resample) else {
+            return config_err(
+                "resample",
+                format!(
+                    "PIL filter {} is not supported (0 nearest, 1 lanczos, 2 bilinear, 3 bicubic)",
+                    self.resample
+                ),
+            );
+        };
+        let (mean, std) = if nougat {
+            self.normalisation(imagenet_mean(), imagenet_std())?
+        } else {
+            self.normalisation(half3(), half3())?
+        };
+        let fit = document.then(|| DocumentFit {
+            crop_margin: nougat && self.do_crop_margin.unwrap_or(true),
+            align_long_axis: self.do_align_long_axis.unwrap_or(false),
+            // Donut's thumbnail resizes with the processor's filter,
+            // Nougat's always with bicubic.
+            thumbnail: self.do_thumbnail.unwrap_or(true).then_some(if nougat {
+                Resample::Bicubic
+            } else {
+                resample
+            }),
+            pad: self.do_pad.unwrap_or(true),
+        });
+        Ok(SwinConfig {
+            image_size: ImageSize::HeightWidth([height, width]),
+            image_mean: mean,
+            image_std: std,
+            rescale_factor: if self.do_rescale {
+                self.rescale_factor as f32
+            } else {
+                1.0
+            },
+            resample,
+            do_resize: self.do_resize,
+            document: fit,
+            ..swin.clone()
+        })
+    }
+
+    /// `swin` with `DonutImageProcessor`'s defaults, for a directory with
+    /// no `preprocessor_config.json`.
+    ///
+    /// # Errors
+    /// As [`HfPreprocessorConfig::swin_pixels`].
+    pub fn donut_default(swin: &SwinConfig) -> Result<SwinConfig> {
+        Self {
+            image_processor_type: Some("DonutImageProcessor".into()),
+            ..Self::default()
+        }
+        .swin_pixels(swin)
     }
 }
 

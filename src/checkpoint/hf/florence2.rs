@@ -376,7 +376,7 @@ impl HfFlorence2 {
                 }
             }
         };
-        cfg.image_size = pixels.image_size;
+        cfg.image_size = pixels.width;
         if layout == Layout::Original && cfg.patch_prenorm.first() == Some(&true) {
             // microsoft's DaViT skips the pre-norm of the first stage;
             // transformers' applies it: the layouts would disagree.
@@ -723,6 +723,7 @@ impl Family for HfFlorence2 {
             generation: None,
             text_encoder: Some(te_cfg),
             tasks: Some(tasks),
+            reader: None,
         };
         config.validate().map_err(in_file(&config_path))?;
         Ok(Plan {

@@ -8,9 +8,10 @@
 //! |---|---|---|---|
 //! | encoder | `vit` | [`vit`] | `nlpconnect/vit-gpt2-image-captioning`, TrOCR base/large |
 //! | encoder | `deit` | [`vit`] (a distillation token more) | TrOCR small |
+//! | encoder | `donut-swin` | [`swin`] | Donut, Nougat |
 //! | decoder | `gpt2` with `add_cross_attention` | [`gpt2`] | vit-gpt2 captioners |
 //! | decoder | `trocr` | [`trocr`] (post-LN, BART-style) | `microsoft/trocr-*` |
-//! | decoder | `mbart` | [`mbart`] (pre-LN, final norm) | Donut's and Nougat's decoders (under a ViT/DeiT encoder for now) |
+//! | decoder | `mbart` | [`mbart`] (pre-LN, final norm) | Donut's and Nougat's decoders |
 //!
 //! BLIP captioners (`model_type` `blip`, not a vision-encoder-decoder
 //! directory) are read by [`blip`], with the same weights, tokenizer and
@@ -24,7 +25,8 @@
 //! - `generation_config.json` (optional): the generation defaults; older
 //!   checkpoints keep them in `config.json` instead (top level first, then
 //!   `decoder`);
-//! - `preprocessor_config.json` (optional; ViT's defaults otherwise);
+//! - `preprocessor_config.json` (optional; ViT's defaults otherwise, Donut's
+//!   processor's under a Swin);
 //! - `tokenizer.json` (GPT-2's or RoBERTa's byte-level BPE, XLM-R's
 //!   sentencepiece), or a byte-level BPE as `vocab.json` + `merges.txt`
 //!   (GPT-2, RoBERTa), with `special_tokens_map.json` naming the special
@@ -42,6 +44,7 @@ pub mod config;
 pub mod florence2;
 pub mod gpt2;
 pub mod mbart;
+pub mod swin;
 mod tensors;
 pub mod trocr;
 pub mod vit;
@@ -62,20 +65,29 @@ use super::{
 };
 use crate::error::{in_file, Error, Result};
 
-pub use config::{HfConfig, HfDecoderConfig, HfGeneration, HfPreprocessorConfig, MODEL_TYPE};
+pub use config::{
+    HfConfig, HfDecoderConfig, HfEncoderConfig, HfGeneration, HfPreprocessorConfig, MODEL_TYPE,
+};
 
 /// A transformers checkpoint in vl's terms: a ViT (`vit`) and a decoder,
 /// no resampler, weights as stored.
 pub(crate) fn vit_model(decoder: vl_decoder::DecoderConfig, vit: vl_vision::VitConfig) -> VlConfig {
+    encoder_model(decoder, VisionConfig::Vit(vit))
+}
+
+/// A transformers checkpoint in vl's terms: an encoder and a decoder, no
+/// resampler, weights as stored.
+pub(crate) fn encoder_model(decoder: vl_decoder::DecoderConfig, vision: VisionConfig) -> VlConfig {
     VlConfig {
         model_type: super::native::MODEL_TYPE.into(),
         decoder,
-        vision: Some(VisionConfig::Vit(vit)),
+        vision: Some(vision),
         resampler: None,
         quantization: vl_attn::Quantization::None,
         generation: None,
         text_encoder: None,
         tasks: None,
+        reader: None,
     }
 }
 
@@ -138,6 +150,9 @@ pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// Pickled weights, never loaded.
 pub const PICKLE_FILE: &str = "pytorch_model.bin";
 
+/// The encoder `model_type`s vl loads.
+const ENCODERS: [&str; 3] = ["vit", "deit", "donut-swin"];
+
 /// The decoder `model_type`s vl loads.
 pub const DECODERS: &[&str] = &["gpt2", "trocr", "mbart"];
 
@@ -146,7 +161,7 @@ pub const DECODERS: &[&str] = &["gpt2", "trocr", "mbart"];
 /// checkpoint of another family is named for what it is.
 fn check_families(config: &serde_json::Value, path: &Path) -> Result<()> {
     for (what, part, families) in [
-        ("encoder.model_type", "encoder", vit::ENCODERS),
+        ("encoder.model_type", "encoder", &ENCODERS[..]),
         ("decoder.model_type", "decoder", DECODERS),
     ] {
         let found = config
@@ -260,20 +275,22 @@ impl Family for HfConfig {
             .map_err(in_file(&generation_source))?;
 
         let pre_path = dir.join(PREPROCESSOR_FILE);
-        let pre: HfPreprocessorConfig = if pre_path.is_file() {
-            read_json(&pre_path)?
+        let pre: Option<HfPreprocessorConfig> = if pre_path.is_file() {
+            Some(read_json(&pre_path)?)
         } else {
             tracing::warn!(
-                "{}: no such file; using ViT's defaults (resize, mean and std 0.5)",
-                pre_path.display()
+                "{}: no such file; using {}",
+                pre_path.display(),
+                match cfg.encoder {
+                    HfEncoderConfig::Vit(_) => "ViT's defaults (resize, mean and std 0.5)",
+                    HfEncoderConfig::Swin(_) => "DonutImageProcessor's defaults",
+                }
             );
-            HfPreprocessorConfig::default()
+            None
         };
-        let pixels = pre
-            .pixel_spec(cfg.encoder.image_size)
+        let vision_cfg = cfg
+            .vision_config(pre.as_ref())
             .map_err(in_file(&pre_path))?;
-
-        let vit_cfg = cfg.vit_config(&pixels);
         let dec_cfg = cfg
             .decoder_config(&gen_cfg)
             .map_err(in_file(&config_path))?;
@@ -283,9 +300,19 @@ impl Family for HfConfig {
             .check_ids(dec_cfg.vocab_size)
             .map_err(in_file(&generation_source))?;
         let tokenizer = load_hf_tokenizer(dir, dec_cfg.vocab_size)?;
+        let reader = match cfg.encoder {
+            HfEncoderConfig::Vit(_) => None,
+            HfEncoderConfig::Swin(_) => Some(match pre.as_ref().and_then(|p| p.processor_type()) {
+                Some(t) if t.starts_with("Nougat") => crate::donut::Reader::Nougat,
+                _ => crate::donut::Reader::Donut,
+            }),
+        };
         Ok(Plan {
             family: cfg,
-            config: vit_model(dec_cfg, vit_cfg),
+            config: VlConfig {
+                reader,
+                ..encoder_model(dec_cfg, vision_cfg)
+            },
             generation: gen_cfg,
             tokenizer,
         })
@@ -296,7 +323,14 @@ impl Family for HfConfig {
         vb: &VarBuilder,
         config: &VlConfig,
     ) -> Result<Option<(VisionEncoder, Option<Resampler>)>> {
-        vit_vision(config, |cfg| vit::load(vb.clone(), self, cfg))
+        match (&self.encoder, &config.vision) {
+            (HfEncoderConfig::Vit(e), _) => vit_vision(config, |cfg| vit::load(vb.clone(), e, cfg)),
+            (HfEncoderConfig::Swin(_), Some(VisionConfig::Swin(cfg))) => Ok(Some((
+                VisionEncoder::Swin(swin::load(vb.clone(), self, cfg)?),
+                None,
+            ))),
+            (HfEncoderConfig::Swin(_), _) => Ok(None),
+        }
     }
 
     fn decoder(

@@ -14,7 +14,6 @@ use vl_attn::{FeedForward, SelfAttention, SelfAttentionConfig};
 use vl_decoder::Activation;
 use vl_vision::{Vit, VitBlock, VitConfig};
 
-use super::config::HfConfig;
 use super::tensors::{layer_norm, linear};
 use crate::error::Result;
 
@@ -90,8 +89,7 @@ impl HfVitConfig {
 
 /// The ViT (or DeiT) under `encoder.` (and `enc_to_dec_proj.` when the widths
 /// differ). The pooler, if saved, is not read.
-pub fn load(vb: VarBuilder, cfg: &HfConfig, vit_cfg: &VitConfig) -> Result<Vit> {
-    let e = &cfg.encoder;
+pub fn load(vb: VarBuilder, e: &HfVitConfig, vit_cfg: &VitConfig) -> Result<Vit> {
     let d = e.hidden_size;
     let enc = vb.pp("encoder");
     let emb = enc.pp("embeddings");

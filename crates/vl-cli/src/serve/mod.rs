@@ -889,8 +889,8 @@ async fn serve(args: &Args) -> anyhow::Result<()> {
                 let captioner = Captioner::new(model);
                 // A warm-up encode, which also counts the image tokens.
                 let m = captioner.model();
-                let side = m.pixel_spec()?.image_size;
-                let blank = Tensor::zeros((1, 3, side, side), DType::F32, &Device::Cpu)?;
+                let (h, w) = m.pixel_spec()?.size();
+                let blank = Tensor::zeros((1, 3, h, w), DType::F32, &Device::Cpu)?;
                 let image_tokens = m.encode_pixels(&blank)?.dim(1)?;
                 let ready = Ready {
                     jobs,
