@@ -509,12 +509,11 @@ impl HfPreprocessorConfig {
             Some(HfSize::Pair([w, h])) if document => (*h, *w),
             Some(HfSize::Pair([h, w])) => (*h, *w),
             Some(HfSize::Side(s)) => (*s, *s),
-            Some(HfSize::ShortestEdge { shortest_edge }) => return config_err(
-                "size",
-                format!(
-                    "shortest_edge {shortest_edge}: a Swin's processor needs a height and a width"
-                ),
-            ),
+            Some(HfSize::ShortestEdge { shortest_edge }) => {
+                let reason =
+                    format!("shortest_edge {shortest_edge}: a Swin needs a height and a width");
+                return config_err("size", reason);
+            }
         };
         if (height, width) != swin.image_size.height_width() {
             tracing::info!(
