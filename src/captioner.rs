@@ -28,7 +28,9 @@ use crate::tasks::{Task, TaskOutput};
 #[derive(Debug, Clone, PartialEq)]
 pub struct Caption {
     /// The caption's text (special tokens dropped): with a prompt, the
-    /// prompt and its continuation, as transformers decodes BLIP's output.
+    /// prompt and its continuation, as transformers decodes BLIP's output;
+    /// Donut's as `DonutProcessor` decodes it (tags kept), Nougat's
+    /// Markdown after `post_process_generation` ([`crate::nougat`]).
     pub text: String,
     /// The ids generated after the start token (and the prompt), the EOS
     /// included if one was generated.
@@ -634,6 +636,15 @@ impl Captioner {
                     .collect();
                 document = Some(token2json(&text, &added));
                 (text, None)
+            }
+            // As NougatProcessor: decoded without the special tokens, then
+            // post_process_generation's Markdown fixes.
+            Prompted::Decoder(ids) if self.model.config.reader == Some(Reader::Nougat) => {
+                let all: Vec<u32> = ids.iter().chain(&g.tokens).copied().collect();
+                (
+                    crate::nougat::post_process(&decode(&all, true)?, true),
+                    None,
+                )
             }
             // The prompt's words, then the caption (the start token is
             // special, skipped either way).

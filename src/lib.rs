@@ -27,6 +27,7 @@ pub mod heatmap;
 #[cfg(feature = "hub")]
 pub mod hub;
 pub mod model;
+pub mod nougat;
 pub mod settings;
 pub mod shapes;
 pub mod tasks;

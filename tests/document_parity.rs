@@ -42,6 +42,8 @@ struct Expected {
     prompted_text: Option<String>,
     #[serde(default)]
     prompted_json: Option<serde_json::Value>,
+    #[serde(default)]
+    defaults_markdown: Option<String>,
 }
 
 /// The fixture's captioner, f32 on the CPU.
@@ -162,6 +164,15 @@ fn nougat_matches_transformers() -> anyhow::Result<()> {
         })
     );
     assert_eq!(f.model.pixel_spec()?.mean, [0.485, 0.456, 0.406]);
+    // The caption is the page's Markdown, as NougatProcessor's
+    // post_process_generation gives it.
+    let captioner = captioner(&f)?;
+    let got = caption(
+        &captioner,
+        &f.dir.join("image.png"),
+        &Request::new(captioner.model().generation.clone()),
+    )?;
+    assert_eq!(Some(&got.text), f.expected.defaults_markdown.as_ref());
     Ok(())
 }
 

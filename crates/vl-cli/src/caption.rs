@@ -56,6 +56,10 @@ pub struct Args {
     /// in FILE (from an interrupted run) are skipped, so each appears exactly once.
     #[arg(long, value_name = "FILE")]
     output: Option<PathBuf>,
+    /// Also write each image's text to DIR/STEM.mmd (Nougat's Markdown, one file per page)
+    /// or DIR/STEM.txt (other models); DIR is created if needed.
+    #[arg(long, value_name = "DIR")]
+    output_dir: Option<PathBuf>,
     #[command(flatten)]
     generation: GenerationArgs,
     /// Images captioned together.
@@ -178,6 +182,14 @@ struct Output {
     several: bool,
     failed: usize,
     file: Option<ResultsFile>,
+    /// `--output-dir` and the files' extension.
+    dir: Option<(PathBuf, &'static str)>,
+}
+
+/// `--output-dir`'s file for the image at `path`.
+fn text_file(dir: &Path, ext: &str, path: &Path) -> PathBuf {
+    let stem = path.file_stem().unwrap_or(path.as_os_str());
+    dir.join(stem).with_extension(ext)
 }
 
 impl Output {
@@ -204,6 +216,10 @@ impl Output {
         out.flush()?;
         if let Some(f) = &mut self.file {
             f.append(&line)?;
+        }
+        if let Some((dir, ext)) = &self.dir {
+            let file = text_file(dir, ext, path);
+            std::fs::write(&file, &c.text).with_context(|| format!("{}", file.display()))?;
         }
         Ok(())
     }
@@ -364,12 +380,39 @@ fn caption(args: &Args) -> Result<usize, Fatal> {
     } else {
         ProgressBar::hidden()
     };
+    let dir = match &args.output_dir {
+        None => None,
+        Some(dir) => {
+            let ext = match captioner.model().config.reader {
+                Some(vl::donut::Reader::Nougat) => "mmd",
+                _ => "txt",
+            };
+            // One file per image: two inputs of the same stem are refused
+            // before any is read.
+            let mut seen: std::collections::HashMap<PathBuf, &Path> = Default::default();
+            for p in &inputs {
+                if let Some(other) = seen.insert(text_file(dir, ext, p), p) {
+                    return Err(Fatal(anyhow::anyhow!(
+                        "--output-dir: {} and {} would both write {}",
+                        other.display(),
+                        p.display(),
+                        text_file(dir, ext, p).display()
+                    )));
+                }
+            }
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("--output-dir {}", dir.display()))
+                .map_err(Fatal)?;
+            Some((dir.clone(), ext))
+        }
+    };
     let mut out = Output {
         json: args.json,
         task: args.task,
         several: inputs.len() > 1,
         failed: 0,
         file,
+        dir,
     };
     let io = |e: anyhow::Error| Fatal(e.context("cannot write the results"));
     for (path, e) in &problems {

@@ -248,6 +248,88 @@ fn hf_checkpoints_caption_as_transformers() {
     }
 }
 
+/// Documents through the CLI: Donut's task prompt replaces the start
+/// token and `--json` carries the output's JSON as `document`; Nougat's
+/// pages are written as Markdown, one `.mmd` per page with
+/// `--output-dir`, and two pages of the same name are refused before any
+/// is read.
+#[test]
+fn documents_print_json_and_write_one_markdown_file_per_page() {
+    let root = common::repo_root().join("tests/fixtures/document");
+    let donut = root.join("donut");
+    let expected: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(donut.join("expected.json")).expect("expected.json"),
+    )
+    .expect("json");
+    let out = run(&[
+        "--model",
+        s(&donut),
+        "--json",
+        "--beams",
+        "1",
+        "--max-tokens",
+        "20",
+        "--prompt",
+        "<s_cord-v2>",
+        s(&donut.join("image.png")),
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(line["token_ids"], expected["prompted"]);
+    assert_eq!(line["caption"], expected["prompted_text"]);
+    assert_eq!(line["document"], expected["prompted_json"]);
+
+    let nougat = root.join("nougat");
+    let expected: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(nougat.join("expected.json")).expect("expected.json"),
+    )
+    .expect("json");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let pages = dir.path().join("pages");
+    let out = run(&[
+        "--model",
+        s(&nougat),
+        "--output-dir",
+        s(&pages),
+        s(&nougat.join("image.png")),
+        s(&nougat.join("other_0.png")),
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let page = std::fs::read_to_string(pages.join("image.mmd")).expect("image.mmd");
+    assert_eq!(
+        page,
+        expected["defaults_markdown"].as_str().expect("a string")
+    );
+    assert!(pages.join("other_0.mmd").is_file());
+
+    // The same stem twice: refused by name, nothing written.
+    let twin = dir.path().join("image.png");
+    std::fs::copy(nougat.join("image.png"), &twin).expect("copy");
+    let again = dir.path().join("again");
+    let out = run(&[
+        "--model",
+        s(&nougat),
+        "--output-dir",
+        s(&again),
+        s(&nougat.join("image.png")),
+        s(&twin),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("would both write"), "{err}");
+    assert!(!again.exists());
+}
+
 /// BLIP fixtures through the CLI: the checkpoint's defaults, and
 /// `--prompt` continuing a prompt (the caption is the whole text, token_ids
 /// the generated ones), as transformers; a model without prompts refuses
