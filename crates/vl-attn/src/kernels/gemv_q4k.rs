@@ -340,6 +340,9 @@ impl Tiled for PackedQ4K {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the token proves AVX-512F, BW and VNNI.
             Q8Simd::Vnni => unsafe { tile_vnni(self, a, t, r0, acc) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the token proves AVX2 and FMA.
+            Q8Simd::Avx2 => unsafe { tile_avx2(self, a, t, r0, acc) },
             _ => tile_plain(isa.f32_isa(), self, a, t, r0, acc),
         }
     }
@@ -418,22 +421,9 @@ unsafe fn tile_vnni<const R: usize>(
     acc: &mut [[f32; TILE_ROWS]; R],
 ) {
     use std::arch::x86_64::*;
+    check_tile(p, input, t, r0, R);
     let a = &input.acts;
     let (blocks, subs) = (p.k / BLOCK_VALUES, p.k / SUB);
-    // `input.sums` has one value per block of `a` (its type's invariant),
-    // so the rows' check covers it.
-    assert!(
-        a.k == p.k
-            && (t + 1) * blocks * REC <= p.data.len()
-            && (r0 + R) * a.k <= a.q.len()
-            && (r0 + R) * subs <= a.d.len().min(input.sums.len()),
-        "vl-q4k: tile {t} and rows {r0}..{} outside the weight ({}, {}) or x ({}, {})",
-        r0 + R,
-        p.n,
-        p.k,
-        a.rows,
-        a.k
-    );
     let tune = CpuFeatures::get().tuning;
     let (ahead, hint) = (tune.prefetch_ahead, tune.prefetch);
     // SAFETY: every offset below is within the tile `t` of `p` and the rows
@@ -495,6 +485,134 @@ unsafe fn tile_vnni<const R: usize>(
     }
 }
 
+/// The checks [`tile_vnni`] and [`tile_avx2`] make before reading without
+/// bounds checks: tile `t` in `p`, rows `r0..r0 + rows` in `input`.
+fn check_tile(p: &PackedQ4K, input: &SummedActivations, t: usize, r0: usize, rows: usize) {
+    let a = &input.acts;
+    let (blocks, subs) = (p.k / BLOCK_VALUES, p.k / SUB);
+    // `input.sums` has one value per block of `a` (its type's invariant),
+    // so the rows' check covers it.
+    assert!(
+        a.k == p.k
+            && (t + 1) * blocks * REC <= p.data.len()
+            && (r0 + rows) * a.k <= a.q.len()
+            && (r0 + rows) * subs <= a.d.len().min(input.sums.len()),
+        "vl-q4k: tile {t} and rows {r0}..{} outside the weight ({}, {}) or x ({}, {})",
+        r0 + rows,
+        p.n,
+        p.k,
+        a.rows,
+        a.k
+    );
+}
+
+/// [`tile_vnni`] on AVX2: the nibbles are unsigned and small, so
+/// `vpmaddubsw` (unsigned × signed bytes, pairs summed to 16 bits: at most
+/// 15 · 127 · 2) and `vpmaddwd` give each row's exact integer sums, 8 rows
+/// per 256-bit half; the scaling is [`tile_generic`]'s, so the result is
+/// the same bit for bit.
+///
+/// # Panics
+/// As [`tile_vnni`].
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2<const R: usize>(
+    p: &PackedQ4K,
+    input: &SummedActivations,
+    t: usize,
+    r0: usize,
+    acc: &mut [[f32; TILE_ROWS]; R],
+) {
+    use std::arch::x86_64::*;
+    check_tile(p, input, t, r0, R);
+    let a = &input.acts;
+    let (blocks, subs) = (p.k / BLOCK_VALUES, p.k / SUB);
+    let tune = CpuFeatures::get().tuning;
+    let (ahead, hint) = (tune.prefetch_ahead, tune.prefetch);
+    // SAFETY: every offset below is within the tile `t` of `p` and the rows
+    // `r0..r0 + R` of `a` (checked above).
+    unsafe {
+        let mut sums = [[_mm256_setzero_ps(); 2]; R];
+        let low = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let recs = p.data.as_ptr().add(t * blocks * REC);
+        for b in 0..blocks {
+            let rec = recs.add(b * REC);
+            for line in 0..QS / 64 {
+                prefetch(rec, ahead + 64 * line, hint);
+            }
+            let d: [f32; TILE_ROWS] = std::array::from_fn(|j| half_at_ptr(rec, D, j));
+            let dmin: [f32; TILE_ROWS] = std::array::from_fn(|j| half_at_ptr(rec, DMIN, j));
+            for j in 0..SUBS {
+                let s = b * SUBS + j;
+                let tile = rec.add(QS + j * TILE_BYTES);
+                for line in 0..TILE_BYTES / 64 {
+                    prefetch(tile, ahead + 64 * line, hint);
+                }
+                // Half `h`: group pair h / 2, rows 8(h % 2) .. +8.
+                let v: [__m256i; 8] =
+                    std::array::from_fn(|h| _mm256_loadu_si256(tile.add(h * 32) as *const _));
+                let lo = v.map(|v| _mm256_and_si256(v, low));
+                let hi = v.map(|v| _mm256_and_si256(_mm256_srli_epi16::<4>(v), low));
+                let scale: [f32; TILE_ROWS] =
+                    std::array::from_fn(|r| d[r] * *rec.add(SC + j * TILE_ROWS + r) as f32);
+                let min: [f32; TILE_ROWS] =
+                    std::array::from_fn(|r| dmin[r] * *rec.add(M + j * TILE_ROWS + r) as f32);
+                let scale = [
+                    _mm256_loadu_ps(scale.as_ptr()),
+                    _mm256_loadu_ps(scale.as_ptr().add(8)),
+                ];
+                let min = [
+                    _mm256_loadu_ps(min.as_ptr()),
+                    _mm256_loadu_ps(min.as_ptr().add(8)),
+                ];
+                for (i, sum) in sums.iter_mut().enumerate() {
+                    let r = r0 + i;
+                    let x = a.q.as_ptr().add(r * a.k + s * SUB);
+                    let x4 =
+                        |g: usize| _mm256_set1_epi32((x.add(g * 4) as *const i32).read_unaligned());
+                    let dot = |u: __m256i, x: __m256i| {
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones)
+                    };
+                    let blk = r * subs + s;
+                    let dx = _mm256_set1_ps(*a.d.get_unchecked(blk));
+                    let sx = _mm256_set1_ps(*input.sums.get_unchecked(blk));
+                    for (half, sum) in sum.iter_mut().enumerate() {
+                        let mut q = _mm256_setzero_si256();
+                        for g in 0..4 {
+                            q = _mm256_add_epi32(q, dot(lo[2 * g + half], x4(g)));
+                            q = _mm256_add_epi32(q, dot(hi[2 * g + half], x4(g + 4)));
+                        }
+                        let q = _mm256_cvtepi32_ps(q);
+                        *sum = _mm256_fmadd_ps(q, _mm256_mul_ps(scale[half], dx), *sum);
+                        *sum = _mm256_fnmadd_ps(min[half], sx, *sum);
+                    }
+                }
+            }
+        }
+        for (o, [l, h]) in acc.iter_mut().zip(sums) {
+            _mm256_storeu_ps(o.as_mut_ptr(), l);
+            _mm256_storeu_ps(o.as_mut_ptr().add(8), h);
+        }
+    }
+}
+
+/// [`half_at`] through a raw pointer to a record.
+///
+/// # Safety
+/// `rec` points at a record of [`REC`] bytes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn half_at_ptr(rec: *const u8, at: usize, j: usize) -> f32 {
+    // SAFETY: `at + 2 j + 1` is inside the record's `d` or `dmin` (the
+    // caller's contract).
+    let bits = unsafe { (rec.add(at + 2 * j) as *const u16).read_unaligned() };
+    f16::from_bits(bits).to_f32()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -517,6 +635,31 @@ mod tests {
             .map(|i| ((i * 31 % 97) as f32 - 48.0) / 17.0)
             .collect();
         Tensor::from_vec(x, (rows, k), &Device::Cpu).expect("x")
+    }
+
+    /// The AVX2 tile gives the bits of the plain tile with fused
+    /// multiply-adds (what the compiler made of it for AVX2 before).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx2_tile_is_the_plain_one_bit_for_bit() -> candle_core::Result<()> {
+        use crate::kernels::features::Isa;
+        use crate::kernels::gemv_q8::Activations;
+        if CpuFeatures::get().q8_isa_for(Q8Simd::Avx2).is_none() {
+            return Ok(());
+        }
+        let (n, k, rows) = (37, 512, 3);
+        let p = PackedQ4K::quantize(&weight(n, k, 5))?;
+        let xs: Vec<f32> = x(rows, k).flatten_all()?.to_vec1()?;
+        let a = Activations::new(Isa::portable(), &xs, rows, k).with_sums();
+        for t in 0..n.div_ceil(TILE_ROWS) {
+            let mut want = [[0f32; TILE_ROWS]; 3];
+            tile_generic::<crate::kernels::micro::Fma, 3>(&p, &a, t, 0, &mut want);
+            let mut got = [[0f32; TILE_ROWS]; 3];
+            // SAFETY: checked above that the CPU has AVX2 and FMA.
+            unsafe { tile_avx2::<3>(&p, &a, t, 0, &mut got) };
+            assert_eq!(got, want, "tile {t}");
+        }
+        Ok(())
     }
 
     /// The packing keeps candle's blocks: dequantized, the packed weight

@@ -281,6 +281,9 @@ impl Tiled for PackedQ8 {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the token proves AVX-512F, BW and VNNI.
             Q8Simd::Vnni => unsafe { tile_vnni(self, a, t, r0, acc) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the token proves AVX2 and FMA.
+            Q8Simd::Avx2 => unsafe { tile_avx2(self, a, t, r0, acc) },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: the token proves NEON and the dot-product extension.
             Q8Simd::NeonDot => unsafe { tile_neon_dot(self, a, t, r0, acc) },
@@ -840,6 +843,83 @@ unsafe fn tile_vnni<const R: usize>(
     }
 }
 
+/// [`tile_vnni`] on AVX2: per group of 4 values, the 16 rows' bytes in two
+/// 256-bit halves, multiplied by `vpmaddubsw` (unsigned × signed bytes,
+/// pairs summed to 16 bits) and summed to 32 bits by `vpmaddwd`. The
+/// weights are taken back to signed (`^ 0x80`), and the unsigned operand
+/// is their magnitude with their sign moved onto `x` (`vpsignb`): at most
+/// 128 · 127 · 2 per pair, which 16 bits hold (the stored `+ 128` form
+/// would overflow them). The integer sums are exact, and the scaling is
+/// [`tile_generic`]'s: the same result, bit for bit.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2<const R: usize>(
+    p: &PackedQ8,
+    a: &Activations,
+    t: usize,
+    r0: usize,
+    acc: &mut [[f32; TILE_ROWS]; R],
+) {
+    use std::arch::x86_64::*;
+    let blocks = check_tile(p, a, t, r0..r0 + R);
+    let tune = CpuFeatures::get().tuning;
+    let (ahead, hint) = (tune.prefetch_ahead, tune.prefetch);
+    // SAFETY: every offset below is within the tile `t` of `p` and the rows
+    // `r0..r0 + R` of `a` (checked above).
+    unsafe {
+        let mut lo = [_mm256_setzero_ps(); R];
+        let mut hi = [_mm256_setzero_ps(); R];
+        let qs = p.qs.as_ptr().add(t * blocks * TILE_BYTES);
+        let ds = p.d.as_ptr().add(t * blocks * TILE_ROWS);
+        let flip = _mm256_set1_epi8(i8::MIN);
+        let ones = _mm256_set1_epi16(1);
+        for b in 0..blocks {
+            let tile = qs.add(b * TILE_BYTES);
+            for line in 0..TILE_BYTES / 64 {
+                prefetch(tile, ahead + 64 * line, hint);
+            }
+            if b % 2 == 0 {
+                prefetch(ds.add(b * TILE_ROWS), ahead / 16, hint);
+            }
+            // Half `h` of group `g`: rows 8(h % 2) .. +8, 4 bytes each.
+            let w: [__m256i; 16] = std::array::from_fn(|h| {
+                _mm256_xor_si256(_mm256_loadu_si256(tile.add(h * 32) as *const _), flip)
+            });
+            let mag: [__m256i; 16] = std::array::from_fn(|h| _mm256_sign_epi8(w[h], w[h]));
+            let dw: [f32; TILE_ROWS] =
+                std::array::from_fn(|j| f16::from_bits(*ds.add(b * TILE_ROWS + j)).to_f32());
+            let (dw_lo, dw_hi) = (
+                _mm256_loadu_ps(dw.as_ptr()),
+                _mm256_loadu_ps(dw.as_ptr().add(8)),
+            );
+            for i in 0..R {
+                let r = r0 + i;
+                let x = a.q.as_ptr().add(r * a.k + b * BLOCK_VALUES);
+                let mut s_lo = _mm256_setzero_si256();
+                let mut s_hi = _mm256_setzero_si256();
+                for g in 0..8 {
+                    let xg = _mm256_set1_epi32((x.add(g * 4) as *const i32).read_unaligned());
+                    let p_lo = _mm256_maddubs_epi16(mag[2 * g], _mm256_sign_epi8(xg, w[2 * g]));
+                    let p_hi =
+                        _mm256_maddubs_epi16(mag[2 * g + 1], _mm256_sign_epi8(xg, w[2 * g + 1]));
+                    s_lo = _mm256_add_epi32(s_lo, _mm256_madd_epi16(p_lo, ones));
+                    s_hi = _mm256_add_epi32(s_hi, _mm256_madd_epi16(p_hi, ones));
+                }
+                let dx = _mm256_set1_ps(*a.d.get_unchecked(r * blocks + b));
+                lo[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_lo), _mm256_mul_ps(dw_lo, dx), lo[i]);
+                hi[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_hi), _mm256_mul_ps(dw_hi, dx), hi[i]);
+            }
+        }
+        for (o, (l, h)) in acc.iter_mut().zip(lo.into_iter().zip(hi)) {
+            _mm256_storeu_ps(o.as_mut_ptr(), l);
+            _mm256_storeu_ps(o.as_mut_ptr().add(8), h);
+        }
+    }
+}
+
 /// `acc[i] += a[4i..4i + 4] · b[4L..4L + 4]` for the 4 lanes `i`: the
 /// `sdot` instruction by element (`vdotq_laneq_s32`, whose intrinsic is
 /// not stable in Rust yet), written as assembly.
@@ -1012,6 +1092,41 @@ mod tests {
                 .flatten_all()?
                 .to_vec1()?;
             assert_eq!(part, want);
+        }
+        Ok(())
+    }
+
+    /// The AVX2 tile gives the bits of the plain tile with fused
+    /// multiply-adds (what the compiler made of it for AVX2 before): the
+    /// integer sums are exact and the scaling the same; weights of −128
+    /// (which stored q8_0 blocks may hold, and vl's own rounding never
+    /// makes) included.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx2_tile_is_the_plain_one_bit_for_bit() -> candle_core::Result<()> {
+        if CpuFeatures::get().q8_isa_for(Q8Simd::Avx2).is_none() {
+            return Ok(());
+        }
+        let dev = Device::Cpu;
+        let (n, k) = (37, 160);
+        let w = Tensor::randn(0f32, 1., (n, k), &dev)?;
+        let mut p = PackedQ8::quantize(&w)?;
+        // Stored `+ 128`: 0 is −128.
+        for i in (0..p.qs.len()).step_by(7) {
+            p.qs[i] = 0;
+        }
+        let rows = 5;
+        let x: Vec<f32> = Tensor::randn(0f32, 1., (rows, k), &dev)?
+            .flatten_all()?
+            .to_vec1()?;
+        let a = Activations::new(Isa::portable(), &x, rows, k);
+        for t in 0..n.div_ceil(TILE_ROWS) {
+            let mut want = [[0f32; TILE_ROWS]; 5];
+            tile_generic::<crate::kernels::micro::Fma, 5>(&p, &a, t, 0, &mut want);
+            let mut got = [[0f32; TILE_ROWS]; 5];
+            // SAFETY: checked above that the CPU has AVX2 and FMA.
+            unsafe { tile_avx2::<5>(&p, &a, t, 0, &mut got) };
+            assert_eq!(got, want, "tile {t}");
         }
         Ok(())
     }
