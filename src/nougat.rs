@@ -372,8 +372,7 @@ fn remove_slice_from_lines(lines: &[&str], clean: &[String], slice: (usize, usiz
     let mut ita = lines[section[1] - 1].chars();
     let mut itb = cur.iter().copied().enumerate();
     let mut last_b: Option<usize> = None;
-    'scan: loop {
-        let Some(mut a) = ita.next() else { break };
+    'scan: while let Some(mut a) = ita.next() {
         while is_numeric(a) {
             match ita.next() {
                 Some(x) => a = x,
