@@ -191,8 +191,10 @@ def torch_worker(model_dir: str, dtype: str, repeats: int, batch: int) -> dict:
         side = model.config.encoder.image_size
         encoder = model.encoder
         gen = dict(do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=0)
-    n = 3 * side * side
-    pixels = (torch.arange(n, dtype=torch.float32) / n - 0.5).reshape(1, 3, side, side).to(dt)
+    # A square side, or Swin's [height, width] (Donut, Nougat).
+    h, w = (side, side) if isinstance(side, int) else tuple(side)
+    n = 3 * h * w
+    pixels = (torch.arange(n, dtype=torch.float32) / n - 0.5).reshape(1, 3, h, w).to(dt)
 
     def timed(f, reps=repeats):
         f()

@@ -38,6 +38,16 @@ default ids after the start token, the defaults' text, each other image's
 greedy ids; Nougat's default text after `post_process_generation`).
 
     /work/venv/bin/python scripts/document_fixtures.py
+    /work/venv/bin/python scripts/document_fixtures.py --base DIR
+
+`--base DIR` writes instead base-size random checkpoints for
+`scripts/bench_vs_torch.py` (never committed): `DIR/donut-base` (Donut's
+Swin: 128 wide, depths 2/2/14/2, heads 4/8/16/32, window 10, a 1280x960
+input as Donut's fine-tunes; an mBART decoder of 4 layers, width 1024, 16
+heads, Donut's 57,525-token vocabulary, 1,536 positions, tied head) and
+`DIR/nougat-small` (the same Swin at 896x672 with window 7; 4 layers,
+3,584 positions, 50,000 tokens, untied head), each with its processor's
+config and a byte-level vocabulary of that size.
 """
 
 import json
@@ -284,7 +294,64 @@ def write_variant(name: str, v: dict) -> None:
     print(name, json.dumps(expected))
 
 
+BASES = {
+    "donut-base": dict(size=(1280, 960), window=10, vocab=57525, positions=1536, tied=True,
+                       processor="donut"),
+    "nougat-small": dict(size=(896, 672), window=7, vocab=50000, positions=3584, tied=False,
+                         processor="nougat"),
+}
+
+
+def base_tokenizer(vocab: int):
+    """A byte-level BPE of `vocab` tokens without merges: the specials, the
+    256 byte symbols, then filler tokens (generation needs the size, not
+    the words)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    names = ["<s>", "<pad>", "</s>", "<unk>"] + sorted(alphabet)
+    names += [f"tok{i}" for i in range(vocab - len(names))]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(names)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    assert tok.get_vocab_size() == vocab
+    return tok
+
+
+def write_base(root: Path) -> None:
+    for name, b in BASES.items():
+        out = root / name
+        out.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(7)
+        height, width = b["size"]
+        enc = DonutSwinConfig(image_size=[height, width], patch_size=4, num_channels=3, embed_dim=128,
+                              depths=[2, 2, 14, 2], num_heads=[4, 8, 16, 32], window_size=b["window"],
+                              mlp_ratio=4.0, use_absolute_embeddings=False, drop_path_rate=0.0)
+        dec = MBartConfig(vocab_size=b["vocab"], d_model=1024, decoder_layers=4, decoder_attention_heads=16,
+                          decoder_ffn_dim=4096, encoder_layers=4, encoder_attention_heads=16,
+                          encoder_ffn_dim=4096, max_position_embeddings=b["positions"], scale_embedding=True,
+                          tie_word_embeddings=b["tied"], pad_token_id=PAD, bos_token_id=BOS,
+                          eos_token_id=EOS, decoder_start_token_id=BOS)
+        cfg = VisionEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+        cfg.decoder_start_token_id, cfg.pad_token_id, cfg.eos_token_id = BOS, PAD, EOS
+        cfg.tie_word_embeddings = b["tied"]
+        model = VisionEncoderDecoderModel(cfg).eval()
+        model.generation_config = GenerationConfig(decoder_start_token_id=BOS, bos_token_id=BOS,
+                                                   eos_token_id=EOS, pad_token_id=PAD,
+                                                   max_length=b["positions"])
+        model.save_pretrained(out)
+        base_tokenizer(b["vocab"]).save(str(out / "tokenizer.json"))
+        size = {"height": height, "width": width}
+        if b["processor"] == "donut":
+            DonutImageProcessor(size=size).save_pretrained(out)
+        else:
+            NougatImageProcessor(size=size).save_pretrained(out)
+        print(name, "in", out)
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--base":
+        write_base(Path(sys.argv[2]))
+        return
     for name, v in VARIANTS.items():
         write_variant(name, v)
 
