@@ -41,29 +41,50 @@ pub enum HfDecoderConfig {
     Mbart(HfMbartConfig),
 }
 
+/// `config.json`'s `side` (`encoder` or `decoder`) read by `parse`, which
+/// picks the family by its `model_type` (`None`: not one vl reads). Errors
+/// name the field's path (`decoder.activation_function: unknown variant
+/// ...`), not only serde's line and column.
+fn by_family<T>(
+    v: Value,
+    side: &str,
+    parse: impl FnOnce(
+        &str,
+        Value,
+    )
+        -> Option<std::result::Result<T, serde_path_to_error::Error<serde_json::Error>>>,
+) -> std::result::Result<T, String> {
+    let family = v
+        .get("model_type")
+        .and_then(Value::as_str)
+        .map(str::to_owned);
+    let Some(parsed) = family.as_deref().and_then(|f| parse(f, v)) else {
+        return Err(format!(
+            "{side}.model_type: unsupported {:?}",
+            family.as_deref()
+        ));
+    };
+    parsed.map_err(|e| {
+        format!(
+            "{side}.{} ({}): {}",
+            e.path(),
+            family.unwrap_or_default(),
+            e.inner()
+        )
+    })
+}
+
 impl TryFrom<Value> for HfDecoderConfig {
     type Error = String;
 
     fn try_from(v: Value) -> std::result::Result<Self, String> {
-        let family = v
-            .get("model_type")
-            .and_then(Value::as_str)
-            .map(str::to_owned);
-        // The field's path in the message (`decoder.activation_function:
-        // unknown variant ...`), not only serde's line and column.
-        let parsed = match family.as_deref() {
-            Some("gpt2") => serde_path_to_error::deserialize(v).map(Self::Gpt2),
-            Some("trocr") => serde_path_to_error::deserialize(v).map(Self::Trocr),
-            Some("mbart") => serde_path_to_error::deserialize(v).map(Self::Mbart),
-            other => return Err(format!("decoder.model_type: unsupported {other:?}")),
-        };
-        parsed.map_err(|e| {
-            format!(
-                "decoder.{} ({}): {}",
-                e.path(),
-                family.unwrap_or_default(),
-                e.inner()
-            )
+        by_family(v, "decoder", |family, v| {
+            Some(match family {
+                "gpt2" => serde_path_to_error::deserialize(v).map(Self::Gpt2),
+                "trocr" => serde_path_to_error::deserialize(v).map(Self::Trocr),
+                "mbart" => serde_path_to_error::deserialize(v).map(Self::Mbart),
+                _ => return None,
+            })
         })
     }
 }
@@ -112,26 +133,14 @@ impl TryFrom<Value> for HfEncoderConfig {
     type Error = String;
 
     fn try_from(v: Value) -> std::result::Result<Self, String> {
-        let family = v
-            .get("model_type")
-            .and_then(Value::as_str)
-            .map(str::to_owned);
-        let parsed = match family.as_deref() {
-            Some(f) if super::vit::ENCODERS.contains(&f) => {
-                serde_path_to_error::deserialize(v).map(Self::Vit)
+        by_family(v, "encoder", |family, v| {
+            if super::vit::ENCODERS.contains(&family) {
+                Some(serde_path_to_error::deserialize(v).map(Self::Vit))
+            } else if super::swin::ENCODERS.contains(&family) {
+                Some(serde_path_to_error::deserialize(v).map(Self::Swin))
+            } else {
+                None
             }
-            Some(f) if super::swin::ENCODERS.contains(&f) => {
-                serde_path_to_error::deserialize(v).map(Self::Swin)
-            }
-            other => return Err(format!("encoder.model_type: unsupported {other:?}")),
-        };
-        parsed.map_err(|e| {
-            format!(
-                "encoder.{} ({}): {}",
-                e.path(),
-                family.unwrap_or_default(),
-                e.inner()
-            )
         })
     }
 }
