@@ -487,6 +487,7 @@ unsafe fn tile_vnni<const R: usize>(
 
 /// The checks [`tile_vnni`] and [`tile_avx2`] make before reading without
 /// bounds checks: tile `t` in `p`, rows `r0..r0 + rows` in `input`.
+#[cfg(target_arch = "x86_64")]
 fn check_tile(p: &PackedQ4K, input: &SummedActivations, t: usize, r0: usize, rows: usize) {
     let a = &input.acts;
     let (blocks, subs) = (p.k / BLOCK_VALUES, p.k / SUB);
