@@ -436,15 +436,7 @@ impl HfPreprocessorConfig {
                 );
             }
         }
-        let Some(resample) = Resample::from_pil(self.resample) else {
-            return config_err(
-                "resample",
-                format!(
-                    "PIL filter {} is not supported (0 nearest, 1 lanczos, 2 bilinear, 3 bicubic)",
-                    self.resample
-                ),
-            );
-        };
+        let resample = self.filter()?;
         let (mean, std) = self.normalisation(half3(), half3())?;
         Ok(PixelSpec {
             height: image_size,
@@ -452,14 +444,34 @@ impl HfPreprocessorConfig {
             document: None,
             mean,
             std,
-            rescale_factor: if self.do_rescale {
-                self.rescale_factor as f32
-            } else {
-                1.0
-            },
+            rescale_factor: self.rescale(),
             resample,
             resize: self.do_resize,
         })
+    }
+
+    /// The resize filter of PIL's number `resample`.
+    fn filter(&self) -> Result<Resample> {
+        match Resample::from_pil(self.resample) {
+            Some(r) => Ok(r),
+            None => config_err(
+                "resample",
+                format!(
+                    "PIL filter {} is not supported (0 nearest, 1 lanczos, 2 bilinear, 3 bicubic)",
+                    self.resample
+                ),
+            ),
+        }
+    }
+
+    /// What pixel values (0..=255) are multiplied by: `rescale_factor`, or
+    /// 1 with `do_rescale` off.
+    fn rescale(&self) -> f32 {
+        if self.do_rescale {
+            self.rescale_factor as f32
+        } else {
+            1.0
+        }
     }
 
     /// The mean and std to normalise by (`default_*` where the file gives
@@ -493,7 +505,7 @@ impl HfPreprocessorConfig {
     }
 
     /// Whether this is Nougat's processor (else Donut's, for a Swin).
-    fn is_nougat(&self) -> bool {
+    pub fn is_nougat(&self) -> bool {
         self.processor_type()
             .is_some_and(|t| t.starts_with("Nougat"))
     }
@@ -531,15 +543,7 @@ impl HfPreprocessorConfig {
                 swin.image_size
             );
         }
-        let Some(resample) = Resample::from_pil(self.resample) else {
-            return config_err(
-                "resample",
-                format!(
-                    "PIL filter {} is not supported (0 nearest, 1 lanczos, 2 bilinear, 3 bicubic)",
-                    self.resample
-                ),
-            );
-        };
+        let resample = self.filter()?;
         let (mean, std) = if nougat {
             self.normalisation(imagenet_mean(), imagenet_std())?
         } else {
@@ -561,11 +565,7 @@ impl HfPreprocessorConfig {
             image_size: ImageSize::HeightWidth([height, width]),
             image_mean: mean,
             image_std: std,
-            rescale_factor: if self.do_rescale {
-                self.rescale_factor as f32
-            } else {
-                1.0
-            },
+            rescale_factor: self.rescale(),
             resample,
             do_resize: self.do_resize,
             document: fit,

@@ -302,9 +302,10 @@ impl Family for HfConfig {
         let tokenizer = load_hf_tokenizer(dir, dec_cfg.vocab_size)?;
         let reader = match cfg.encoder {
             HfEncoderConfig::Vit(_) => None,
-            HfEncoderConfig::Swin(_) => Some(match pre.as_ref().and_then(|p| p.processor_type()) {
-                Some(t) if t.starts_with("Nougat") => crate::donut::Reader::Nougat,
-                _ => crate::donut::Reader::Donut,
+            HfEncoderConfig::Swin(_) => Some(if pre.as_ref().is_some_and(|p| p.is_nougat()) {
+                crate::donut::Reader::Nougat
+            } else {
+                crate::donut::Reader::Donut
             }),
         };
         Ok(Plan {

@@ -545,8 +545,10 @@ unsafe fn tile_avx2<const R: usize>(
             for line in 0..QS / 64 {
                 prefetch(rec, ahead + 64 * line, hint);
             }
-            let d: [f32; TILE_ROWS] = std::array::from_fn(|j| half_at_ptr(rec, D, j));
-            let dmin: [f32; TILE_ROWS] = std::array::from_fn(|j| half_at_ptr(rec, DMIN, j));
+            // The record's scalars, read as the plain tile reads them.
+            let record = std::slice::from_raw_parts(rec, REC);
+            let d: [f32; TILE_ROWS] = std::array::from_fn(|j| half_at(record, D, j));
+            let dmin: [f32; TILE_ROWS] = std::array::from_fn(|j| half_at(record, DMIN, j));
             for j in 0..SUBS {
                 let s = b * SUBS + j;
                 let tile = rec.add(QS + j * TILE_BYTES);
@@ -559,9 +561,9 @@ unsafe fn tile_avx2<const R: usize>(
                 let lo = v.map(|v| _mm256_and_si256(v, low));
                 let hi = v.map(|v| _mm256_and_si256(_mm256_srli_epi16::<4>(v), low));
                 let scale: [f32; TILE_ROWS] =
-                    std::array::from_fn(|r| d[r] * *rec.add(SC + j * TILE_ROWS + r) as f32);
+                    std::array::from_fn(|r| d[r] * record[SC + j * TILE_ROWS + r] as f32);
                 let min: [f32; TILE_ROWS] =
-                    std::array::from_fn(|r| dmin[r] * *rec.add(M + j * TILE_ROWS + r) as f32);
+                    std::array::from_fn(|r| dmin[r] * record[M + j * TILE_ROWS + r] as f32);
                 let scale = [
                     _mm256_loadu_ps(scale.as_ptr()),
                     _mm256_loadu_ps(scale.as_ptr().add(8)),
@@ -599,19 +601,6 @@ unsafe fn tile_avx2<const R: usize>(
             _mm256_storeu_ps(o.as_mut_ptr().add(8), h);
         }
     }
-}
-
-/// [`half_at`] through a raw pointer to a record.
-///
-/// # Safety
-/// `rec` points at a record of [`REC`] bytes.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn half_at_ptr(rec: *const u8, at: usize, j: usize) -> f32 {
-    // SAFETY: `at + 2 j + 1` is inside the record's `d` or `dmin` (the
-    // caller's contract).
-    let bits = unsafe { (rec.add(at + 2 * j) as *const u16).read_unaligned() };
-    f16::from_bits(bits).to_f32()
 }
 
 #[cfg(test)]
