@@ -6,7 +6,9 @@
 //! `QMatMul` vs `vl_attn::kernels::gemv_q8::PackedQ8`).
 //!
 //! And the encoder's many-row products: candle's f32 and bf16 matmul next
-//! to `vl_attn::kernels::gemm_bf16` (FLOP/s as elements/s).
+//! to `vl_attn::kernels::gemm_bf16` and the q8_0 product (FLOP/s as
+//! elements/s), for one ViT-B/16 image (197 rows) and for a 16-row decode
+//! step (a server's batch).
 //!
 //! `cargo bench -p vl-attn --bench gemv`
 //!
@@ -38,7 +40,7 @@ fn products(c: &mut Criterion) {
         let q_bytes = q.storage_size_in_bytes() as u64;
         let qmm = QMatMul::from_arc(q.clone()).expect("qmatmul");
         let packed = PackedQ8::from_qtensor(&q).expect("packed");
-        for rows in [1usize, 4] {
+        for rows in [1usize, 4, 8] {
             let x32 = Tensor::randn(0f32, 1., (rows, inp), &dev).expect("x");
             for dtype in [DType::F32, DType::BF16] {
                 let w = w32.to_dtype(dtype).expect("w");
@@ -54,6 +56,19 @@ fn products(c: &mut Criterion) {
                 group.bench_function(BenchmarkId::new("vl", &id), |b| {
                     b.iter(|| gemv(&x, &w).expect("gemv"))
                 });
+                // The AVX2 form on a CPU that has AVX-512 too: what an
+                // AVX2-only host runs, minus its clock and memory.
+                if let Some(isa) = vl_attn::kernels::CpuFeatures::get()
+                    .isa_for(vl_attn::kernels::Simd::Avx2)
+                    .filter(|_| {
+                        vl_attn::kernels::CpuFeatures::get().isa().simd()
+                            != vl_attn::kernels::Simd::Avx2
+                    })
+                {
+                    group.bench_function(BenchmarkId::new("vl avx2", &id), |b| {
+                        b.iter(|| vl_attn::kernels::gemv::gemv_with(isa, &x, &w).expect("gemv"))
+                    });
+                }
             }
             let id = format!("{name} q8_0 rows {rows}");
             group.throughput(Throughput::Bytes(q_bytes));
@@ -74,14 +89,24 @@ fn encoder(c: &mut Criterion) {
     let dev = Device::Cpu;
     let mut group = c.benchmark_group("gemm");
     group.sample_size(10);
-    for (name, out, inp) in [("o", 768, 768), ("up", 3072, 768), ("down", 768, 3072)] {
-        let m = 197;
+    for (name, out, inp, m) in [
+        ("o", 768, 768, 197),
+        ("up", 3072, 768, 197),
+        ("down", 768, 3072, 197),
+        ("up", 3072, 768, 16),
+    ] {
+        let name = format!("{name} rows {m}");
+        let name = name.as_str();
         let w32 = Tensor::randn(0f32, 1., (out, inp), &dev).expect("w");
         let x32 = Tensor::randn(0f32, 1., (m, inp), &dev).expect("x");
         group.throughput(Throughput::Elements((2 * m * out * inp) as u64));
         let wt32 = w32.t().expect("wt");
         group.bench_function(BenchmarkId::new("candle f32", name), |b| {
             b.iter(|| x32.matmul(&wt32).expect("matmul"))
+        });
+        let q8 = PackedQ8::quantize(&w32).expect("q8_0");
+        group.bench_function(BenchmarkId::new("vl q8_0", name), |b| {
+            b.iter(|| q8.matmul(&x32).expect("q8_0"))
         });
         let (x, w) = (
             x32.to_dtype(DType::BF16).expect("x"),
@@ -109,5 +134,36 @@ fn encoder(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, products, encoder);
+/// A decode step's products as a server runs them: weights that do not
+/// stay in the caches between calls (24 FFN-up weights in turn, 57 MB of
+/// q8_0, past any L3 here), for 1, 8 and 16 rows (one request, eight,
+/// sixteen). Throughput as weight bytes read per second: a row count that
+/// keeps the machine's read rate costs no more than one row.
+fn streamed(c: &mut Criterion) {
+    let dev = Device::Cpu;
+    let mut group = c.benchmark_group("streamed");
+    group.sample_size(10);
+    let (out, inp) = (3072, 768);
+    let weights: Vec<PackedQ8> = (0..24)
+        .map(|_| {
+            let w = Tensor::randn(0f32, 1., (out, inp), &dev).expect("w");
+            PackedQ8::quantize(&w).expect("q8_0")
+        })
+        .collect();
+    let bytes: usize = weights.iter().map(PackedQ8::size_in_bytes).sum();
+    group.throughput(Throughput::Bytes(bytes as u64));
+    for rows in [1usize, 8, 16] {
+        let x = Tensor::randn(0f32, 1., (rows, inp), &dev).expect("x");
+        group.bench_function(BenchmarkId::new("vl q8_0 up x24", rows), |b| {
+            b.iter(|| {
+                for w in &weights {
+                    w.matmul(&x).expect("q8_0");
+                }
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, products, encoder, streamed);
 criterion_main!(benches);

@@ -10,10 +10,12 @@
 //! sized by `--threads`), streams each weight row once for all the rows of
 //! `x`, converts f16/bf16 weights to f32 on the fly and accumulates in f32.
 //!
-//! The SIMD is chosen once per process ([`CpuFeatures::isa`]): the same Rust loop
-//! compiled for AVX-512F, for AVX2+FMA, or as plain code (NEON is the
-//! baseline on aarch64, so the plain build vectorises there). Every path
-//! is tested against a plain f64 reference on odd shapes.
+//! The SIMD is chosen once per process ([`CpuFeatures::isa`]): AVX-512F
+//! or AVX2+FMA intrinsics, NEON intrinsics on aarch64, or a plain Rust
+//! loop (the portable fallback and oracle; compiled for those ISAs the
+//! compiler vectorised it for one row but left it scalar for two or more).
+//! Every path is tested against a plain f64 reference on odd shapes, and
+//! each SIMD path computes a row the same way whatever the rows beside it.
 //!
 //! q8_0 weights have a kernel of their own, [`crate::kernels::gemv_q8`].
 //!
@@ -28,6 +30,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::features::{CpuFeatures, Isa, PrefetchHint, Simd, Tuning};
+use crate::kernels::attention::Lanes;
 use crate::kernels::host::contiguous;
 
 /// The most rows of `x` the kernel takes; more go to candle's matmul.
@@ -187,6 +190,147 @@ fn dot_rows_neon<W: Weight, const R: usize>(x: [&[f32]; R], w: &[W], out: &mut [
     }
 }
 
+/// [`dot_rows`] with AVX-512F intrinsics: per 16 weights, one load
+/// widened to f32 lanes ([`Lanes::load16`]) and one fused multiply-add
+/// per row of `x` into that row's register; the lanes summed at the end,
+/// the tail one by one. The compiler left the generic loop scalar for
+/// two rows or more (a batch of 4 or 8 decode rows ran 18× slower than
+/// one row, `cargo bench -p vl-attn --bench gemv`); here every row is
+/// computed the same way whatever `R`, so a row of a batch equals the
+/// row alone, bit for bit.
+///
+/// # Safety
+/// The CPU has AVX-512F; every row of `x` is at least `w.len()` long.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn dot_rows_avx512<W: Lanes, const R: usize>(
+    x: [&[f32]; R],
+    w: &[W],
+    out: &mut [f32; R],
+    tune: Tuning,
+) {
+    use std::arch::x86_64::*;
+    let body = w.len() / LANES * LANES;
+    let mut acc = [_mm512_setzero_ps(); R];
+    let wp = w.as_ptr();
+    // SAFETY: `c + 16 <= body <= w.len()` and every row of `x` is at
+    // least `w.len()` long (the caller's contract).
+    unsafe {
+        let mut c = 0;
+        while c < body {
+            prefetch(wp.add(c), tune.prefetch_ahead, tune.prefetch);
+            let wv = W::load16(wp.add(c));
+            for (a, xr) in acc.iter_mut().zip(&x) {
+                *a = _mm512_fmadd_ps(_mm512_loadu_ps(xr.as_ptr().add(c)), wv, *a);
+            }
+            c += LANES;
+        }
+    }
+    for (r, (a, xr)) in acc.iter().zip(&x).enumerate() {
+        let mut s = _mm512_reduce_add_ps(*a);
+        for (xv, wv) in xr[body..w.len()].iter().zip(&w[body..]) {
+            s += xv * wv.to_f32();
+        }
+        out[r] = s;
+    }
+}
+
+/// Weights the AVX2 kernel reads 8 at a time, widened to f32 lanes.
+pub(crate) trait Lanes8: Weight {
+    /// The 8 values at `p`, as f32.
+    ///
+    /// # Safety
+    /// 8 values are readable at `p`; the CPU has AVX2 (callers are
+    /// compiled for it, so that this inlines).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl Lanes8 for f32 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+}
+
+impl Lanes8 for bf16 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const bf16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract. bf16 is the top half of an f32.
+        unsafe {
+            let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
+        }
+    }
+}
+
+impl Lanes8 for f16 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
+        // F16C is not part of the AVX2 token: widened one by one (f16
+        // weights are the rare case; f32 and bf16 load as vectors).
+        // SAFETY: the caller's contract.
+        unsafe {
+            let v: [f32; 8] = std::array::from_fn(|i| p.add(i).read_unaligned().to_f32());
+            std::arch::x86_64::_mm256_loadu_ps(v.as_ptr())
+        }
+    }
+}
+
+/// [`dot_rows_avx512`] on AVX2+FMA: per 16 weights two 8-lane loads and
+/// two fused multiply-adds per row of `x` (the generic loop, left scalar
+/// by the compiler for two rows or more, was 14× slower for 4 rows than
+/// for one); every row computed the same way whatever `R`.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; every row of `x` is at least `w.len()` long.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn dot_rows_avx2<W: Lanes8, const R: usize>(
+    x: [&[f32]; R],
+    w: &[W],
+    out: &mut [f32; R],
+    tune: Tuning,
+) {
+    use std::arch::x86_64::*;
+    let body = w.len() / LANES * LANES;
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    let wp = w.as_ptr();
+    // SAFETY: `c + 16 <= body <= w.len()` and every row of `x` is at
+    // least `w.len()` long (the caller's contract).
+    unsafe {
+        let mut c = 0;
+        while c < body {
+            prefetch(wp.add(c), tune.prefetch_ahead, tune.prefetch);
+            let wv = [W::load8(wp.add(c)), W::load8(wp.add(c + 8))];
+            for (a, xr) in acc.iter_mut().zip(&x) {
+                let xp = xr.as_ptr().add(c);
+                a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xp), wv[0], a[0]);
+                a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(8)), wv[1], a[1]);
+            }
+            c += LANES;
+        }
+    }
+    for (r, (a, xr)) in acc.iter().zip(&x).enumerate() {
+        let v = _mm256_add_ps(a[0], a[1]);
+        let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        let h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        let mut s = _mm_cvtss_f32(h);
+        for (xv, wv) in xr[body..w.len()].iter().zip(&w[body..]) {
+            s += xv * wv.to_f32();
+        }
+        out[r] = s;
+    }
+}
+
 /// [`dot_rows`], or [`dot_rows_neon`] when `NEON` (on aarch64).
 #[inline(always)]
 fn dot<W: Weight, const NEON: bool, const R: usize>(
@@ -207,6 +351,60 @@ fn dot<W: Weight, const NEON: bool, const R: usize>(
 /// NEON intrinsics when `NEON`.
 #[inline(always)]
 fn task<W: Weight, const NEON: bool>(x: &[f32], rows: usize, inp: usize, w: &[W], yt: &mut [f32]) {
+    rows_by_groups(
+        x,
+        rows,
+        inp,
+        w,
+        yt,
+        (
+            |x, w, o, tune| dot::<W, NEON, 4>(x, w, o, tune),
+            |x, w, o, tune| dot::<W, NEON, 2>(x, w, o, tune),
+            |x, w, o, tune| dot::<W, NEON, 1>(x, w, o, tune),
+        ),
+    )
+}
+
+/// [`task`] on AVX-512F: [`dot_rows_avx512`].
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn task_avx512<W: Lanes>(x: &[f32], rows: usize, inp: usize, w: &[W], yt: &mut [f32]) {
+    // SAFETY (the three calls): the CPU has AVX-512F (this function's
+    // contract); `rows_by_groups` hands rows of `inp` values, `w.len()`
+    // being `inp`.
+    rows_by_groups(
+        x,
+        rows,
+        inp,
+        w,
+        yt,
+        (
+            |x, w, o, tune| unsafe { dot_rows_avx512::<W, 4>(x, w, o, tune) },
+            |x, w, o, tune| unsafe { dot_rows_avx512::<W, 2>(x, w, o, tune) },
+            |x, w, o, tune| unsafe { dot_rows_avx512::<W, 1>(x, w, o, tune) },
+        ),
+    )
+}
+
+/// `yt[o * rows + r] = x[r] · w[o]` for the output rows `o` of one task,
+/// the rows of `x` in groups of 4, 2 and 1 (the products `dot4`, `dot2`,
+/// `dot1`).
+#[inline(always)]
+fn rows_by_groups<W: Weight>(
+    x: &[f32],
+    rows: usize,
+    inp: usize,
+    w: &[W],
+    yt: &mut [f32],
+    (dot4, dot2, dot1): (
+        impl Fn([&[f32]; 4], &[W], &mut [f32; 4], Tuning),
+        impl Fn([&[f32]; 2], &[W], &mut [f32; 2], Tuning),
+        impl Fn([&[f32]; 1], &[W], &mut [f32; 1], Tuning),
+    ),
+) {
     let xr = |r: usize| &x[r * inp..(r + 1) * inp];
     // Read once per task, not per weight row.
     let tune = CpuFeatures::get().tuning;
@@ -217,19 +415,19 @@ fn task<W: Weight, const NEON: bool>(x: &[f32], rows: usize, inp: usize, w: &[W]
             match rows - r {
                 n if n >= 4 => {
                     let mut o = [0f32; 4];
-                    dot::<W, NEON, 4>(std::array::from_fn(|i| xr(r + i)), wo, &mut o, tune);
+                    dot4(std::array::from_fn(|i| xr(r + i)), wo, &mut o, tune);
                     yo[r..r + 4].copy_from_slice(&o);
                     r += 4;
                 }
                 n if n >= 2 => {
                     let mut o = [0f32; 2];
-                    dot::<W, NEON, 2>(std::array::from_fn(|i| xr(r + i)), wo, &mut o, tune);
+                    dot2(std::array::from_fn(|i| xr(r + i)), wo, &mut o, tune);
                     yo[r..r + 2].copy_from_slice(&o);
                     r += 2;
                 }
                 _ => {
                     let mut o = [0f32; 1];
-                    dot::<W, NEON, 1>([xr(r)], wo, &mut o, tune);
+                    dot1([xr(r)], wo, &mut o, tune);
                     yo[r] = o[0];
                     r += 1;
                 }
@@ -238,26 +436,29 @@ fn task<W: Weight, const NEON: bool>(x: &[f32], rows: usize, inp: usize, w: &[W]
     }
 }
 
-/// `$avx512` / `$avx2`: `$task` compiled for AVX-512F and for AVX2+FMA
-/// (the loops inside are inlined into them and vectorised for that
-/// instruction set).
-macro_rules! isa_variants {
-    ($task:ident, $avx512:ident, $avx2:ident, $w:ty $(, $g:ident: $bound:path)?) => {
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = "avx512f")]
-        fn $avx512$(<$g: $bound>)?(x: &[f32], rows: usize, inp: usize, w: &[$w], yt: &mut [f32]) {
-            $task::<$w, false>(x, rows, inp, w, yt)
-        }
-
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = "avx2,fma")]
-        fn $avx2$(<$g: $bound>)?(x: &[f32], rows: usize, inp: usize, w: &[$w], yt: &mut [f32]) {
-            $task::<$w, false>(x, rows, inp, w, yt)
-        }
-    };
+/// [`task`] on AVX2+FMA: [`dot_rows_avx2`].
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn task_avx2<W: Lanes8>(x: &[f32], rows: usize, inp: usize, w: &[W], yt: &mut [f32]) {
+    // SAFETY (the three calls): the CPU has AVX2 and FMA (this
+    // function's contract); `rows_by_groups` hands rows of `inp` values,
+    // `w.len()` being `inp`.
+    rows_by_groups(
+        x,
+        rows,
+        inp,
+        w,
+        yt,
+        (
+            |x, w, o, tune| unsafe { dot_rows_avx2::<W, 4>(x, w, o, tune) },
+            |x, w, o, tune| unsafe { dot_rows_avx2::<W, 2>(x, w, o, tune) },
+            |x, w, o, tune| unsafe { dot_rows_avx2::<W, 1>(x, w, o, tune) },
+        ),
+    )
 }
-
-isa_variants!(task, task_avx512, task_avx2, W, W: Weight);
 
 /// Runs `run(outputs, yt)` over the output rows split into tasks across
 /// the rayon pool, `yt` being those outputs' `(len, rows)` results, and
@@ -292,7 +493,7 @@ pub(crate) fn parallel(
 
 /// The product of `x (rows, inp)` (f32, row-major) and `w (out, inp)`:
 /// returns `y (rows, out)`, computed with `isa`.
-fn product<W: Weight>(isa: Isa, x: &[f32], rows: usize, w: &[W], out: usize) -> Vec<f32> {
+fn product<W: Lanes + Lanes8>(isa: Isa, x: &[f32], rows: usize, w: &[W], out: usize) -> Vec<f32> {
     let inp = x.len() / rows.max(1);
     parallel(out, rows, |o, yt| {
         let w = &w[o.start * inp..o.end * inp];
@@ -491,6 +692,36 @@ mod tests {
                                 "{dtype:?} {isa:?} ({rows}, {inp}) x ({out}, {inp}): {g} vs {w}"
                             );
                         }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// On the SIMD paths a row's result does not depend on the rows beside
+    /// it: each row of a 1-to-8-row product equals that row alone, bit
+    /// for bit (a sample of a batch decodes as it would alone), for every
+    /// weight dtype.
+    #[test]
+    fn a_row_of_a_batch_is_the_row_alone() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let (out, inp) = (37, 200);
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let w = Tensor::randn(0f32, 1., (out, inp), &dev)?.to_dtype(dtype)?;
+            let x = Tensor::randn(0f32, 1., (8, inp), &dev)?.to_dtype(dtype)?;
+            for isa in isas().into_iter().filter(|i| i.simd() != Simd::Portable) {
+                for rows in 1..=8 {
+                    let xs = x.narrow(0, 0, rows)?;
+                    let y = gemv_with(isa, &xs, &w)?.to_dtype(DType::F32)?;
+                    for r in 0..rows {
+                        let alone =
+                            gemv_with(isa, &xs.narrow(0, r, 1)?, &w)?.to_dtype(DType::F32)?;
+                        assert_eq!(
+                            y.get(r)?.to_vec1::<f32>()?,
+                            alone.get(0)?.to_vec1::<f32>()?,
+                            "{dtype:?} {isa:?}: row {r} of {rows}"
+                        );
                     }
                 }
             }

@@ -1144,7 +1144,7 @@ mod tests {
             let w = Tensor::randn(0f32, 1., (n, k), &dev)?;
             let p = PackedQ8::quantize(&w)?;
             let dq: Vec<f32> = p.dequantize()?.flatten_all()?.to_vec1()?;
-            for rows in [1, 2, 3, 5, 8, 70, 131] {
+            for rows in [1, 2, 3, 5, 8, 9, 14, 70, 131] {
                 let x = Tensor::randn(0f32, 1., (1, rows, k), &dev)?;
                 let a = Activations::new(Isa::portable(), &x.flatten_all()?.to_vec1()?, rows, k);
                 let mut want = Vec::new();
