@@ -50,6 +50,10 @@ input size, with 16 new tokens:
 
 Every measurement runs in its own process (one model at a time, a fresh
 peak-RSS counter), with the same number of threads on both sides.
+
+ONNX Runtime on the same checkpoint (f32 and dynamic int8, optimum's export,
+timed the same way under the same JSON keys): `scripts/bench_ort.py`, in its
+own venv (see its docstring).
 """
 
 import argparse
