@@ -48,6 +48,12 @@ input size, with 16 new tokens:
 - caption ms: generate 16 tokens from pixel values (encode included).
 - images/s: the same for a batch of `--batch` copies of the image.
 
+- with `--positions 100,1000,3000`: ms/token at each cached text length,
+  (greedy k=9 - k=1 tokens after a prefix of P start tokens) / 8 on the
+  torch side, 8 steps after the same prefix in `vl bench --positions`.
+- with `--caption-tokens N`: the caption row is N tokens on both sides
+  (e.g. 1000 for a Nougat page; past 64 the torch side times one run).
+
 Every measurement runs in its own process (one model at a time, a fresh
 peak-RSS counter), with the same number of threads on both sides.
 
@@ -66,6 +72,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 16
+# Greedy steps timed after a prefix, per position of --positions (as vl bench).
+STEPS_AFTER_PREFIX = 8
 # Column ids (for --configs), their labels, and vl bench's flags.
 TORCH_CONFIGS = {"torch-f32": ("torch f32", "f32"), "torch-bf16": ("torch bf16", "bf16")}
 VL_CONFIGS = {
@@ -169,7 +177,11 @@ def florence_worker(model_dir: str, dtype: str, repeats: int) -> dict:
     )
 
 
-def torch_worker(model_dir: str, dtype: str, repeats: int, batch: int) -> dict:
+def torch_worker(model_dir: str, dtype: str, repeats: int, batch: int,
+                 positions=(), caption_tokens: int = 0) -> dict:
+    """transformers' model timed as `vl bench` times vl's: `positions`
+    adds ms/token after each prefix length, `caption_tokens` the caption's
+    length (default NEW_TOKENS)."""
     import resource
 
     import torch
@@ -232,7 +244,31 @@ def torch_worker(model_dir: str, dtype: str, repeats: int, batch: int) -> dict:
         one = timed(lambda: gen_n(1))
         many = timed(lambda: gen_n(NEW_TOKENS + 1))
         ms_per_token = (many - one) / NEW_TOKENS
-        e2e_ms = timed(lambda: gen_n(NEW_TOKENS, px=pixels))
+        caption_tokens = caption_tokens or NEW_TOKENS
+        e2e_ms = timed(lambda: gen_n(caption_tokens, px=pixels),
+                       reps=repeats if caption_tokens <= 64 else 1)
+        at = {}
+        if positions:
+            if blip:
+                sys.exit("--positions: BLIP's generate takes no decoder prefix")
+            dcfg = model.config.decoder
+            limit = getattr(dcfg, "max_position_embeddings", None) or getattr(dcfg, "n_positions")
+            start = model.config.decoder_start_token_id
+            for p in positions:
+                if p < 1 or p + STEPS_AFTER_PREFIX + 1 > limit:
+                    sys.exit(f"--positions: {p} is past the decoder's {limit} positions")
+                prefix = torch.full((1, p), start, dtype=torch.long)
+
+                def after(k, prefix=prefix):
+                    out = model.generate(encoder_outputs=enc, decoder_input_ids=prefix,
+                                         max_new_tokens=k, min_new_tokens=k, **gen)
+                    assert out.shape == (1, prefix.shape[1] + k), out.shape
+                    return out
+
+                reps = min(repeats, 3)
+                at[f"ms_per_token_at_{p}"] = (
+                    timed(lambda: after(STEPS_AFTER_PREFIX + 1), reps) - timed(lambda: after(1), reps)
+                ) / STEPS_AFTER_PREFIX
         batch_px = pixels.repeat(batch, 1, 1, 1)
         batch_ms = timed(lambda: gen_n(NEW_TOKENS, px=batch_px), reps=max(1, repeats // 2))
     weights = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) / 2**20
@@ -240,7 +276,8 @@ def torch_worker(model_dir: str, dtype: str, repeats: int, batch: int) -> dict:
     return dict(
         side="torch", family="blip" if blip else "vision-encoder-decoder", dtype=dtype,
         load_ms=load_ms, encode_ms=encode_ms,
-        ms_per_token=ms_per_token, e2e_ms=e2e_ms, images_per_s=batch * 1e3 / batch_ms,
+        ms_per_token=ms_per_token, e2e_ms=e2e_ms, caption_tokens=caption_tokens,
+        images_per_s=batch * 1e3 / batch_ms, **at,
         peak_rss_mb=rss, weights_mb=weights, rss_over_weights=rss / weights,
         torch=torch.__version__, threads=torch.get_num_threads(),
     )
@@ -309,17 +346,25 @@ def main():
                     help="skip the attention kernel rows (they do not depend on the checkpoint)")
     ap.add_argument("--worker", choices=["torch", "attention"])
     ap.add_argument("--dtype", default="f32")
+    ap.add_argument("--positions", default="",
+                    help="comma list of cached text lengths to time decode steps at, both sides "
+                         "(`vl bench --positions`), e.g. 100,1000,3000")
+    ap.add_argument("--caption-tokens", type=int, default=0,
+                    help="tokens of the caption row, both sides (default 16; e.g. 1000 for a "
+                         "Nougat page; above 64 the torch side times one run)")
     ap.add_argument("--q-len", type=int, default=64)
     ap.add_argument("--k-len", type=int, default=576)
     args = ap.parse_args()
 
+    positions = [int(p) for p in args.positions.split(",") if p.strip()]
     if args.worker == "torch":
         import torch
         torch.set_num_threads(args.threads)
         if model_type(args.model) == "florence2":
             print(json.dumps(florence_worker(args.model, args.dtype, args.repeats)))
         else:
-            print(json.dumps(torch_worker(args.model, args.dtype, args.repeats, args.batch)))
+            print(json.dumps(torch_worker(args.model, args.dtype, args.repeats, args.batch,
+                                          positions, args.caption_tokens)))
         return
     if args.worker == "attention":
         import torch
@@ -334,7 +379,8 @@ def main():
 
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
     py = [sys.executable, __file__, args.model, "--threads", str(args.threads),
-          "--repeats", str(args.repeats), "--batch", str(args.batch)]
+          "--repeats", str(args.repeats), "--batch", str(args.batch),
+          "--positions", args.positions, "--caption-tokens", str(args.caption_tokens)]
     vl_bin = str(ROOT / "target" / "release" / "vl")
     att_bin = str(ROOT / "target" / "release" / "examples" / "bench_attention")
     results = {"machine": machine()}
@@ -350,6 +396,10 @@ def main():
     # batch row (its worker has none).
     vl_extra = (["--caption-tokens", str(FLORENCE_TOKENS), "--beams", str(FLORENCE_BEAMS),
                  "--quick"] if florence else [])
+    if positions:
+        vl_extra += ["--positions", ",".join(map(str, positions))]
+    if args.caption_tokens and not florence:
+        vl_extra += ["--caption-tokens", str(args.caption_tokens)]
     for cid, (name, extra) in VL_CONFIGS.items():
         if cid in configs:
             results[name] = run_json([vl_bin, "bench", "--model", args.model] + vl_extra + [
@@ -381,14 +431,16 @@ def main():
         return f"{v:{spec}}" if v is not None else f"{'-':>{width}}"
 
     rows = [("encode ms", "encode_ms"), ("decode ms/token", "ms_per_token"),
-            (f"caption ms (encode + {FLORENCE_TOKENS if florence else NEW_TOKENS})", "e2e_ms"),
+            (f"caption ms (encode + {FLORENCE_TOKENS if florence else args.caption_tokens or NEW_TOKENS})",
+             "e2e_ms"),
             (f"caption ms, {FLORENCE_BEAMS} beams (encode + {FLORENCE_TOKENS})", "e2e_beam_ms"),
             (f"images/s, batch {args.batch}", "images_per_s"),
             ("peak RSS MB", "peak_rss_mb"), ("peak RSS / weights file", "rss_over_weights"),
             ("decode step reads MB", "decode_step_mb"), ("decode GB/s", "decode_gb_s"),
             ("machine read GB/s, start", "read_gb_s_start"),
             ("machine read GB/s, end", "read_gb_s_end"),
-            ("decode / machine read", "decode_bandwidth_fraction")]
+            ("decode / machine read", "decode_bandwidth_fraction")] + [
+            (f"ms/token at position {p}", f"ms_per_token_at_{p}") for p in positions]
     width = max([12] + [len(c) + 2 for c in columns])
     print(f"\n{'':28}" + "".join(f"{c:>{width}}" for c in columns))
     for label, key in rows:
@@ -473,6 +525,13 @@ def main():
              ratio(get("vl attention 64x576", "ms"), get("torch attention 64x576", "ms"))),
             ("attention 1024x16384 / torch sdpa",
              ratio(get("vl attention 1024x16384", "ms"), get("torch attention 1024x16384", "ms"))),
+        ]
+    for p in positions:
+        key = f"ms_per_token_at_{p}"
+        checks += [
+            (f"q8_0 decode at position {p} / torch bf16 (issue 27: <= 0.35)",
+             ratio(get("vl q8_0", key), get(tbf, key))),
+            (f"f32 decode at position {p} / torch f32", ratio(get("vl f32", key), get(tf32, key))),
         ]
     label_width = max(50, *(len(label) for label, _ in checks))
     for label, v in checks:

@@ -62,7 +62,16 @@ pub struct Args {
     /// then beam search of exactly `--caption-tokens` tokens).
     #[arg(long)]
     beams: Option<NonZeroUsize>,
+    /// Also time decode steps with this many text tokens cached, for each
+    /// position of a comma list (`ms_per_token_at_P`: 8 greedy steps
+    /// after a prefix of P tokens; with --quick too), e.g. 100,1000,3000.
+    #[arg(long, value_delimiter = ',')]
+    positions: Vec<usize>,
 }
+
+/// Greedy steps timed after a prefix, per position of `--positions` (and
+/// the long-context figures).
+const STEPS_AFTER_PREFIX: usize = 8;
 
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
@@ -267,6 +276,17 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         .affine(1.0 / (3 * h * w) as f64, -0.5)?
         .reshape((1, 3, h, w))?;
     let dec = &model.decoder;
+    // Checked before anything is timed.
+    let max_positions = dec.config().max_position_embeddings;
+    for &pos in &args.positions {
+        if pos == 0 || pos + STEPS_AFTER_PREFIX > max_positions {
+            anyhow::bail!(
+                "--positions: {pos} is not a position to time here: 1 to {} (the model's \
+                 max_position_embeddings {max_positions} less the {STEPS_AFTER_PREFIX} timed steps)",
+                max_positions.saturating_sub(STEPS_AFTER_PREFIX)
+            );
+        }
+    }
 
     let encode_ms = bench(args.repeats, || {
         let (ms, m) = time(|| memory(&model, &pixels))?;
@@ -317,7 +337,11 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             decode(dec, &ctx, &memory, 1, args.new_tokens.get().min(8), true)
         })?;
         // The text cache: ms/token with `long_position` tokens cached vs 10.
-        let at = |pos: usize| bench(reps, || decode(dec, &ctx, &memory, pos, 8, false));
+        let at = |pos: usize| {
+            bench(reps, || {
+                decode(dec, &ctx, &memory, pos, STEPS_AFTER_PREFIX, false)
+            })
+        };
         let short = at(10)?;
         let long = at(args.long_position)?;
         let batch_pixels = pixels.repeat((args.batch.get(), 1, 1, 1))?;
@@ -331,6 +355,12 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         json["long_over_short"] = (long / short).into();
         json["batch"] = args.batch.get().into();
         json["images_per_s"] = (args.batch.get() as f64 * 1e3 / batch_ms).into();
+    }
+    for &pos in &args.positions {
+        let ms = bench(args.repeats.min(3), || {
+            decode(dec, &ctx, &memory, pos, STEPS_AFTER_PREFIX, false)
+        })?;
+        json[format!("ms_per_token_at_{pos}")] = ms.into();
     }
     let weights = weights_mb(&args.model);
     json["weights_mb"] = weights.into();

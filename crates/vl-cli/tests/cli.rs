@@ -503,3 +503,33 @@ fn bench_skips_the_agreement_and_refuses_zero_counts() {
         assert!(err.contains(flag), "{flag}: {err}");
     }
 }
+
+/// `vl bench --positions` times decode steps after each prefix (with
+/// `--quick` too), and refuses a position the model cannot hold, naming
+/// the flag and its range.
+#[test]
+fn bench_times_each_position_and_refuses_those_past_the_model() {
+    let out = common::ok(&bench(&[
+        "--new-tokens",
+        "2",
+        "--agreement-tokens",
+        "0",
+        "--positions",
+        "3,20",
+    ]));
+    let json: serde_json::Value = serde_json::from_str(&out).expect("json");
+    for k in ["ms_per_token_at_3", "ms_per_token_at_20"] {
+        assert!(json[k].as_f64().is_some_and(|v| v > 0.0), "{k}: {json}");
+    }
+    for bad in ["0", "100000"] {
+        let out = bench(&["--agreement-tokens", "0", "--positions", bad]);
+        assert_eq!(out.status.code(), Some(1), "--positions {bad}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("--positions")
+                && err.contains(bad)
+                && err.contains("max_position_embeddings"),
+            "--positions {bad}: {err}"
+        );
+    }
+}
