@@ -66,7 +66,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_vs_torch import NEW_TOKENS, machine, median, run_json
+from bench_vs_torch import NEW_TOKENS, machine, median, run_json, timings, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 ENCODER = "encoder_model.onnx"
@@ -215,12 +215,7 @@ def ort_worker(model_dir: Path, graphs: Path, threads: int, repeats: int, batch:
 
     def timed(f, reps=repeats):
         """(median, least) ms of `reps` calls after one warm-up."""
-        f()
-        out = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            f()
-            out.append((time.perf_counter() - t) * 1e3)
+        out = timings(f, reps)
         return median(out), min(out)
 
     encode_ms, encode_least = timed(lambda: model.encode(pixels))
@@ -386,14 +381,7 @@ def main():
         spec = f"{width}.2f" if key == "rss_over_weights" else f"{width}.1f"
         print(f"{label:28}" + "".join(fmt(results[c].get(key), spec) for c in columns))
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    results["machine"]["load average, end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    m = results["machine"]
-    print(f"\nmachine: {m.get('Model name', '?')} (vendor {m.get('Vendor ID', '?')}, family "
-          f"{m.get('CPU family', '?')} model {m.get('Model', '?')}; {m.get('simd', '')}); load "
-          f"{m['load average']} -> {m['load average, end']}")
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nraw figures: {args.out}")
+    write_results(results, args.out)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,17 @@ FLORENCE_TOKENS = 20
 FLORENCE_BEAMS = 3
 
 
+def timings(f, reps: int) -> list:
+    """Milliseconds of `reps` calls of `f`, after one untimed warm-up."""
+    f()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
 def florence_worker(model_dir: str, dtype: str, repeats: int) -> dict:
     """transformers' Florence2ForConditionalGeneration, timed as vl bench
     times a Florence-2 model."""
@@ -130,13 +141,7 @@ def florence_worker(model_dir: str, dtype: str, repeats: int) -> dict:
                  forced_bos_token_id=None, no_repeat_ngram_size=0, early_stopping=False)
 
     def timed(f, reps=repeats):
-        f()
-        out = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            f()
-            out.append((time.perf_counter() - t) * 1e3)
-        return median(out)
+        return median(timings(f, reps))
 
     def encode():
         feats = model.get_image_features(pixel_values=pixels).pooler_output
@@ -213,13 +218,7 @@ def torch_worker(model_dir: str, dtype: str, repeats: int, batch: int,
     pixels = (torch.arange(n, dtype=torch.float32) / n - 0.5).reshape(1, 3, h, w).to(dt)
 
     def timed(f, reps=repeats):
-        f()
-        out = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            f()
-            out.append((time.perf_counter() - t) * 1e3)
-        return median(out)
+        return median(timings(f, reps))
 
     with torch.inference_mode():
         encode_ms = timed(lambda: encoder(pixel_values=pixels))
@@ -331,6 +330,19 @@ def machine():
                                          "avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags)
     info["load average"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     return info
+
+
+def write_results(results: dict, out: Path) -> None:
+    """Adds the load average at the end to `results["machine"]`, prints the
+    machine line and writes every figure to `out` as JSON."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results["machine"]["load average, end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    m = results["machine"]
+    print(f"\nmachine: {m.get('Model name', '?')} (vendor {m.get('Vendor ID', '?')}, family "
+          f"{m.get('CPU family', '?')} model {m.get('Model', '?')}; {m.get('simd', '')}); load "
+          f"{m['load average']} -> {m['load average, end']}")
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nraw figures: {out}")
 
 
 def main():
@@ -541,14 +553,7 @@ def main():
         peak, score = m.get("peak_rss_mb"), m.get("score_tensor_mb")
         print(f"  CrossAttention 1024x16384 peak RSS {fmt(peak, '.0f', 1)} MB "
               f"(a score tensor alone: {fmt(score, '.0f', 1)} MB)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    results["machine"]["load average, end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    m = results["machine"]
-    print(f"\nmachine: {m.get('Model name', '?')} (vendor {m.get('Vendor ID', '?')}, family "
-          f"{m.get('CPU family', '?')} model {m.get('Model', '?')}; {m.get('simd', '')}); load "
-          f"{m['load average']} -> {m['load average, end']}")
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nraw figures: {args.out}")
+    write_results(results, args.out)
 
 
 if __name__ == "__main__":
