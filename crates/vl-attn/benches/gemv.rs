@@ -20,8 +20,9 @@
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use vl_attn::kernels::gemv::gemv;
+use vl_attn::kernels::gemv::{gemv, gemv_with};
 use vl_attn::kernels::gemv_q8::PackedQ8;
+use vl_attn::kernels::{CpuFeatures, Simd};
 
 const SHAPES: [(&str, usize, usize); 4] = [
     ("qkv", 2304, 768),
@@ -58,15 +59,13 @@ fn products(c: &mut Criterion) {
                 });
                 // The AVX2 form on a CPU that has AVX-512 too: what an
                 // AVX2-only host runs, minus its clock and memory.
-                if let Some(isa) = vl_attn::kernels::CpuFeatures::get()
-                    .isa_for(vl_attn::kernels::Simd::Avx2)
-                    .filter(|_| {
-                        vl_attn::kernels::CpuFeatures::get().isa().simd()
-                            != vl_attn::kernels::Simd::Avx2
-                    })
+                let cpu = CpuFeatures::get();
+                if let Some(isa) = cpu
+                    .isa_for(Simd::Avx2)
+                    .filter(|_| cpu.isa().simd() != Simd::Avx2)
                 {
                     group.bench_function(BenchmarkId::new("vl avx2", &id), |b| {
-                        b.iter(|| vl_attn::kernels::gemv::gemv_with(isa, &x, &w).expect("gemv"))
+                        b.iter(|| gemv_with(isa, &x, &w).expect("gemv"))
                     });
                 }
             }

@@ -331,17 +331,18 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         json["e2e_beam_ms"] = ms.into();
         json["beams"] = b.get().into();
     }
+    // ms/token with `pos` text tokens cached.
+    let reps = args.repeats.min(3);
+    let at = |pos: usize| {
+        bench(reps, || {
+            decode(dec, &ctx, &memory, pos, STEPS_AFTER_PREFIX, false)
+        })
+    };
     if !args.quick {
-        let reps = args.repeats.min(3);
         let no_cache = bench(reps, || {
             decode(dec, &ctx, &memory, 1, args.new_tokens.get().min(8), true)
         })?;
         // The text cache: ms/token with `long_position` tokens cached vs 10.
-        let at = |pos: usize| {
-            bench(reps, || {
-                decode(dec, &ctx, &memory, pos, STEPS_AFTER_PREFIX, false)
-            })
-        };
         let short = at(10)?;
         let long = at(args.long_position)?;
         let batch_pixels = pixels.repeat((args.batch.get(), 1, 1, 1))?;
@@ -357,10 +358,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         json["images_per_s"] = (args.batch.get() as f64 * 1e3 / batch_ms).into();
     }
     for &pos in &args.positions {
-        let ms = bench(args.repeats.min(3), || {
-            decode(dec, &ctx, &memory, pos, STEPS_AFTER_PREFIX, false)
-        })?;
-        json[format!("ms_per_token_at_{pos}")] = ms.into();
+        json[format!("ms_per_token_at_{pos}")] = at(pos)?.into();
     }
     let weights = weights_mb(&args.model);
     json["weights_mb"] = weights.into();

@@ -123,8 +123,8 @@ fn add_portable(a: &[bf16], b: &[bf16], y: &mut [bf16]) {
 }
 
 /// `y = a + b` with AVX-512, rounded as candle's bf16 addition rounds on
-/// AVX512_BF16 CPUs: 16 values at a time widened ([`Lanes::load16`]),
-/// added and rounded ([`crate::kernels::gemm_bf16::store_bf16x16`]: to nearest
+/// AVX512_BF16 CPUs: 16 values at a time widened
+/// ([`crate::kernels::gemv::Weight::load16`]), added and rounded ([`crate::kernels::gemm_bf16::store_bf16x16`]: to nearest
 /// even, subnormal inputs and results flushed to zero as candle's path
 /// does); the tail through the same instructions on padded vectors.
 ///
@@ -135,8 +135,8 @@ fn add_portable(a: &[bf16], b: &[bf16], y: &mut [bf16]) {
 unsafe fn add_avx512(a: &[bf16], b: &[bf16], y: &mut [bf16]) {
     use std::arch::x86_64::_mm512_add_ps;
 
-    use crate::kernels::attention::Lanes;
     use crate::kernels::gemm_bf16::store_bf16x16;
+    use crate::kernels::gemv::Weight;
     let n = y.len().min(a.len()).min(b.len());
     let mut i = 0;
     while i + 16 <= n {

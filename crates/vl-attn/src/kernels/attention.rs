@@ -224,7 +224,7 @@ super::micro::per_isa! {
 /// One query row on the instruction set the op's token names:
 /// [`row_avx512`] for AVX-512 and head widths that are a multiple of 16,
 /// [`row_generic`] compiled for it otherwise.
-fn row<E: Lanes>(
+fn row<E: Weight>(
     op: &FusedCpu,
     row: usize,
     q: &[f32],
@@ -242,50 +242,6 @@ fn row<E: Lanes>(
     row_compiled(op.isa, op, row, q, kv, scores, out)
 }
 
-/// Key and value elements the AVX-512 per-row kernel reads: 16 of them
-/// widened to f32 lanes.
-pub(crate) trait Lanes: Weight {
-    /// The 16 values at `p`, as f32.
-    ///
-    /// # Safety
-    /// 16 values are readable at `p`; the CPU has AVX-512F (callers are
-    /// compiled for it, so that this inlines).
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
-}
-
-impl Lanes for f32 {
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
-        // SAFETY: the caller's contract.
-        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
-    }
-}
-
-impl Lanes for half::bf16 {
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16(p: *const half::bf16) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's contract. bf16 is the top half of an f32.
-        unsafe {
-            let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide))
-        }
-    }
-}
-
-impl Lanes for half::f16 {
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16(p: *const half::f16) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's contract.
-        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
-    }
-}
-
 /// [`row_generic`] with AVX-512F intrinsics, for head widths that are a
 /// multiple of 16 (the compiler vectorised the generic scores and softmax
 /// poorly: 128-bit lanes, a serial sum; a decode step's 12 heads × 197
@@ -298,7 +254,7 @@ impl Lanes for half::f16 {
 /// The CPU has AVX-512F; `head_dim % 16 == 0`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn row_avx512<E: Lanes>(
+unsafe fn row_avx512<E: Weight>(
     op: &FusedCpu,
     row: usize,
     q: &[f32],
@@ -404,7 +360,7 @@ unsafe fn row_avx512<E: Lanes>(
 /// `16 N` floats writable at `out`; the CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn values_pass<E: Lanes, const N: usize>(
+unsafe fn values_pass<E: Weight, const N: usize>(
     p: &[f32],
     v: *const E,
     stride: usize,
@@ -556,7 +512,7 @@ impl FusedCpu {
     }
 
     /// The per-row kernel over every query row, on the pool.
-    fn rows<E: Lanes>(&self, q: &[f32], kv: KeysValues<'_, E>, out: &mut [f32]) {
+    fn rows<E: Weight>(&self, q: &[f32], kv: KeysValues<'_, E>, out: &mut [f32]) {
         let d = self.dims;
         if d.head_dim > 0 {
             out.par_chunks_mut(d.head_dim).enumerate().for_each_init(

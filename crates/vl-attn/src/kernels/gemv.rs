@@ -30,7 +30,6 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::features::{CpuFeatures, Isa, PrefetchHint, Simd, Tuning};
-use crate::kernels::attention::Lanes;
 use crate::kernels::host::contiguous;
 
 /// The most rows of `x` the kernel takes; more go to candle's matmul.
@@ -67,7 +66,9 @@ pub(crate) fn prefetch<T>(p: *const T, ahead: usize, hint: PrefetchHint) {
 }
 
 /// An element vl's kernels read and widen to f32: a weight here, keys
-/// and values in [`crate::attention`]'s per-row attention.
+/// and values in [`crate::attention`]'s per-row attention, the rows of
+/// the LayerNorm and bf16 addition kernels; one vector load of it per
+/// instruction set.
 pub(crate) trait Weight: Copy + Send + Sync {
     fn to_f32(self) -> f32;
 
@@ -77,6 +78,22 @@ pub(crate) trait Weight: Copy + Send + Sync {
     /// 4 values are readable at `p`.
     #[cfg(target_arch = "aarch64")]
     unsafe fn load4(p: *const Self) -> std::arch::aarch64::float32x4_t;
+
+    /// The 8 values at `p`, widened to f32 lanes.
+    ///
+    /// # Safety
+    /// 8 values are readable at `p`; the CPU has AVX2 (callers are
+    /// compiled for it, so that this inlines).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+
+    /// The 16 values at `p`, widened to f32 lanes.
+    ///
+    /// # Safety
+    /// 16 values are readable at `p`; the CPU has AVX-512F (callers are
+    /// compiled for it, so that this inlines).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 
 impl Weight for f32 {
@@ -90,6 +107,20 @@ impl Weight for f32 {
     unsafe fn load4(p: *const f32) -> std::arch::aarch64::float32x4_t {
         // SAFETY: the caller's contract.
         unsafe { std::arch::aarch64::vld1q_f32(p) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
     }
 }
 
@@ -108,6 +139,28 @@ impl Weight for bf16 {
         // half of a u32 is the f32 the bf16 stands for.
         unsafe { vreinterpretq_f32_u32(vshll_n_u16::<16>(vld1_u16(p.cast()))) }
     }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const bf16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract. bf16 is the top half of an f32.
+        unsafe {
+            let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const bf16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract. bf16 is the top half of an f32.
+        unsafe {
+            let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide))
+        }
+    }
 }
 
 impl Weight for f16 {
@@ -125,6 +178,27 @@ impl Weight for f16 {
             let v: [f32; 4] = std::array::from_fn(|i| (*p.add(i)).to_f32());
             std::arch::aarch64::vld1q_f32(v.as_ptr())
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
+        // F16C is not part of the AVX2 token: widened one by one (f16
+        // weights are the rare case; f32 and bf16 load as vectors).
+        // SAFETY: the caller's contract.
+        unsafe {
+            let v: [f32; 8] = std::array::from_fn(|i| p.add(i).read_unaligned().to_f32());
+            std::arch::x86_64::_mm256_loadu_ps(v.as_ptr())
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (AVX-512F carries the f16
+        // conversion).
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
     }
 }
 
@@ -191,7 +265,7 @@ fn dot_rows_neon<W: Weight, const R: usize>(x: [&[f32]; R], w: &[W], out: &mut [
 }
 
 /// [`dot_rows`] with AVX-512F intrinsics: per 16 weights, one load
-/// widened to f32 lanes ([`Lanes::load16`]) and one fused multiply-add
+/// widened to f32 lanes ([`Weight::load16`]) and one fused multiply-add
 /// per row of `x` into that row's register; the lanes summed at the end,
 /// the tail one by one. The compiler left the generic loop scalar for
 /// two rows or more (a batch of 4 or 8 decode rows ran 18× slower than
@@ -204,7 +278,7 @@ fn dot_rows_neon<W: Weight, const R: usize>(x: [&[f32]; R], w: &[W], out: &mut [
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn dot_rows_avx512<W: Lanes, const R: usize>(
+unsafe fn dot_rows_avx512<W: Weight, const R: usize>(
     x: [&[f32]; R],
     w: &[W],
     out: &mut [f32; R],
@@ -236,53 +310,6 @@ unsafe fn dot_rows_avx512<W: Lanes, const R: usize>(
     }
 }
 
-/// Weights the AVX2 kernel reads 8 at a time, widened to f32 lanes.
-pub(crate) trait Lanes8: Weight {
-    /// The 8 values at `p`, as f32.
-    ///
-    /// # Safety
-    /// 8 values are readable at `p`; the CPU has AVX2 (callers are
-    /// compiled for it, so that this inlines).
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
-}
-
-impl Lanes8 for f32 {
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
-        // SAFETY: the caller's contract.
-        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
-    }
-}
-
-impl Lanes8 for bf16 {
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load8(p: *const bf16) -> std::arch::x86_64::__m256 {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's contract. bf16 is the top half of an f32.
-        unsafe {
-            let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
-        }
-    }
-}
-
-impl Lanes8 for f16 {
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
-        // F16C is not part of the AVX2 token: widened one by one (f16
-        // weights are the rare case; f32 and bf16 load as vectors).
-        // SAFETY: the caller's contract.
-        unsafe {
-            let v: [f32; 8] = std::array::from_fn(|i| p.add(i).read_unaligned().to_f32());
-            std::arch::x86_64::_mm256_loadu_ps(v.as_ptr())
-        }
-    }
-}
-
 /// [`dot_rows_avx512`] on AVX2+FMA: per 16 weights two 8-lane loads and
 /// two fused multiply-adds per row of `x` (the generic loop, left scalar
 /// by the compiler for two rows or more, was 14× slower for 4 rows than
@@ -293,7 +320,7 @@ impl Lanes8 for f16 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn dot_rows_avx2<W: Lanes8, const R: usize>(
+unsafe fn dot_rows_avx2<W: Weight, const R: usize>(
     x: [&[f32]; R],
     w: &[W],
     out: &mut [f32; R],
@@ -371,7 +398,7 @@ fn task<W: Weight, const NEON: bool>(x: &[f32], rows: usize, inp: usize, w: &[W]
 /// The CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn task_avx512<W: Lanes>(x: &[f32], rows: usize, inp: usize, w: &[W], yt: &mut [f32]) {
+unsafe fn task_avx512<W: Weight>(x: &[f32], rows: usize, inp: usize, w: &[W], yt: &mut [f32]) {
     // SAFETY (the three calls): the CPU has AVX-512F (this function's
     // contract); `rows_by_groups` hands rows of `inp` values, `w.len()`
     // being `inp`.
@@ -442,7 +469,7 @@ fn rows_by_groups<W: Weight>(
 /// The CPU has AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn task_avx2<W: Lanes8>(x: &[f32], rows: usize, inp: usize, w: &[W], yt: &mut [f32]) {
+unsafe fn task_avx2<W: Weight>(x: &[f32], rows: usize, inp: usize, w: &[W], yt: &mut [f32]) {
     // SAFETY (the three calls): the CPU has AVX2 and FMA (this
     // function's contract); `rows_by_groups` hands rows of `inp` values,
     // `w.len()` being `inp`.
@@ -493,7 +520,7 @@ pub(crate) fn parallel(
 
 /// The product of `x (rows, inp)` (f32, row-major) and `w (out, inp)`:
 /// returns `y (rows, out)`, computed with `isa`.
-fn product<W: Lanes + Lanes8>(isa: Isa, x: &[f32], rows: usize, w: &[W], out: usize) -> Vec<f32> {
+fn product<W: Weight>(isa: Isa, x: &[f32], rows: usize, w: &[W], out: usize) -> Vec<f32> {
     let inp = x.len() / rows.max(1);
     parallel(out, rows, |o, yt| {
         let w = &w[o.start * inp..o.end * inp];

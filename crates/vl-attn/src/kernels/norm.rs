@@ -250,10 +250,10 @@ mod avx512 {
     use half::bf16;
 
     use super::RowElem;
-    use crate::kernels::attention::Lanes;
+    use crate::kernels::gemv::Weight;
 
     /// Elements the kernel writes: 16 f32 lanes stored as the type.
-    pub(super) trait Out: Lanes + RowElem {
+    pub(super) trait Out: Weight + RowElem {
         /// # Safety
         /// 16 values writable at `p`; the CPU has AVX-512F (and
         /// AVX512_BF16 for bf16).
