@@ -339,11 +339,14 @@ def f32_logits(model):
             m.forward = f
 
 
-def synthetic_pixels(side: int) -> torch.Tensor:
-    """vl bench's image: arange(3*s*s) * (1/(3*s*s)) - 0.5 in f32, 1x3xsxs."""
-    n = 3 * side * side
+def synthetic_pixels(side) -> torch.Tensor:
+    """vl bench's image: arange(3*h*w) * (1/(3*h*w)) - 0.5 in f32, 1x3xhxw;
+    `side` is an int (square) or transformers' [height, width] (Swin's
+    image_size in Donut and Nougat)."""
+    h, w = (side, side) if isinstance(side, int) else side
+    n = 3 * h * w
     step = torch.tensor(1.0 / n, dtype=torch.float32)
-    return (torch.arange(n, dtype=torch.float32) * step - 0.5).reshape(1, 3, side, side)
+    return (torch.arange(n, dtype=torch.float32) * step - 0.5).reshape(1, 3, h, w)
 
 
 def load_florence2(d: Path, pixels_from: str):

@@ -83,6 +83,9 @@ VL_CONFIGS = {
     "vl-q8_0": ("vl q8_0", ["--quantize", "q8_0"]),
     "vl-q4k": ("vl q4k", ["--quantize", "q4k"]),
     "vl-bf16-q8_0": ("vl bf16 + q8_0", ["--dtype", "bf16", "--quantize", "q8_0"]),
+    # q8_0 weights, f32 activations, the text cache in bf16 (as transformers'
+    # bf16 model keeps it): long outputs.
+    "vl-q8_0-kv16": ("vl q8_0 + bf16 cache", ["--quantize", "q8_0", "--text-cache", "bf16"]),
 }
 ALL_CONFIGS = list(TORCH_CONFIGS) + list(VL_CONFIGS)
 

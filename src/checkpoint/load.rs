@@ -58,6 +58,14 @@ pub struct LoadOptions {
     /// head), converted as the load goes; each layer the format cannot
     /// hold gets the next format that fits.
     pub quantization: Quantization,
+    /// The dtype of the decoder's text cache (its self-attention's keys
+    /// and values): `None`, the activations' dtype, by default; bf16 or
+    /// f16 under f32 activations halves what a decode step reads from it
+    /// — the larger part of a step past a few thousand tokens (a Nougat
+    /// page) — at the cost of rounding keys and values as transformers'
+    /// bf16 model does (see
+    /// [`vl_decoder::VisionLanguageDecoder::set_text_cache_dtype`]).
+    pub text_cache: Option<DType>,
 }
 
 impl Default for LoadOptions {
@@ -74,6 +82,7 @@ impl LoadOptions {
             dtype,
             device: device.clone(),
             quantization: Quantization::None,
+            text_cache: None,
         }
     }
 
@@ -82,6 +91,16 @@ impl LoadOptions {
     pub fn quantized(self, q: Quantization) -> Self {
         Self {
             quantization: q,
+            ..self
+        }
+    }
+
+    /// The same, the decoder's text cache kept in `dtype` (see
+    /// [`LoadOptions::text_cache`]).
+    #[must_use]
+    pub fn with_text_cache(self, dtype: Option<DType>) -> Self {
+        Self {
+            text_cache: dtype,
             ..self
         }
     }
@@ -310,11 +329,12 @@ fn load_family<F: Family>(
     // The layers the family did not hand over (the LM head; all of them for
     // a family that builds its blocks at once); blocks converted already are
     // shared as they are.
-    let decoder = if converts {
+    let mut decoder = if converts {
         decoder.into_quantized(&dq)?
     } else {
         decoder
     };
+    decoder.set_text_cache_dtype(options.text_cache)?;
     let text_encoder = match family
         .text_encoder(&vb, &config, &decoder)
         .map_err(weights_error(&label))?

@@ -20,7 +20,13 @@ fn kernels(c: &mut Criterion) {
     let dev = Device::Cpu;
     let mut group = c.benchmark_group("kernel");
     group.sample_size(10);
-    for (tq, tk) in [(1usize, 197usize), (197, 197), (64, 576), (1024, 4096)] {
+    for (tq, tk) in [
+        (1usize, 197usize),
+        (1, 1000),
+        (197, 197),
+        (64, 576),
+        (1024, 4096),
+    ] {
         let q = Tensor::randn(0f32, 1., (1, HEADS, tq, HEAD_DIM), &dev).expect("q");
         let k = Tensor::randn(0f32, 1., (1, HEADS, tk, HEAD_DIM), &dev).expect("k");
         let v = Tensor::randn(0f32, 1., (1, HEADS, tk, HEAD_DIM), &dev).expect("v");

@@ -4,6 +4,7 @@
 
 mod common;
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::VarMap;
 use common::*;
@@ -54,6 +55,60 @@ fn step_by_step_equals_full() -> anyhow::Result<()> {
         let stepped = Tensor::cat(&outs, 1)?;
         let diff = max_abs_diff(&stepped, &full);
         assert!(diff <= 1e-5, "{backend:?}: {diff}");
+    }
+    Ok(())
+}
+
+/// Keys and values kept in 16 bits (under f32 activations; what
+/// `quantize` chooses on the CPU): the cache holds the f32 ones rounded
+/// once, step-by-step still equals the whole sequence (which rounds them
+/// alike) within 1e-5 on every backend, and the output is the one over
+/// their f32 widening.
+#[test]
+fn a_16_bit_cache_steps_as_the_whole_sequence() -> anyhow::Result<()> {
+    let (_v, wide) = module(32, 4, 2);
+    let x = randn(&[2, 9, 32]);
+    // The f32 keys and values, appended as below (a prompt of 4, then one
+    // token at a time: the projections of 4 rows and of 1 round alike).
+    let mut f32_cache = KvCache::new(16)?;
+    cached(&wide, &x.narrow(1, 0, 4)?, &mut f32_cache, None)?;
+    for t in 4..9 {
+        cached(&wide, &x.narrow(1, t, 1)?, &mut f32_cache, None)?;
+    }
+    let (k32, v32) = f32_cache.current()?.expect("appended");
+    for half in [DType::BF16, DType::F16] {
+        let attn = wide.clone().with_cache_dtype(Some(half));
+        assert_eq!(attn.cache_dtype(), Some(half));
+        for backend in [Backend::Reference, Backend::Fused, Backend::Auto] {
+            let attn = attn.clone().with_backend(backend);
+            let full = attn.forward(&x, None)?;
+            let mut cache = KvCache::new(2)?;
+            let mut outs = vec![cached(&attn, &x.narrow(1, 0, 4)?, &mut cache, None)?];
+            for t in 4..9 {
+                outs.push(cached(&attn, &x.narrow(1, t, 1)?, &mut cache, None)?);
+            }
+            let (k, v) = cache.current()?.expect("appended");
+            assert_eq!((k.dtype(), v.dtype()), (half, half));
+            let rounded = |t: &Tensor| -> anyhow::Result<Tensor> {
+                Ok(t.to_dtype(half)?.to_dtype(DType::F32)?)
+            };
+            assert_eq!(max_abs_diff(&k.to_dtype(DType::F32)?, &rounded(&k32)?), 0.0);
+            assert_eq!(max_abs_diff(&v.to_dtype(DType::F32)?, &rounded(&v32)?), 0.0);
+            let stepped = Tensor::cat(&outs, 1)?;
+            let diff = max_abs_diff(&stepped, &full);
+            assert!(diff <= 1e-5, "{half:?} {backend:?}: {diff}");
+            // Not the f32 cache's output: the rounding is really there.
+            assert!(max_abs_diff(&full, &wide.forward(&x, None)?) > 0.0);
+        }
+    }
+    // Quantization keeps the choice, and makes none of its own: the text
+    // cache stays in the activations' dtype unless asked (the rounding
+    // costs top-1 agreement on short captions, where the cache is a small
+    // part of a step's reads).
+    for format in [GgmlDType::Q8_0, GgmlDType::BF16, GgmlDType::F16] {
+        assert_eq!(wide.quantize(format)?.cache_dtype(), None, "{format:?}");
+        let kept = wide.clone().with_cache_dtype(Some(DType::F16));
+        assert_eq!(kept.quantize(format)?.cache_dtype(), Some(DType::F16));
     }
     Ok(())
 }

@@ -28,6 +28,9 @@ pub struct ModelArgs {
     /// Linear layers (decoder and ViT) at load: 8-bit (q8_0) or 4-bit (q4k) blocks, or dense 16-bit weights (bf16, f16) under activations in --dtype; none = as stored.
     #[arg(long, default_value = "none")]
     pub quantize: Quantization,
+    /// The decoder's text cache (its keys and values): bf16 or f16 under f32 activations halves what each decode step reads from it — for long outputs (a Nougat page); rounds them as a bf16 model does [default: --dtype].
+    #[arg(long, value_name = "DTYPE", value_parser = dtype)]
+    pub text_cache: Option<DType>,
 }
 
 /// What is wrong with a flag's value, without the argument name (clap
@@ -79,7 +82,9 @@ impl ModelArgs {
     }
 
     fn load_model(&self) -> anyhow::Result<VlModel> {
-        let options = LoadOptions::new(self.dtype, &self.device).quantized(self.quantize);
+        let options = LoadOptions::new(self.dtype, &self.device)
+            .quantized(self.quantize)
+            .with_text_cache(self.text_cache);
         let (source, name) = match &self.model {
             Some(dir) => (Source::Dir(dir), format!("the model {}", dir.display())),
             None => (
@@ -90,9 +95,18 @@ impl ModelArgs {
                 "the embedded shapes captioner".to_string(),
             ),
         };
-        vl::load(source, &options).with_context(|| match self.quantize {
-            Quantization::None => format!("cannot load {name}"),
-            q => format!("cannot load {name} with --quantize {q}"),
+        vl::load(source, &options).with_context(|| {
+            let mut flags = String::new();
+            if self.quantize != Quantization::None {
+                flags += &format!(" --quantize {}", self.quantize);
+            }
+            if let Some(d) = self.text_cache {
+                flags += &format!(" --text-cache {}", d.as_str());
+            }
+            match flags.is_empty() {
+                true => format!("cannot load {name}"),
+                false => format!("cannot load {name} with{flags}"),
+            }
         })
     }
 

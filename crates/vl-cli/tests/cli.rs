@@ -455,6 +455,56 @@ fn quantize_flag() {
     );
 }
 
+/// `--text-cache bf16|f16` keeps the decoder's keys and values in 16 bits
+/// under f32 activations: the shipped captioner (q8_0 and f32 weights)
+/// still gets every shipped sample right, and a transformers fixture's
+/// greedy ids with an f16 cache are its f32 ones (its margins are wide
+/// enough); a text cache the activations cannot read is refused naming
+/// the flag and the dtypes.
+#[test]
+fn text_cache_flag() {
+    let samples = common::repo_root().join("models/shapes-captioner/samples");
+    let truth = std::fs::read_to_string(samples.join("captions.tsv")).expect("tsv");
+    let (files, want): (Vec<PathBuf>, Vec<&str>) = truth
+        .lines()
+        .filter_map(|l| l.split_once('\t'))
+        .map(|(f, c)| (samples.join(f), c))
+        .unzip();
+    for (quantize, cache) in [("q8_0", "bf16"), ("none", "f16"), ("none", "bf16")] {
+        let mut args = vec!["--quantize", quantize, "--text-cache", cache, "--json"];
+        args.extend(files.iter().map(|f| s(f)));
+        let out = common::ok(&run(&args));
+        let got: Vec<String> = out
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).expect("json");
+                v["caption"].as_str().expect("caption").to_string()
+            })
+            .collect();
+        assert_eq!(got, want, "--quantize {quantize} --text-cache {cache}");
+    }
+    let dir = common::repo_root().join("tests/fixtures/hf/equal");
+    let image = dir.join("image.png");
+    let ids = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec!["--model", s(&dir), "--json"];
+        args.extend_from_slice(extra);
+        args.push(s(&image));
+        let line: serde_json::Value = serde_json::from_str(&common::ok(&run(&args))).expect("json");
+        line["token_ids"].clone()
+    };
+    assert_eq!(ids(&["--text-cache", "f16"]), ids(&[]));
+    let out = run(&["--dtype", "bf16", "--text-cache", "f32", s(&files[0])]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    // 2: nothing captioned (1 is for some images failing).
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--text-cache f32")
+            && err.contains("text_cache_dtype")
+            && err.contains("BF16"),
+        "{err}"
+    );
+}
+
 /// `vl bench --quantize q8_0 --quick --repeats 1 --threads 1` on a
 /// transformers fixture, with `extra` flags.
 fn bench(extra: &[&str]) -> std::process::Output {

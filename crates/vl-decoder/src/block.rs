@@ -27,7 +27,7 @@
 //! second middle line is Flamingo's gated dense layer: a feed-forward of
 //! the cross-attention branch's own, behind a tanh gate that starts at 0.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
 use vl_attn::Quantizer;
 use vl_attn::{
@@ -379,6 +379,19 @@ impl DecoderBlock {
         if let Some(c) = &mut self.cross {
             c.cross_attn = c.cross_attn.clone().with_backend(backend);
         }
+    }
+
+    /// Keeps the self-attention's keys and values in `dtype` (`None`: the
+    /// activations', the default); see
+    /// [`vl_attn::CausalSelfAttention::with_cache_dtype`].
+    pub fn set_text_cache_dtype(&mut self, dtype: Option<DType>) {
+        self.self_attn = self.self_attn.clone().with_cache_dtype(dtype);
+    }
+
+    /// The dtype the self-attention's keys and values are kept in, `None`
+    /// for the activations'.
+    pub fn text_cache_dtype(&self) -> Option<DType> {
+        self.self_attn.cache_dtype()
     }
 
     /// The image's keys and values for this block, `None` for a block

@@ -457,6 +457,42 @@ impl VisionLanguageDecoder {
         }
     }
 
+    /// Keeps every block's text cache (its self-attention's keys and
+    /// values) in `dtype`: `None`, the activations' dtype, is the default;
+    /// a 16-bit float under f32 activations halves the bytes a decode step
+    /// reads from it — what long outputs (a 3,000-token page) are bound
+    /// by — at the cost of rounding keys and values as transformers' bf16
+    /// model does.
+    ///
+    /// # Errors
+    /// [`DecoderError::Argument`] naming `text_cache_dtype` when `dtype` is
+    /// neither the activations' dtype nor, under f32 activations, bf16 or
+    /// f16.
+    pub fn set_text_cache_dtype(&mut self, dtype: Option<DType>) -> Result<()> {
+        let activations = self.dtype();
+        if let Some(d) = dtype {
+            let half = matches!(d, DType::BF16 | DType::F16);
+            if d != activations && !(activations == DType::F32 && half) {
+                return arg_err(
+                    "text_cache_dtype",
+                    format!(
+                        "expected {activations:?} (the activations') or, under f32 \
+                         activations, bf16 or f16; got {d:?}"
+                    ),
+                );
+            }
+        }
+        for b in &mut self.blocks {
+            b.set_text_cache_dtype(dtype);
+        }
+        Ok(())
+    }
+
+    /// The dtype of the text cache, `None` for the activations'.
+    pub fn text_cache_dtype(&self) -> Option<DType> {
+        self.blocks.first().and_then(DecoderBlock::text_cache_dtype)
+    }
+
     fn check_tokens(&self, tokens: &Tensor, offset: usize) -> Result<(usize, usize)> {
         let (b, t) = tokens.dims2().map_err(|_| DecoderError::Argument {
             arg: "tokens",

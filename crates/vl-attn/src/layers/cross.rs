@@ -232,15 +232,9 @@ impl CrossAttention {
     pub fn quantize(&self, q: impl Into<Quantizer>) -> Result<Self> {
         let quantizer: Quantizer = q.into();
         let q = Self::new(self.core.quantize(&quantizer)?, &self.cfg).with_backend(self.backend());
-        let narrow = match quantizer.format() {
-            None | Some(GgmlDType::F32) => None,
-            Some(GgmlDType::F16) => Some(DType::F16),
-            Some(_) => Some(DType::BF16),
-        };
-        let memory_dtype = match self.memory_dtype {
-            None if q.core.dtype() == DType::F32 && q.core.device().is_cpu() => narrow,
-            kept => kept,
-        };
+        let memory_dtype = self
+            .memory_dtype
+            .or_else(|| quantizer.kv_dtype(q.core.dtype(), q.core.device()));
         Ok(q.with_memory_dtype(memory_dtype))
     }
 

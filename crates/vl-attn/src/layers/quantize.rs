@@ -264,6 +264,24 @@ impl Quantizer {
         self.format
     }
 
+    /// The 16-bit float that keys and values computed by layers of this
+    /// format are kept in under `activations` on `device` (an image's
+    /// projected memory, see [`crate::CrossAttention::quantize`]): under
+    /// f32 activations on the CPU, the weights' own type for `bf16` and `f16`, bf16 for the
+    /// integer formats (`q8_0`, `q4k`); `None` (the activations' dtype)
+    /// otherwise. A decode step then reads half the bytes of keys and
+    /// values, rounded as the weights that made them were.
+    pub fn kv_dtype(&self, activations: DType, device: &Device) -> Option<DType> {
+        if activations != DType::F32 || !device.is_cpu() {
+            return None;
+        }
+        match self.format? {
+            GgmlDType::F32 => None,
+            GgmlDType::F16 => Some(DType::F16),
+            _ => Some(DType::BF16),
+        }
+    }
+
     /// The same quantizer for the part `name` of the module being
     /// converted: its layers are named `path.name.layer`.
     #[must_use]
