@@ -489,22 +489,27 @@ impl Block {
         };
         let (q, k, v) = (split(&self.query)?, split(&self.key)?, split(&self.value)?);
         let scale = 1.0 / (hd as f64).sqrt();
-        // (n, heads, t, t)
-        let mut scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(&self.bias)?;
-        if shift > 0 {
-            let mask = shift_mask(hp, wp, ws, shift, scores.dtype(), scores.device())?;
-            scores = scores
-                .reshape((b, nh * nw, self.heads, t, t))?
-                .broadcast_add(&mask.unsqueeze(1)?)?
-                .reshape((n, self.heads, t, t))?;
-        }
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        // Each head's relative position bias `(1, heads, t, t)`, and for
+        // shifted windows each window's mask `(nh · nw, 1, t, t)` (window
+        // `w` of image `i` is sample `i · nh · nw + w`): added to the
+        // scores tile by tile on the CPU.
+        let bias = self.bias.unsqueeze(0)?;
+        let mask = if shift > 0 {
+            Some(shift_mask(hp, wp, ws, shift, q.dtype(), q.device())?.unsqueeze(1)?)
+        } else {
+            None
+        };
+        let biases: Vec<&Tensor> = std::iter::once(&bias).chain(mask.as_ref()).collect();
+        let ctx = vl_attn::attention::attention_with_bias(
+            &q,
+            &k,
+            &v,
+            &biases,
+            scale,
+            vl_attn::Backend::Auto,
+        )?;
         // (n, heads, t, hd) -> (n, t, c)
-        let ctx = probs
-            .matmul(&v)?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((n, t, c))?;
+        let ctx = ctx.transpose(1, 2)?.contiguous()?.reshape((n, t, c))?;
         let out = self.out.forward(&ctx)?;
         let map = out
             .reshape((b, nh, nw, ws, ws, c))?

@@ -76,6 +76,9 @@ struct FusedCpu {
     dims: Dims,
     scale: f32,
     mask: Option<HostMask>,
+    /// Additive biases on the scores: the tiled kernel runs whatever the
+    /// row count.
+    biases: Vec<HostBias>,
     /// The instruction set of the per-row kernel (the tiled one's too).
     isa: Isa,
 }
@@ -103,6 +106,34 @@ pub(crate) fn fused(
             dims,
             scale,
             mask,
+            biases: Vec::new(),
+            isa,
+        },
+    )
+}
+
+/// [`fused`] with additive biases on the scaled scores, on the tiled
+/// kernel (whatever the row count); `k`, `v` f32.
+///
+/// # Errors
+/// Inputs that do not fit `dims`, named.
+pub(crate) fn fused_biased(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    dims: Dims,
+    scale: f32,
+    biases: Vec<HostBias>,
+    isa: Isa,
+) -> candle_core::Result<Tensor> {
+    q.apply_op3_no_bwd(
+        k,
+        v,
+        &FusedCpu {
+            dims,
+            scale,
+            mask: None,
+            biases,
             isa,
         },
     )
@@ -123,6 +154,29 @@ impl HostMask {
         let b = if self.batch == 1 { 0 } else { b };
         let i = if self.q_len == 1 { 0 } else { i };
         &self.data[(b * self.q_len + i) * k_len..][..k_len]
+    }
+}
+
+/// An additive float bias on the scaled scores, `(batch, heads, q_len,
+/// k_len)` on the host, its batch and head extents each 1 (broadcast) or
+/// more: query sample `b` reads the bias's sample `b % batch` (a Swin
+/// stage's windows: image `i`'s window `w` is sample `i · windows + w`,
+/// the shifted-window mask has one sample per window), head `h` reads
+/// head `h` (or the one head there is).
+pub(crate) struct HostBias {
+    pub(crate) data: Vec<f32>,
+    pub(crate) batch: usize,
+    pub(crate) heads: usize,
+    pub(crate) q_len: usize,
+}
+
+impl HostBias {
+    /// The bias of query sample `b`, head `h`, position `i`: one value per
+    /// key.
+    pub(crate) fn row(&self, b: usize, h: usize, i: usize, k_len: usize) -> &[f32] {
+        let b = b % self.batch;
+        let h = if self.heads == 1 { 0 } else { h };
+        &self.data[((b * self.heads + h) * self.q_len + i) * k_len..][..k_len]
     }
 }
 
@@ -557,7 +611,7 @@ impl CustomOp3 for FusedCpu {
                 d.head_dim
             )
         };
-        if d.tiled() {
+        if d.tiled() || (!self.biases.is_empty() && d.head_dim > 0 && d.k_len > 0) {
             let (CpuStorage::F32(k), CpuStorage::F32(v)) = (s2, s3) else {
                 candle_core::bail!("fused attention: the tiled kernel takes f32 k and v");
             };
@@ -568,6 +622,7 @@ impl CustomOp3 for FusedCpu {
                 v,
                 kv_stride,
                 mask: self.mask.as_ref(),
+                biases: &self.biases,
                 dims: d,
                 scale: self.scale,
             };

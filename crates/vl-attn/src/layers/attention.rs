@@ -279,6 +279,131 @@ pub fn attention_with_dropout(
     })
 }
 
+/// Scaled dot-product attention with additive float biases on the scaled
+/// scores, `softmax(q kᵀ · scale + Σ bias) v`: Swin's windowed attention
+/// (a relative position bias per head, and for shifted windows a mask of
+/// 0 and -100 per window). On the CPU, unless `backend` is
+/// [`Backend::Reference`], the tiled kernel adds them to each tile of
+/// scores (the scores are never written out); otherwise the reference
+/// path adds them to the whole score tensor.
+///
+/// # Shapes
+/// - `q`: `(batch, heads, q_len, head_dim)`; `k`, `v`: `(batch, heads,
+///   k_len, head_dim)` (one key head per query head, one key sample per
+///   query sample)
+/// - each bias: `(bias_batch, 1 | heads, q_len, k_len)`, `bias_batch`
+///   dividing `batch`: query sample `b` reads bias sample `b % bias_batch`
+///   (image `i`'s window `w` is sample `i · windows + w`: a per-window
+///   mask has `windows` samples)
+/// - returns `(batch, heads, q_len, head_dim)` in `q`'s dtype
+///
+/// # Errors
+/// [`AttnError::Shape`] naming `k`, `v` or `biases[i]` when it does not
+/// fit `q`; [`AttnError::DType`]/[`AttnError::Device`] naming the input
+/// not in `q`'s dtype or on its device; [`AttnError::Argument`] naming
+/// `biases` past four of them.
+pub fn attention_with_bias(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    biases: &[&Tensor],
+    scale: f64,
+    backend: Backend,
+) -> Result<Tensor> {
+    let dims = check_dims(q, k, v, None)?;
+    let shape_err = |arg, expected: String, t: &Tensor| AttnError::Shape {
+        arg,
+        expected,
+        actual: t.dims().to_vec(),
+    };
+    if dims.batch_k != dims.batch_q || dims.kv_heads != dims.heads {
+        return Err(shape_err(
+            "k",
+            format!(
+                "({}, {}, k_len, {}) like q: biased attention shares no keys",
+                dims.batch_q, dims.heads, dims.head_dim
+            ),
+            k,
+        ));
+    }
+    const NAMES: [&str; 4] = ["biases[0]", "biases[1]", "biases[2]", "biases[3]"];
+    if biases.len() > NAMES.len() {
+        return Err(AttnError::Argument {
+            arg: "biases",
+            reason: format!(
+                "expected at most {} biases, got {}",
+                NAMES.len(),
+                biases.len()
+            ),
+        });
+    }
+    for (bias, name) in biases.iter().zip(NAMES) {
+        let fits = match bias.dims() {
+            &[nb, nh, tq, tk] => {
+                nb > 0
+                    && dims.batch_q % nb == 0
+                    && (nh == 1 || nh == dims.heads)
+                    && tq == dims.q_len
+                    && tk == dims.k_len
+            }
+            _ => false,
+        };
+        if !fits {
+            return Err(shape_err(
+                name,
+                format!(
+                    "(a divisor of {}, 1 or {}, {}, {})",
+                    dims.batch_q, dims.heads, dims.q_len, dims.k_len
+                ),
+                bias,
+            ));
+        }
+        crate::error::check_dtype_device(name, bias, "q", q.dtype(), q.device())?;
+    }
+    let fused = backend != Backend::Reference && q.device().is_cpu();
+    if fused && dims.head_dim > 0 && dims.k_len > 0 {
+        let f32_contiguous =
+            |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?.contiguous()?) };
+        let host = biases
+            .iter()
+            .map(|b| -> Result<crate::kernels::attention::HostBias> {
+                let (nb, nh, tq, _) = b.dims4()?;
+                Ok(crate::kernels::attention::HostBias {
+                    data: b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+                    batch: nb,
+                    heads: nh,
+                    q_len: tq,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let out = crate::kernels::attention::fused_biased(
+            &f32_contiguous(q)?,
+            &f32_contiguous(k)?,
+            &f32_contiguous(v)?,
+            dims,
+            scale as f32,
+            host,
+            CpuFeatures::get().isa(),
+        )?;
+        return Ok(out.to_dtype(q.dtype())?);
+    }
+    // (batch / nb, nb, heads, q_len, k_len) + (1, nb, 1 | heads, q_len, k_len)
+    let (b, h, tq, tk) = (dims.batch_q, dims.heads, dims.q_len, dims.k_len);
+    let mut scores = (q.matmul(&k.t()?)? * scale)?;
+    for bias in biases {
+        let (nb, nh, _, _) = bias.dims4()?;
+        let bias = bias
+            .to_dtype(scores.dtype())?
+            .reshape((1, nb, nh, tq, tk))?;
+        scores = scores
+            .reshape((b / nb, nb, h, tq, tk))?
+            .broadcast_add(&bias)?
+            .reshape((b, h, tq, tk))?;
+    }
+    let probs = softmax(&scores.to_dtype(DType::F32)?, false)?.to_dtype(v.dtype())?;
+    Ok(probs.matmul(v)?)
+}
+
 /// The mask as `(batch_k | 1, 1, r | 1, 1, q_len | 1, k_len)`, to broadcast
 /// over `(batch_k, kv_heads, r, g, q_len, k_len)`.
 fn grouped_mask(mask: &Mask, dims: Dims) -> Result<Tensor> {
