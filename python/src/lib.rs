@@ -157,19 +157,37 @@ fn parse_quantize(py: Python<'_>, q: Option<&str>) -> PyResult<Quantization> {
 /// Loads a model directory, or with the `hub` feature a Hub id
 /// (`org/name`, with `revision`).
 #[pyfunction]
-#[pyo3(signature = (source, *, quantize=None, dtype="f32", revision=None))]
+#[pyo3(signature = (source, *, quantize=None, dtype="f32", text_cache=None, revision=None))]
 fn load(
     py: Python<'_>,
     source: PathBuf,
     quantize: Option<&str>,
     dtype: &str,
+    text_cache: Option<&str>,
     revision: Option<&str>,
 ) -> PyResult<NativeModel> {
     let quantization = parse_quantize(py, quantize)?;
     let dtype: DType = vl::settings::parse_dtype(dtype)
         .map_err(|_| argument(py, format!("dtype={dtype:?}: not one of f32, f16, bf16")))?;
+    let text_cache = match text_cache {
+        None => None,
+        Some(name) => match vl::settings::parse_dtype(name) {
+            Ok(d) if d == dtype || (dtype == DType::F32 && d != DType::F32) => Some(d),
+            _ => {
+                return Err(argument(
+                    py,
+                    format!(
+                        "text_cache={name:?}: the dtype ({}) or, under f32, bf16 or f16",
+                        dtype.as_str()
+                    ),
+                ))
+            }
+        },
+    };
     let dir = resolve(py, &source, revision)?;
-    let options = LoadOptions::new(dtype, &Device::Cpu).quantized(quantization);
+    let options = LoadOptions::new(dtype, &Device::Cpu)
+        .quantized(quantization)
+        .with_text_cache(text_cache);
     let loaded = py.detach(|| vl::load(Source::Dir(&dir), &options));
     let model = loaded.map_err(|e| {
         let message = match quantization {

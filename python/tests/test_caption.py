@@ -163,6 +163,10 @@ def test_load_errors_are_named(tmp_path):
         vl.load(SHAPES, quantize="q3")
     with pytest.raises(vl.ArgumentError, match="dtype"):
         vl.load(SHAPES, dtype="f64")
+    with pytest.raises(vl.ArgumentError, match='text_cache="f32"'):
+        vl.load(SHAPES, dtype="bf16", text_cache="f32")
+    with pytest.raises(vl.ArgumentError, match='text_cache="f8"'):
+        vl.load(SHAPES, text_cache="f8")
 
 
 def test_quantized_load(samples):
@@ -170,6 +174,10 @@ def test_quantized_load(samples):
     assert q.quantization == "q8_0" and q.family == "vl"
     r = q.caption(str(samples[0]))[0]
     assert r["caption"] and r["token_ids"][-1] == 2
+    # Keys and values kept in bf16: the shipped captioner's wide margins
+    # give the same tokens.
+    kv16 = vl.load(SHAPES, quantize="q8_0", text_cache="bf16")
+    assert kv16.caption(str(samples[0]))[0]["token_ids"] == r["token_ids"]
 
 
 def test_caption_iter_streams_any_iterable(shapes, samples):

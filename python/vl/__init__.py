@@ -62,6 +62,7 @@ def load(
     *,
     quantize: Optional[str] = None,
     dtype: str = "f32",
+    text_cache: Optional[str] = None,
     threads: Optional[int] = None,
     revision: Optional[str] = None,
 ) -> "Model":
@@ -78,6 +79,10 @@ def load(
             fastest to decode at near-f32 quality; q4k the smallest.
         dtype: the activations' and dense weights' dtype: ``"f32"``,
             ``"f16"`` or ``"bf16"``.
+        text_cache: the decoder's keys and values kept in ``"bf16"`` or
+            ``"f16"`` under f32 activations (``None``: in ``dtype``): half
+            the bytes each decode step reads from them, for long outputs
+            (a Nougat page), rounded as a bf16 model rounds them.
         threads: CPU threads (default: one per core). vl's thread pools
             are sized once per process, by the first ``load`` that runs
             any work; a later, different count raises
@@ -87,8 +92,8 @@ def load(
     Raises:
         ModelError: the directory or id cannot be loaded (the message
             names the file, field or tensor at fault).
-        ArgumentError: a bad ``quantize``, ``dtype``, ``threads`` or
-            ``revision``.
+        ArgumentError: a bad ``quantize``, ``dtype``, ``text_cache``,
+            ``threads`` or ``revision``.
     """
     if threads is not None:
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
@@ -103,7 +108,13 @@ def load(
         # of 40 images: 338k page faults and 10.4 s of CPU, against 184k
         # and 7.6 s with the settings in force from the start).
         _vl.keep_freed_memory()
-    native = _vl.load(os.fspath(model), quantize=quantize, dtype=dtype, revision=revision)
+    native = _vl.load(
+        os.fspath(model),
+        quantize=quantize,
+        dtype=dtype,
+        text_cache=text_cache,
+        revision=revision,
+    )
     return Model(native)
 
 

@@ -139,6 +139,124 @@ pub(crate) fn fused_biased(
     )
 }
 
+/// One group of [`fused_groups`]: its keys and values (f32, or bf16/f16;
+/// head-strided, see [`is_head_strided`]), their dimensions against the
+/// group's queries (checked by the layer) and its mask.
+pub(crate) struct RowGroup<'a> {
+    pub(crate) k: &'a Tensor,
+    pub(crate) v: &'a Tensor,
+    pub(crate) dims: Dims,
+    pub(crate) mask: Option<HostMask>,
+}
+
+/// The per-row kernel over several groups of query rows at once, each
+/// with its own keys and values (requests decoding side by side, each
+/// over its image and its own text cache): `q (rows, heads, q_len,
+/// head_dim)` f32, contiguous, the groups' query samples in order (group
+/// `i` has `groups[i].dims.batch_q` of them) → `(rows, heads, q_len,
+/// head_dim)` f32. One pass over the pool for every group's rows, where a
+/// call per group would split each group's few rows (a decode step: one
+/// per head) over the pool on its own. Each row computes what
+/// [`fused`] gives it in its group alone, bit for bit.
+///
+/// # Errors
+/// Keys and values of different dtypes across groups or not f32/bf16/f16,
+/// not head-strided, or `q` not contiguous f32 on the CPU, named.
+pub(crate) fn fused_groups(
+    q: &Tensor,
+    groups: Vec<RowGroup<'_>>,
+    scale: f32,
+    isa: Isa,
+) -> candle_core::Result<Tensor> {
+    use candle_core::{DType, Storage};
+    let dtype = groups.first().map_or(DType::F32, |g| g.k.dtype());
+    if groups
+        .iter()
+        .any(|g| g.k.dtype() != dtype || g.v.dtype() != dtype)
+    {
+        candle_core::bail!("grouped attention: keys and values of one dtype across groups");
+    }
+    let (q_storage, q_layout) = q.storage_and_layout();
+    let q_data: &[f32] = match &*q_storage {
+        Storage::Cpu(CpuStorage::F32(d)) => contiguous(d, q_layout, "grouped attention", "q")?,
+        _ => candle_core::bail!("grouped attention: q must be f32 on the CPU"),
+    };
+    let out = match dtype {
+        DType::F32 => run_groups::<f32>(q_data, groups, scale, isa)?,
+        DType::BF16 => run_groups::<half::bf16>(q_data, groups, scale, isa)?,
+        DType::F16 => run_groups::<half::f16>(q_data, groups, scale, isa)?,
+        other => candle_core::bail!("grouped attention: keys and values of {other:?}"),
+    };
+    drop(q_storage);
+    Tensor::from_vec(out, q.shape(), q.device())
+}
+
+/// [`fused_groups`] for keys and values of element type `E`.
+fn run_groups<E: Weight + candle_core::WithDType>(
+    q: &[f32],
+    mut groups: Vec<RowGroup<'_>>,
+    scale: f32,
+    isa: Isa,
+) -> candle_core::Result<Vec<f32>> {
+    use candle_core::Storage;
+    let masks: Vec<Option<HostMask>> = groups.iter_mut().map(|g| g.mask.take()).collect();
+    // The keys' and values' storage, held read for the pass.
+    let guards: Vec<_> = groups
+        .iter()
+        .map(|g| (g.k.storage_and_layout(), g.v.storage_and_layout()))
+        .collect();
+    let mut ops = Vec::with_capacity(groups.len());
+    let mut kvs: Vec<KeysValues<'_, E>> = Vec::with_capacity(groups.len());
+    // Each group's first query element.
+    let mut starts = Vec::with_capacity(groups.len() + 1);
+    let mut at = 0usize;
+    for ((g, mask), ((ks, kl), (vs, vl))) in groups.iter().zip(masks).zip(&guards) {
+        let (Storage::Cpu(k), Storage::Cpu(v)) = (&**ks, &**vs) else {
+            candle_core::bail!("grouped attention: keys and values must be on the CPU");
+        };
+        kvs.push(keys_values(
+            (k.as_slice::<E>()?, kl),
+            (v.as_slice::<E>()?, vl),
+            g.dims,
+        )?);
+        ops.push(FusedCpu {
+            dims: g.dims,
+            scale,
+            mask,
+            biases: Vec::new(),
+            isa,
+        });
+        starts.push(at);
+        let d = g.dims;
+        at += d.batch_q * d.heads * d.q_len * d.head_dim;
+    }
+    starts.push(at);
+    if at != q.len() {
+        candle_core::bail!(
+            "grouped attention: the groups' queries ({at} values) are not q's ({})",
+            q.len()
+        );
+    }
+    let head_dim = groups.first().map_or(0, |g| g.dims.head_dim);
+    let longest = groups.iter().map(|g| g.dims.k_len).max().unwrap_or(0);
+    let mut out = vec![0f32; at];
+    if head_dim > 0 {
+        out.par_chunks_mut(head_dim).enumerate().for_each_init(
+            || vec![0f32; longest],
+            |scores, (r, o)| {
+                let e = r * head_dim;
+                // The group holding element `e`: the last start at or before it.
+                let gi = starts.partition_point(|&s| s <= e) - 1;
+                let (op, base) = (&ops[gi], starts[gi]);
+                let local = (e - base) / head_dim;
+                let q_group = &q[base..starts[gi + 1]];
+                row(op, local, q_group, kvs[gi], &mut scores[..op.dims.k_len], o);
+            },
+        );
+    }
+    Ok(out)
+}
+
 /// A mask's bytes on the host, `(batch, q_len, k_len)` with its batch and
 /// query extents each 1 (broadcast) or full: what the CPU kernels read.
 pub(crate) struct HostMask {

@@ -404,6 +404,70 @@ pub fn attention_with_bias(
     Ok(probs.matmul(v)?)
 }
 
+/// [`attention`] (without weights, dropout or gradients) of consecutive
+/// groups of the rows of `q (rows, heads, q_len, head_dim)`, each `(rows,
+/// k, v, mask)` over its own keys and values, in one pass of the CPU's
+/// per-row kernel — what requests decoding side by side run, each over
+/// its image and its own text cache. `None` when that kernel does not
+/// serve them all (not the CPU, `q` not f32, [`Backend::Reference`], a
+/// group the tiled kernel takes, keys and values of mixed dtypes or not
+/// readable in place): the caller then runs [`attention`] group by group.
+/// Each row's output is the one [`attention`] gives it, bit for bit.
+///
+/// # Errors
+/// As [`attention`], naming the input of a group that does not fit its
+/// queries.
+pub(crate) fn fused_row_groups(
+    q: &Tensor,
+    groups: &[(usize, &Tensor, &Tensor, Option<&Mask>)],
+    scale: f64,
+    backend: Backend,
+) -> Result<Option<Tensor>> {
+    if backend == Backend::Reference
+        || !q.device().is_cpu()
+        || q.dtype() != DType::F32
+        || q.track_op()
+    {
+        return Ok(None);
+    }
+    let dtype = match groups.first() {
+        Some((_, k, _, _)) => k.dtype(),
+        None => return Ok(None),
+    };
+    let mut parts = Vec::with_capacity(groups.len());
+    let mut start = 0;
+    for &(rows, k, v, mask) in groups {
+        let qg = q.narrow(0, start, rows)?;
+        start += rows;
+        let dims = check_dims(&qg, k, v, mask)?;
+        let readable = matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+            && k.dtype() == dtype
+            && v.dtype() == dtype
+            && is_head_strided(k)
+            && is_head_strided(v)
+            && k.stride() == v.stride();
+        if dims.tiled() || !readable || k.track_op() || v.track_op() {
+            return Ok(None);
+        }
+        let mask = match mask {
+            None => None,
+            Some(m) => {
+                let (batch, q_len, _) = m.dims();
+                let data = m.tensor().flatten_all()?.to_vec1::<u8>()?;
+                Some(HostMask { data, batch, q_len })
+            }
+        };
+        parts.push(crate::kernels::attention::RowGroup { k, v, dims, mask });
+    }
+    let out = crate::kernels::attention::fused_groups(
+        &q.contiguous()?,
+        parts,
+        scale as f32,
+        CpuFeatures::get().isa(),
+    )?;
+    Ok(Some(out))
+}
+
 /// The mask as `(batch_k | 1, 1, r | 1, 1, q_len | 1, k_len)`, to broadcast
 /// over `(batch_k, kv_heads, r, g, q_len, k_len)`.
 fn grouped_mask(mask: &Mask, dims: Dims) -> Result<Tensor> {
@@ -606,6 +670,76 @@ fn blocked_reference(
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// Groups of decode rows side by side (a server's requests: each over
+    /// its own image or text cache, of its own length, with or without a
+    /// mask) in one pass equal each group run alone, bit for bit, for f32
+    /// and 16-bit keys and values; a group the tiled kernel takes, or keys
+    /// of mixed dtypes, leave it to the caller (`None`).
+    #[test]
+    fn grouped_rows_equal_each_group_alone() -> Result<()> {
+        let dev = Device::Cpu;
+        let (heads, hd) = (4, 32);
+        // (rows, k_len, masked)
+        let shapes = [
+            (1usize, 5usize, false),
+            (2, 197, true),
+            (1, 33, false),
+            (3, 1, false),
+        ];
+        let rows: usize = shapes.iter().map(|s| s.0).sum();
+        let q = Tensor::randn(0f32, 1., (rows, heads, 1, hd), &dev)?;
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let kvs: Vec<(Tensor, Tensor, Option<Mask>)> = shapes
+                .iter()
+                .map(|&(r, k_len, masked)| -> Result<_> {
+                    let k =
+                        Tensor::randn(0f32, 1., (r, heads, k_len, hd), &dev)?.to_dtype(dtype)?;
+                    let v =
+                        Tensor::randn(0f32, 1., (r, heads, k_len, hd), &dev)?.to_dtype(dtype)?;
+                    let mask = masked
+                        .then(|| -> Result<Mask> {
+                            let open: Vec<u8> =
+                                (0..r * k_len).map(|j| u8::from(j % 3 != 0)).collect();
+                            Mask::new(Tensor::from_vec(open, (r, 1, k_len), &dev)?)
+                        })
+                        .transpose()?;
+                    Ok((k, v, mask))
+                })
+                .collect::<Result<_>>()?;
+            let parts: Vec<(usize, &Tensor, &Tensor, Option<&Mask>)> = shapes
+                .iter()
+                .zip(&kvs)
+                .map(|(s, (k, v, m))| (s.0, k, v, m.as_ref()))
+                .collect();
+            let got = fused_row_groups(&q, &parts, 0.3, Backend::Auto)?.expect("one pass");
+            let mut start = 0;
+            let mut alone = Vec::new();
+            for &(r, k, v, m) in &parts {
+                let qg = q.narrow(0, start, r)?;
+                start += r;
+                alone.push(attention(&qg, k, v, m, 0.3, Backend::Fused, Weights::Skip)?.output);
+            }
+            let want = Tensor::cat(&alone, 0)?;
+            let diff = (got - &want)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0, "{dtype:?}");
+            assert!(fused_row_groups(&q, &parts, 0.3, Backend::Reference)?.is_none());
+        }
+        // Four rows over one key sample: the tiled kernel's, not this pass's.
+        let k = Tensor::randn(0f32, 1., (1, heads, 9, hd), &dev)?;
+        let q4 = q.narrow(0, 0, 4)?;
+        assert!(fused_row_groups(&q4, &[(4, &k, &k, None)], 0.3, Backend::Auto)?.is_none());
+        // Keys of two dtypes across groups.
+        let kh = k.to_dtype(DType::BF16)?;
+        let q2 = q.narrow(0, 0, 2)?;
+        let mixed = [(1, &k, &k, None), (1, &kh, &kh, None)];
+        assert!(fused_row_groups(&q2, &mixed, 0.3, Backend::Auto)?.is_none());
+        Ok(())
+    }
 
     /// The per-row kernel (fewer than [`TILED_MIN_ROWS`] rows per key
     /// head: decode steps) on every instruction set this CPU has against

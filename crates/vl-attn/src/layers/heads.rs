@@ -293,7 +293,30 @@ impl AttnCore {
         let mut outputs = Vec::with_capacity(groups.len());
         let mut group_weights = Vec::with_capacity(groups.len());
         let mut start = 0;
-        for g in groups {
+        // Several groups of decode rows on the CPU: one pass of the per-row
+        // kernel over all of them (each row as its group alone computes it).
+        let one_pass = if groups.len() > 1
+            && weights == Weights::Skip
+            && !self.attn_dropout.is_active(&self.mode)
+        {
+            let parts: Vec<(usize, &Tensor, &Tensor, Option<&Mask>)> = groups
+                .iter()
+                .map(|g| (g.rows, &g.k, &g.v, g.mask.as_ref()))
+                .collect();
+            attention::fused_row_groups(q, &parts, self.heads.scale(), self.backend)?
+        } else {
+            None
+        };
+        let each = match one_pass {
+            Some(output) => {
+                start = groups.iter().map(|g| g.rows).sum();
+                outputs.push(output);
+                group_weights = vec![None; groups.len()];
+                &[][..]
+            }
+            None => groups,
+        };
+        for g in each {
             let q = if groups.len() == 1 {
                 q.clone()
             } else {
