@@ -8,7 +8,7 @@ mixed run of good and bad requests with the server's memory.
     cargo build --release -p vl-cli
     .venv/bin/python scripts/hf_fixtures.py --base /tmp/vit-gpt2-base && git checkout tests/fixtures
     .venv/bin/python scripts/load_serve.py /tmp/vit-gpt2-base --quantize q8_0 --threads 2 \\
-        [--transformers .venv/bin/python] [--mixed 1000] [--json out.json]
+        [--text-cache bf16] [--transformers .venv/bin/python] [--mixed 1000] [--json out.json]
 
 Workloads (every answer exactly its token count: `min_tokens` =
 `max_tokens`, so random weights never end early):
@@ -295,6 +295,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="a checkpoint directory (scripts/hf_fixtures.py --base)")
     ap.add_argument("--quantize", default="q8_0")
+    ap.add_argument("--text-cache", help="vl serve --text-cache (bf16, f16): keys and values in 16 bits")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vl", default=str(ROOT / "target/release/vl"))
     ap.add_argument("--transformers", help="a Python with torch, transformers, fastapi, uvicorn")
@@ -314,6 +315,8 @@ def main() -> None:
            "--port", str(port), "--max-batch", "16", "--max-queue", "64"]
     if args.quantize != "none":
         cmd += ["--quantize", args.quantize]
+    if args.text_cache:
+        cmd += ["--text-cache", args.text_cache]
     vl = Server(cmd, port)
     try:
         if not args.skip_workloads:
