@@ -87,6 +87,8 @@ struct FusedCpu {
 /// `k`, `v (batch_k, kv_heads, k_len, head_dim)` (f32, or bf16/f16 for the
 /// per-row kernel; head-strided, see [`is_head_strided`]), checked by the
 /// layer into `dims`, on `isa`: `(batch_q, heads, q_len, head_dim)` f32.
+/// With `biases` (additive, on the scaled scores) the tiled kernel runs
+/// whatever the row count, over f32 keys and values.
 ///
 /// # Errors
 /// Inputs that do not fit `dims`, named.
@@ -97,32 +99,6 @@ pub(crate) fn fused(
     dims: Dims,
     scale: f32,
     mask: Option<HostMask>,
-    isa: Isa,
-) -> candle_core::Result<Tensor> {
-    q.apply_op3_no_bwd(
-        k,
-        v,
-        &FusedCpu {
-            dims,
-            scale,
-            mask,
-            biases: Vec::new(),
-            isa,
-        },
-    )
-}
-
-/// [`fused`] with additive biases on the scaled scores, on the tiled
-/// kernel (whatever the row count); `k`, `v` f32.
-///
-/// # Errors
-/// Inputs that do not fit `dims`, named.
-pub(crate) fn fused_biased(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    dims: Dims,
-    scale: f32,
     biases: Vec<HostBias>,
     isa: Isa,
 ) -> candle_core::Result<Tensor> {
@@ -132,7 +108,7 @@ pub(crate) fn fused_biased(
         &FusedCpu {
             dims,
             scale,
-            mask: None,
+            mask,
             biases,
             isa,
         },

@@ -445,6 +445,14 @@ mod tests {
         out
     }
 
+    /// The largest absolute difference from the oracle.
+    fn max_err(got: &[f32], want: &[f64]) -> f64 {
+        got.iter()
+            .zip(want)
+            .map(|(&a, &b)| (a as f64 - b).abs())
+            .fold(0f64, f64::max)
+    }
+
     fn values(n: usize, seed: u64) -> Vec<f32> {
         // A small LCG: reproducible values in [-2, 2).
         let mut x = seed
@@ -524,12 +532,7 @@ mod tests {
                 };
                 let want = reference(&p);
                 for isa in crate::kernels::CpuFeatures::get().isas() {
-                    let got = run(&p, isa);
-                    let err = got
-                        .iter()
-                        .zip(&want)
-                        .map(|(&a, &b)| (a as f64 - b).abs())
-                        .fold(0f64, f64::max);
+                    let err = max_err(&run(&p, isa), &want);
                     assert!(err <= 1e-5, "shape {n} masked {masked} on {isa:?}: {err}");
                 }
             }
@@ -595,11 +598,7 @@ mod tests {
             let want = reference(&p);
             for isa in crate::kernels::CpuFeatures::get().isas() {
                 let got = run(&p, isa);
-                let err = got
-                    .iter()
-                    .zip(&want)
-                    .map(|(&a, &b)| (a as f64 - b).abs())
-                    .fold(0f64, f64::max);
+                let err = max_err(&got, &want);
                 assert!(err <= 1e-5, "shape {n} on {isa:?}: max abs error {err}");
                 if masked {
                     // Query 0 of every sample attends to nothing: exactly 0.

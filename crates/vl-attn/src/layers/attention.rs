@@ -376,12 +376,13 @@ pub fn attention_with_bias(
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let out = crate::kernels::attention::fused_biased(
+        let out = crate::kernels::attention::fused(
             &f32_contiguous(q)?,
             &f32_contiguous(k)?,
             &f32_contiguous(v)?,
             dims,
             scale as f32,
+            None,
             host,
             CpuFeatures::get().isa(),
         )?;
@@ -449,14 +450,7 @@ pub(crate) fn fused_row_groups(
         if dims.tiled() || !readable || k.track_op() || v.track_op() {
             return Ok(None);
         }
-        let mask = match mask {
-            None => None,
-            Some(m) => {
-                let (batch, q_len, _) = m.dims();
-                let data = m.tensor().flatten_all()?.to_vec1::<u8>()?;
-                Some(HostMask { data, batch, q_len })
-            }
-        };
+        let mask = host_mask(mask)?;
         parts.push(crate::kernels::attention::RowGroup { k, v, dims, mask });
     }
     let out = crate::kernels::attention::fused_groups(
@@ -562,6 +556,16 @@ fn softmax(scores: &Tensor, differentiable: bool) -> Result<Tensor> {
     })
 }
 
+/// A mask's bytes on the host, as the CPU kernels read them.
+fn host_mask(mask: Option<&Mask>) -> Result<Option<HostMask>> {
+    let Some(m) = mask else {
+        return Ok(None);
+    };
+    let (batch, q_len, _) = m.dims();
+    let data = m.tensor().flatten_all()?.to_vec1::<u8>()?;
+    Ok(Some(HostMask { data, batch, q_len }))
+}
+
 fn fused(
     q: &Tensor,
     k: &Tensor,
@@ -576,14 +580,7 @@ fn fused(
     let dtype = q.dtype();
     let f32_contiguous =
         |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?.contiguous()?) };
-    let mask = match mask {
-        None => None,
-        Some(m) => {
-            let (batch, q_len, _) = m.dims();
-            let data = m.tensor().flatten_all()?.to_vec1::<u8>()?;
-            Some(HostMask { data, batch, q_len })
-        }
-    };
+    let mask = host_mask(mask)?;
     // Keys and values are read in place when they have contiguous heads
     // and one head stride (a KV cache's prefix) and are f32, or 16-bit for
     // the per-row kernel (which widens them as it reads); copied to f32
@@ -611,6 +608,7 @@ fn fused(
         dims,
         scale as f32,
         mask,
+        Vec::new(),
         isa,
     )?;
     Ok(out.to_dtype(dtype)?)
@@ -800,7 +798,16 @@ mod tests {
                     })
                 };
                 let run = |k: &Tensor, v: &Tensor| {
-                    crate::kernels::attention::fused(&q, k, v, dims, scale as f32, mask(), isa)
+                    crate::kernels::attention::fused(
+                        &q,
+                        k,
+                        v,
+                        dims,
+                        scale as f32,
+                        mask(),
+                        Vec::new(),
+                        isa,
+                    )
                 };
                 let got = run(&k, &v)?;
                 let err = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
