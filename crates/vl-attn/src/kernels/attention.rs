@@ -92,6 +92,7 @@ struct FusedCpu {
 ///
 /// # Errors
 /// Inputs that do not fit `dims`, named.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn fused(
     q: &Tensor,
     k: &Tensor,
