@@ -172,7 +172,7 @@ fn load(
     let text_cache = match text_cache {
         None => None,
         Some(name) => match vl::settings::parse_dtype(name) {
-            Ok(d) if d == dtype || (dtype == DType::F32 && d != DType::F32) => Some(d),
+            Ok(d) if vl::vl_decoder::VisionLanguageDecoder::text_cache_fits(dtype, d) => Some(d),
             _ => {
                 return Err(argument(
                     py,

@@ -111,23 +111,8 @@ where
         eprintln!("error: {}", caption::one_line(&e));
         return ExitCode::from(2);
     }
-    let outcome = |result: anyhow::Result<()>| match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {}", caption::one_line(&e));
-            ExitCode::FAILURE
-        }
-    };
-    // The server stays off the pool: its async runtime would hold a pool
-    // worker for as long as it serves (on two threads, half the machine),
-    // and its model thread hands each step to the pool itself.
-    if let Command::Serve(args) = &cli.command {
-        return outcome(serve::run(args));
-    }
-    // On a pool worker: vl's parallel kernels then start on this thread
-    // instead of waking the pool and parking it.
-    rayon::scope(|_| {
-        outcome(match &cli.command {
+    let run = || {
+        let result = match &cli.command {
             Command::Caption(args) => return caption::run(args),
             Command::EvalShapes(args) => eval::run(args),
             Command::TrainShapes(args) => train::run(args),
@@ -135,6 +120,22 @@ where
             Command::Bench(args) => bench::run(args),
             Command::Experiment(args) => experiment::run(args),
             Command::Serve(args) => serve::run(args),
-        })
-    })
+        };
+        match result {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {}", caption::one_line(&e));
+                ExitCode::FAILURE
+            }
+        }
+    };
+    match &cli.command {
+        // The server stays off the pool: its async runtime would hold a
+        // pool worker for as long as it serves (on two threads, half the
+        // machine), and its model thread hands each step to the pool.
+        Command::Serve(_) => run(),
+        // On a pool worker: vl's parallel kernels then start on this
+        // thread instead of waking the pool and parking it.
+        _ => rayon::scope(|_| run()),
+    }
 }

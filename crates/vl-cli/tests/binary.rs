@@ -8,18 +8,7 @@ use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use common::{caption_cmd, images, ok, repo_root, s, tiny_model, vl_bin};
-
-/// The shipped samples and their true captions.
-fn samples() -> Vec<(String, String)> {
-    let dir = repo_root().join("models/shapes-captioner/samples");
-    std::fs::read_to_string(dir.join("captions.tsv"))
-        .expect("captions.tsv")
-        .lines()
-        .filter_map(|l| l.split_once('\t'))
-        .map(|(f, c)| (s(&dir.join(f)).to_string(), c.to_string()))
-        .collect()
-}
+use common::{caption_cmd, images, ok, s, samples, tiny_model, vl_bin};
 
 #[test]
 fn the_embedded_captioner_works_from_an_empty_directory() {

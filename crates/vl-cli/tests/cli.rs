@@ -407,31 +407,14 @@ fn quantize_flag() {
     assert!(!line["token_ids"].as_array().expect("ids").is_empty());
     // The shipped captioner in q8_0, and with bf16 weights under f32
     // activations, still gets every shipped sample right.
-    let samples = common::repo_root().join("models/shapes-captioner/samples");
-    let truth = std::fs::read_to_string(samples.join("captions.tsv")).expect("tsv");
-    let files: Vec<PathBuf> = truth
-        .lines()
-        .filter_map(|l| l.split_once('\t'))
-        .map(|(f, _)| samples.join(f))
-        .collect();
-    let want: Vec<&str> = truth
-        .lines()
-        .filter_map(|l| l.split_once('\t'))
-        .map(|(_, c)| c)
-        .collect();
+    let (files, want): (Vec<String>, Vec<String>) = common::samples().into_iter().unzip();
     // q4k asked of the 64-wide captioner: every layer falls back to q8_0.
     for format in ["q8_0", "bf16", "q4k"] {
         let mut args = vec!["--quantize", format, "--json"];
-        args.extend(files.iter().map(|f| s(f)));
+        args.extend(files.iter().map(String::as_str));
         let out = run(&args);
         assert_eq!(out.status.code(), Some(0), "{format}");
-        let got: Vec<String> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(|l| {
-                let v: serde_json::Value = serde_json::from_str(l).expect("json");
-                v["caption"].as_str().expect("caption").to_string()
-            })
-            .collect();
+        let got = common::captions(&String::from_utf8_lossy(&out.stdout));
         assert_eq!(got, want, "{format}");
     }
     // q4k needs widths in multiples of 256: the 32-wide checkpoint's
@@ -463,24 +446,11 @@ fn quantize_flag() {
 /// the flag and the dtypes.
 #[test]
 fn text_cache_flag() {
-    let samples = common::repo_root().join("models/shapes-captioner/samples");
-    let truth = std::fs::read_to_string(samples.join("captions.tsv")).expect("tsv");
-    let (files, want): (Vec<PathBuf>, Vec<&str>) = truth
-        .lines()
-        .filter_map(|l| l.split_once('\t'))
-        .map(|(f, c)| (samples.join(f), c))
-        .unzip();
+    let (files, want): (Vec<String>, Vec<String>) = common::samples().into_iter().unzip();
     for (quantize, cache) in [("q8_0", "bf16"), ("none", "f16"), ("none", "bf16")] {
         let mut args = vec!["--quantize", quantize, "--text-cache", cache, "--json"];
-        args.extend(files.iter().map(|f| s(f)));
-        let out = common::ok(&run(&args));
-        let got: Vec<String> = out
-            .lines()
-            .map(|l| {
-                let v: serde_json::Value = serde_json::from_str(l).expect("json");
-                v["caption"].as_str().expect("caption").to_string()
-            })
-            .collect();
+        args.extend(files.iter().map(String::as_str));
+        let got = common::captions(&common::ok(&run(&args)));
         assert_eq!(got, want, "--quantize {quantize} --text-cache {cache}");
     }
     let dir = common::repo_root().join("tests/fixtures/hf/equal");
@@ -493,7 +463,7 @@ fn text_cache_flag() {
         line["token_ids"].clone()
     };
     assert_eq!(ids(&["--text-cache", "f16"]), ids(&[]));
-    let out = run(&["--dtype", "bf16", "--text-cache", "f32", s(&files[0])]);
+    let out = run(&["--dtype", "bf16", "--text-cache", "f32", &files[0]]);
     let err = String::from_utf8_lossy(&out.stderr);
     // 2: nothing captioned (1 is for some images failing).
     assert_eq!(out.status.code(), Some(2), "{err}");

@@ -471,8 +471,7 @@ impl VisionLanguageDecoder {
     pub fn set_text_cache_dtype(&mut self, dtype: Option<DType>) -> Result<()> {
         let activations = self.dtype();
         if let Some(d) = dtype {
-            let half = matches!(d, DType::BF16 | DType::F16);
-            if d != activations && !(activations == DType::F32 && half) {
+            if !Self::text_cache_fits(activations, d) {
                 return arg_err(
                     "text_cache_dtype",
                     format!(
@@ -486,6 +485,13 @@ impl VisionLanguageDecoder {
             b.set_text_cache_dtype(dtype);
         }
         Ok(())
+    }
+
+    /// Whether a text cache in `cache` serves activations in
+    /// `activations`: the same dtype, or bf16/f16 under f32.
+    pub fn text_cache_fits(activations: DType, cache: DType) -> bool {
+        cache == activations
+            || (activations == DType::F32 && matches!(cache, DType::BF16 | DType::F16))
     }
 
     /// The dtype of the text cache, `None` for the activations'.

@@ -364,6 +364,34 @@ fn shift_mask(
     Ok(Tensor::from_vec(mask, (nh * nw, t, t), device)?.to_dtype(dtype)?)
 }
 
+/// The shifted-window mask of the last map size asked for, `(windows, 1,
+/// t, t)`: a stage's shifted blocks share one (Donut's third stage has
+/// seven), built once per stage and forward pass.
+#[derive(Default)]
+struct ShiftMasks {
+    /// `(hp, wp, window, shift)` and its mask.
+    last: Option<((usize, usize, usize, usize), Tensor)>,
+}
+
+impl ShiftMasks {
+    fn get(
+        &mut self,
+        (hp, wp, window, shift): (usize, usize, usize, usize),
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let key = (hp, wp, window, shift);
+        match &self.last {
+            Some((k, mask)) if *k == key => Ok(mask.clone()),
+            _ => {
+                let mask = shift_mask(hp, wp, window, shift, dtype, device)?.unsqueeze(1)?;
+                self.last = Some((key, mask.clone()));
+                Ok(mask)
+            }
+        }
+    }
+}
+
 /// One Swin block.
 #[derive(Debug, Clone)]
 struct Block {
@@ -448,8 +476,9 @@ impl Block {
         Ok(())
     }
 
-    /// `x: (b, h, w, c)` → the same shape.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `x: (b, h, w, c)` → the same shape; a shifted block takes its mask
+    /// from `masks`.
+    fn forward(&self, x: &Tensor, masks: &mut ShiftMasks) -> Result<Tensor> {
         let (b, h, w, c) = x.dims4()?;
         // A map no larger than the window is one window, unshifted
         // (validate keeps it from being smaller).
@@ -495,7 +524,7 @@ impl Block {
         // scores tile by tile on the CPU.
         let bias = self.bias.unsqueeze(0)?;
         let mask = if shift > 0 {
-            Some(shift_mask(hp, wp, ws, shift, q.dtype(), q.device())?.unsqueeze(1)?)
+            Some(masks.get((hp, wp, ws, shift), q.dtype(), q.device())?)
         } else {
             None
         };
@@ -742,9 +771,10 @@ impl Swin {
             .to_dtype(self.dtype)?
             .contiguous()?;
         let mut x = self.embed_norm.forward(&x)?;
+        let mut masks = ShiftMasks::default();
         for (blocks, merge) in &self.stages {
             for block in blocks {
-                x = block.forward(&x)?;
+                x = block.forward(&x, &mut masks)?;
             }
             if let Some(m) = merge {
                 x = m.forward(&x)?;

@@ -146,19 +146,14 @@ pub(crate) fn fused_groups(
     isa: Isa,
 ) -> candle_core::Result<Tensor> {
     use candle_core::{DType, Storage};
-    let dtype = groups.first().map_or(DType::F32, |g| g.k.dtype());
-    if groups
-        .iter()
-        .any(|g| g.k.dtype() != dtype || g.v.dtype() != dtype)
-    {
-        candle_core::bail!("grouped attention: keys and values of one dtype across groups");
-    }
     let (q_storage, q_layout) = q.storage_and_layout();
     let q_data: &[f32] = match &*q_storage {
         Storage::Cpu(CpuStorage::F32(d)) => contiguous(d, q_layout, "grouped attention", "q")?,
         _ => candle_core::bail!("grouped attention: q must be f32 on the CPU"),
     };
-    let out = match dtype {
+    // Keys and values of another dtype than the first group's fail their
+    // `as_slice` below, named by candle.
+    let out = match groups.first().map_or(DType::F32, |g| g.k.dtype()) {
         DType::F32 => run_groups::<f32>(q_data, groups, scale, isa)?,
         DType::BF16 => run_groups::<half::bf16>(q_data, groups, scale, isa)?,
         DType::F16 => run_groups::<half::f16>(q_data, groups, scale, isa)?,
@@ -171,12 +166,11 @@ pub(crate) fn fused_groups(
 /// [`fused_groups`] for keys and values of element type `E`.
 fn run_groups<E: Weight + candle_core::WithDType>(
     q: &[f32],
-    mut groups: Vec<RowGroup<'_>>,
+    groups: Vec<RowGroup<'_>>,
     scale: f32,
     isa: Isa,
 ) -> candle_core::Result<Vec<f32>> {
     use candle_core::Storage;
-    let masks: Vec<Option<HostMask>> = groups.iter_mut().map(|g| g.mask.take()).collect();
     // The keys' and values' storage, held read for the pass.
     let guards: Vec<_> = groups
         .iter()
@@ -184,10 +178,7 @@ fn run_groups<E: Weight + candle_core::WithDType>(
         .collect();
     let mut ops = Vec::with_capacity(groups.len());
     let mut kvs: Vec<KeysValues<'_, E>> = Vec::with_capacity(groups.len());
-    // Each group's first query element.
-    let mut starts = Vec::with_capacity(groups.len() + 1);
-    let mut at = 0usize;
-    for ((g, mask), ((ks, kl), (vs, vl))) in groups.iter().zip(masks).zip(&guards) {
+    for (g, ((ks, kl), (vs, vl))) in groups.into_iter().zip(&guards) {
         let (Storage::Cpu(k), Storage::Cpu(v)) = (&**ks, &**vs) else {
             candle_core::bail!("grouped attention: keys and values must be on the CPU");
         };
@@ -199,38 +190,24 @@ fn run_groups<E: Weight + candle_core::WithDType>(
         ops.push(FusedCpu {
             dims: g.dims,
             scale,
-            mask,
+            mask: g.mask,
             biases: Vec::new(),
             isa,
         });
-        starts.push(at);
-        let d = g.dims;
-        at += d.batch_q * d.heads * d.q_len * d.head_dim;
     }
-    starts.push(at);
-    if at != q.len() {
+    let len: usize = ops
+        .iter()
+        .map(|op| op.dims.batch_q * op.dims.heads * op.dims.q_len * op.dims.head_dim)
+        .sum();
+    if len != q.len() {
         candle_core::bail!(
-            "grouped attention: the groups' queries ({at} values) are not q's ({})",
+            "grouped attention: the groups' queries ({len} values) are not q's ({})",
             q.len()
         );
     }
-    let head_dim = groups.first().map_or(0, |g| g.dims.head_dim);
-    let longest = groups.iter().map(|g| g.dims.k_len).max().unwrap_or(0);
-    let mut out = vec![0f32; at];
-    if head_dim > 0 {
-        out.par_chunks_mut(head_dim).enumerate().for_each_init(
-            || vec![0f32; longest],
-            |scores, (r, o)| {
-                let e = r * head_dim;
-                // The group holding element `e`: the last start at or before it.
-                let gi = starts.partition_point(|&s| s <= e) - 1;
-                let (op, base) = (&ops[gi], starts[gi]);
-                let local = (e - base) / head_dim;
-                let q_group = &q[base..starts[gi + 1]];
-                row(op, local, q_group, kvs[gi], &mut scores[..op.dims.k_len], o);
-            },
-        );
-    }
+    let mut out = vec![0f32; len];
+    let groups: Vec<(&FusedCpu, KeysValues<'_, E>)> = ops.iter().zip(kvs).collect();
+    rows(&groups, q, &mut out);
     Ok(out)
 }
 
@@ -659,17 +636,42 @@ impl FusedCpu {
             allowed: self.mask.as_ref().map(|m| m.row(b, i, k_len)),
         }
     }
+}
 
-    /// The per-row kernel over every query row, on the pool.
-    fn rows<E: Weight>(&self, q: &[f32], kv: KeysValues<'_, E>, out: &mut [f32]) {
-        let d = self.dims;
-        if d.head_dim > 0 {
-            out.par_chunks_mut(d.head_dim).enumerate().for_each_init(
-                || vec![0f32; d.k_len],
-                |scores, (r, o)| row(self, r, q, kv, scores, o),
-            );
-        }
+/// The per-row kernel over every query row of `groups` (each an op and its
+/// keys and values; their queries consecutive in `q`, their outputs in
+/// `out`), on the pool in one pass.
+fn rows<E: Weight>(groups: &[(&FusedCpu, KeysValues<'_, E>)], q: &[f32], out: &mut [f32]) {
+    // Each group's first query element, and the end of the last.
+    let mut starts = Vec::with_capacity(groups.len() + 1);
+    let mut at = 0;
+    for (op, _) in groups {
+        starts.push(at);
+        let d = op.dims;
+        at += d.batch_q * d.heads * d.q_len * d.head_dim;
     }
+    starts.push(at);
+    let head_dim = groups.first().map_or(0, |(op, _)| op.dims.head_dim);
+    if head_dim == 0 {
+        return;
+    }
+    let longest = groups
+        .iter()
+        .map(|(op, _)| op.dims.k_len)
+        .max()
+        .unwrap_or(0);
+    out.par_chunks_mut(head_dim).enumerate().for_each_init(
+        || vec![0f32; longest],
+        |scores, (r, o)| {
+            let e = r * head_dim;
+            // The group holding element `e`: the last start at or before it.
+            let gi = starts.partition_point(|&s| s <= e) - 1;
+            let ((op, kv), base) = (groups[gi], starts[gi]);
+            let q_group = &q[base..starts[gi + 1]];
+            let scores = &mut scores[..op.dims.k_len];
+            row(op, (e - base) / head_dim, q_group, kv, scores, o);
+        },
+    );
 }
 
 impl CustomOp3 for FusedCpu {
@@ -729,13 +731,13 @@ impl CustomOp3 for FusedCpu {
         let mut out = vec![0f32; len];
         match (s2, s3) {
             (CpuStorage::F32(k), CpuStorage::F32(v)) => {
-                self.rows(q, keys_values((k, l2), (v, l3), d)?, &mut out)
+                rows(&[(self, keys_values((k, l2), (v, l3), d)?)], q, &mut out)
             }
             (CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-                self.rows(q, keys_values((k, l2), (v, l3), d)?, &mut out)
+                rows(&[(self, keys_values((k, l2), (v, l3), d)?)], q, &mut out)
             }
             (CpuStorage::F16(k), CpuStorage::F16(v)) => {
-                self.rows(q, keys_values((k, l2), (v, l3), d)?, &mut out)
+                rows(&[(self, keys_values((k, l2), (v, l3), d)?)], q, &mut out)
             }
             _ => candle_core::bail!(
                 "fused attention: k and v must be f32, bf16 or f16 alike, got {:?} and {:?}",

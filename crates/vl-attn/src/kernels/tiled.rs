@@ -72,8 +72,9 @@ pub(crate) struct Problem<'a> {
 
 impl Problem<'_> {
     /// The query/output row (in units of `head_dim`) of virtual row `v` of
-    /// group `(bk, kvh)`, with its sample and position (for the mask).
-    fn row_of(&self, bk: usize, kvh: usize, v: usize) -> (usize, usize, usize) {
+    /// group `(bk, kvh)`, with its sample, head and position (for the mask
+    /// and the biases).
+    fn row_of(&self, bk: usize, kvh: usize, v: usize) -> (usize, usize, usize, usize) {
         let d = &self.dims;
         let (g, q_len) = (d.g(), d.q_len);
         let i = v % q_len;
@@ -81,13 +82,7 @@ impl Problem<'_> {
         let rr = v / (q_len * g);
         let b = bk * d.r() + rr;
         let h = kvh * g + gg;
-        ((b * d.heads + h) * q_len + i, b, i)
-    }
-
-    /// The query head of virtual row `v` of key head `kvh`.
-    fn head_of(&self, kvh: usize, v: usize) -> usize {
-        let d = &self.dims;
-        kvh * d.g() + (v / d.q_len) % d.g()
+        ((b * d.heads + h) * q_len + i, b, h, i)
     }
 
     /// The mask bytes of sample `b`, position `i` (all keys), if any.
@@ -118,7 +113,7 @@ pub(crate) fn run(p: &Problem<'_>, isa: Isa) -> Vec<f32> {
     for (&(grp, v0), res) in tasks.iter().zip(&results) {
         let (bk, kvh) = (grp / d.kv_heads, grp % d.kv_heads);
         for (n, o) in res.chunks_exact(d.head_dim).enumerate() {
-            let (row, _, _) = p.row_of(bk, kvh, v0 + n);
+            let (row, ..) = p.row_of(bk, kvh, v0 + n);
             out[row * d.head_dim..][..d.head_dim].copy_from_slice(o);
         }
     }
@@ -226,22 +221,22 @@ fn task_generic<K: Kernel>(
     let keys = &p.k[kv_base..][..k_len * hd];
     let values = &p.v[kv_base..][..k_len * hd];
     // Which query/output row, sample and position each lane is.
-    let rows: Vec<(usize, usize, usize)> = (0..len).map(|n| p.row_of(bk, kvh, v0 + n)).collect();
-    let masks: Vec<Option<&[u8]>> = rows.iter().map(|&(_, b, i)| p.mask_row(b, i)).collect();
+    let rows: Vec<(usize, usize, usize, usize)> =
+        (0..len).map(|n| p.row_of(bk, kvh, v0 + n)).collect();
+    let masks: Vec<Option<&[u8]>> = rows.iter().map(|&(_, b, _, i)| p.mask_row(b, i)).collect();
     // Each lane's row of each bias (all keys).
     let biases: Vec<Vec<&[f32]>> = p
         .biases
         .iter()
         .map(|bias| {
             rows.iter()
-                .enumerate()
-                .map(|(n, &(_, b, i))| bias.row(b, p.head_of(kvh, v0 + n), i, k_len))
+                .map(|&(_, b, h, i)| bias.row(b, h, i, k_len))
                 .collect()
         })
         .collect();
 
     s.qt.fill(0.0);
-    for (n, &(row, _, _)) in rows.iter().enumerate() {
+    for (n, &(row, ..)) in rows.iter().enumerate() {
         for (d, &x) in p.q[row * hd..][..hd].iter().enumerate() {
             s.qt[d * Q + n] = x * p.scale;
         }
@@ -400,8 +395,7 @@ mod tests {
             let (bk, kvh) = (grp / d.kv_heads, grp % d.kv_heads);
             let base = (bk * d.kv_heads + kvh) * d.k_len * hd;
             for v in 0..d.group_rows() {
-                let (row, b, i) = p.row_of(bk, kvh, v);
-                let h = p.head_of(kvh, v);
+                let (row, b, h, i) = p.row_of(bk, kvh, v);
                 let q = &p.q[row * hd..][..hd];
                 let open = |j: usize| p.mask_row(b, i).is_none_or(|m| m[j] != 0);
                 let bias = |j: usize| -> f64 {

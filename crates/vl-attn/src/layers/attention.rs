@@ -441,13 +441,12 @@ pub(crate) fn fused_row_groups(
         let qg = q.narrow(0, start, rows)?;
         start += rows;
         let dims = check_dims(&qg, k, v, mask)?;
-        let readable = matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
-            && k.dtype() == dtype
-            && v.dtype() == dtype
-            && is_head_strided(k)
-            && is_head_strided(v)
-            && k.stride() == v.stride();
-        if dims.tiled() || !readable || k.track_op() || v.track_op() {
+        if dims.tiled()
+            || k.dtype() != dtype
+            || !readable_in_place(k, v, dims)
+            || k.track_op()
+            || v.track_op()
+        {
             return Ok(None);
         }
         let mask = host_mask(mask)?;
@@ -556,6 +555,23 @@ fn softmax(scores: &Tensor, differentiable: bool) -> Result<Tensor> {
     })
 }
 
+/// Whether the CPU kernels read `k` and `v` where they lie: contiguous
+/// heads with one head stride (a KV cache's prefix), f32, or 16-bit for
+/// the per-row kernel (which widens them as it reads). Otherwise they are
+/// copied to f32.
+fn readable_in_place(k: &Tensor, v: &Tensor, dims: Dims) -> bool {
+    let element = match k.dtype() {
+        DType::F32 => true,
+        DType::BF16 | DType::F16 => !dims.tiled(),
+        _ => false,
+    };
+    element
+        && v.dtype() == k.dtype()
+        && is_head_strided(k)
+        && is_head_strided(v)
+        && k.stride() == v.stride()
+}
+
 /// A mask's bytes on the host, as the CPU kernels read them.
 fn host_mask(mask: Option<&Mask>) -> Result<Option<HostMask>> {
     let Some(m) = mask else {
@@ -581,21 +597,7 @@ fn fused(
     let f32_contiguous =
         |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?.contiguous()?) };
     let mask = host_mask(mask)?;
-    // Keys and values are read in place when they have contiguous heads
-    // and one head stride (a KV cache's prefix) and are f32, or 16-bit for
-    // the per-row kernel (which widens them as it reads); copied to f32
-    // otherwise.
-    let readable = match k.dtype() {
-        DType::F32 => true,
-        DType::BF16 | DType::F16 => !dims.tiled(),
-        _ => false,
-    };
-    let (k, v) = if readable
-        && v.dtype() == k.dtype()
-        && is_head_strided(k)
-        && is_head_strided(v)
-        && k.stride() == v.stride()
-    {
+    let (k, v) = if readable_in_place(k, v, dims) {
         (k.clone(), v.clone())
     } else {
         (f32_contiguous(k)?, f32_contiguous(v)?)

@@ -290,9 +290,6 @@ impl AttnCore {
         weights: Weights,
         t: usize,
     ) -> Result<GroupedOutput> {
-        let mut outputs = Vec::with_capacity(groups.len());
-        let mut group_weights = Vec::with_capacity(groups.len());
-        let mut start = 0;
         // Several groups of decode rows on the CPU: one pass of the per-row
         // kernel over all of them (each row as its group alone computes it).
         let one_pass = if groups.len() > 1
@@ -307,16 +304,50 @@ impl AttnCore {
         } else {
             None
         };
-        let each = match one_pass {
-            Some(output) => {
-                start = groups.iter().map(|g| g.rows).sum();
-                outputs.push(output);
-                group_weights = vec![None; groups.len()];
-                &[][..]
-            }
-            None => groups,
+        let rows = groups.iter().map(|g| g.rows).sum();
+        let (output, group_weights) = match one_pass {
+            Some(output) => (output, vec![None; groups.len()]),
+            None => self.each_group(q, groups, weights)?,
         };
-        for g in each {
+        let out = self.o_proj.forward(&merge_heads(&output, rows, t)?)?;
+        // Queries with no key to attend to get exactly nothing.
+        let output = if let [GroupKv { mask: Some(m), .. }] = groups {
+            out.broadcast_mul(&m.any_key(out.dtype())?)?
+        } else if groups.iter().any(|g| g.mask.is_some()) {
+            let dtype = out.dtype();
+            let any: Vec<Tensor> = groups
+                .iter()
+                .map(|g| match &g.mask {
+                    Some(m) => Ok(m
+                        .any_key(dtype)?
+                        .broadcast_as((g.rows, t, 1))?
+                        .contiguous()?),
+                    None => Ok(Tensor::ones((g.rows, t, 1), dtype, out.device())?),
+                })
+                .collect::<Result<_>>()?;
+            out.broadcast_mul(&Tensor::cat(&any, 0)?)?
+        } else {
+            out
+        };
+        Ok(GroupedOutput {
+            output,
+            weights: group_weights,
+        })
+    }
+
+    /// The attention of [`AttnCore::attend_groups`] one group at a time:
+    /// the heads' outputs of every row `(rows, heads, t, hd)` and each
+    /// group's weights.
+    fn each_group(
+        &self,
+        q: &Tensor,
+        groups: &[GroupKv],
+        weights: Weights,
+    ) -> Result<(Tensor, Vec<Option<Tensor>>)> {
+        let mut outputs = Vec::with_capacity(groups.len());
+        let mut group_weights = Vec::with_capacity(groups.len());
+        let mut start = 0;
+        for g in groups {
             let q = if groups.len() == 1 {
                 q.clone()
             } else {
@@ -341,30 +372,7 @@ impl AttnCore {
             0 => return Err(empty_groups()),
             _ => Tensor::cat(&outputs, 0)?,
         };
-        let out = self.o_proj.forward(&merge_heads(&output, start, t)?)?;
-        // Queries with no key to attend to get exactly nothing.
-        let output = if let [GroupKv { mask: Some(m), .. }] = groups {
-            out.broadcast_mul(&m.any_key(out.dtype())?)?
-        } else if groups.iter().any(|g| g.mask.is_some()) {
-            let dtype = out.dtype();
-            let any: Vec<Tensor> = groups
-                .iter()
-                .map(|g| match &g.mask {
-                    Some(m) => Ok(m
-                        .any_key(dtype)?
-                        .broadcast_as((g.rows, t, 1))?
-                        .contiguous()?),
-                    None => Ok(Tensor::ones((g.rows, t, 1), dtype, out.device())?),
-                })
-                .collect::<Result<_>>()?;
-            out.broadcast_mul(&Tensor::cat(&any, 0)?)?
-        } else {
-            out
-        };
-        Ok(GroupedOutput {
-            output,
-            weights: group_weights,
-        })
+        Ok((output, group_weights))
     }
 }
 

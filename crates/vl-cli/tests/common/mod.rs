@@ -73,6 +73,28 @@ pub fn run(args: &[&str]) -> Output {
     caption_cmd().args(args).output().expect("run caption")
 }
 
+/// The shipped samples (their paths) and their true captions.
+pub fn samples() -> Vec<(String, String)> {
+    let dir = repo_root().join("models/shapes-captioner/samples");
+    std::fs::read_to_string(dir.join("captions.tsv"))
+        .expect("captions.tsv")
+        .lines()
+        .filter_map(|l| l.split_once('\t'))
+        .map(|(f, c)| (s(&dir.join(f)).to_string(), c.to_string()))
+        .collect()
+}
+
+/// The `"caption"` of each JSON line of `vl caption --json`'s output.
+pub fn captions(stdout: &str) -> Vec<String> {
+    stdout
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("json");
+            v["caption"].as_str().expect("caption").to_string()
+        })
+        .collect()
+}
+
 /// A path as a CLI argument.
 pub fn s(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
