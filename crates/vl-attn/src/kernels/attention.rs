@@ -665,7 +665,10 @@ fn rows<E: Weight>(groups: &[(&FusedCpu, KeysValues<'_, E>)], q: &[f32], out: &m
         |scores, (r, o)| {
             let e = r * head_dim;
             // The group holding element `e`: the last start at or before it.
-            let gi = starts.partition_point(|&s| s <= e) - 1;
+            let gi = match groups.len() {
+                1 => 0,
+                _ => starts.partition_point(|&s| s <= e) - 1,
+            };
             let ((op, kv), base) = (groups[gi], starts[gi]);
             let q_group = &q[base..starts[gi + 1]];
             let scores = &mut scores[..op.dims.k_len];
