@@ -572,11 +572,19 @@ impl NativeModel {
 }
 
 /// Has glibc's allocator keep freed memory for reuse, as the `vl` command
-/// does once its model is loaded ([`vl::keep_freed_memory`]): a batch's
-/// activations are allocated and freed layer after layer.
+/// does at its start ([`vl::keep_freed_memory`]): a batch's activations
+/// are allocated and freed layer after layer. The package calls it when
+/// imported, before vl's threads start.
 #[pyfunction]
 fn keep_freed_memory() {
     vl::keep_freed_memory();
+}
+
+/// Hands the allocator's free memory back to the kernel
+/// ([`vl::return_freed_memory`]): what a model's load freed.
+#[pyfunction]
+fn return_freed_memory() {
+    vl::return_freed_memory();
 }
 
 /// The native module.
@@ -585,6 +593,7 @@ fn _vl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(set_threads, m)?)?;
     m.add_function(wrap_pyfunction!(keep_freed_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(return_freed_memory, m)?)?;
     m.add_class::<NativeModel>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

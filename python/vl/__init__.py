@@ -30,6 +30,14 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Unio
 os.environ.setdefault("CANDLE_BARRIER_POOL_SPIN_LIMIT", "2000")
 
 from . import _vl  # noqa: E402
+
+if os.environ.get("VL_KEEP_FREED_MEMORY", "1") != "0":
+    # glibc's allocator keeps freed memory for reuse (as the `vl` command
+    # does): set at import, before vl's threads start, since a thread keeps
+    # the heap it first allocated from (vl.keep_freed_memory in the Rust
+    # docs). A Swin page encode faulted ~1 M fresh pages without it.
+    _vl.keep_freed_memory()
+
 from ._errors import (  # noqa: E402
     ArgumentError,
     Error,
@@ -101,13 +109,6 @@ def load(
         # candle's matrix products read it; rayon's pool is sized below.
         os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
         _vl.set_threads(threads)
-    if os.environ.get("VL_KEEP_FREED_MEMORY", "1") != "0":
-        # Before the load: set after it (as the `vl` command does), the
-        # loader's freed buffers went back to the kernel, and in a Python
-        # process every batch then faulted fresh pages in (q8_0 captions
-        # of 40 images: 338k page faults and 10.4 s of CPU, against 184k
-        # and 7.6 s with the settings in force from the start).
-        _vl.keep_freed_memory()
     native = _vl.load(
         os.fspath(model),
         quantize=quantize,
@@ -115,6 +116,9 @@ def load(
         text_cache=text_cache,
         revision=revision,
     )
+    if os.environ.get("VL_KEEP_FREED_MEMORY", "1") != "0":
+        # What the loader freed goes back to the kernel.
+        _vl.return_freed_memory()
     return Model(native)
 
 

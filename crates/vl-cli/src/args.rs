@@ -77,7 +77,9 @@ impl ModelArgs {
     /// load: [`vl::load`]).
     pub fn load(&self) -> anyhow::Result<VlModel> {
         let model = self.load_model()?;
-        vl::keep_freed_memory();
+        // What the loader freed goes back; what inference frees is kept
+        // (`main_with` set the allocator so).
+        vl::return_freed_memory();
         Ok(model)
     }
 

@@ -272,8 +272,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             )
         })
     })?;
-    // As `vl caption` runs after its load.
-    vl::keep_freed_memory();
+    // As `vl caption` does after its load.
+    vl::return_freed_memory();
     let spec = *model.pixel_spec()?;
     let (h, w) = spec.size();
     // A fixed, non-constant test image at the input size.

@@ -102,6 +102,8 @@ where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
+    // Before any thread starts (see `vl::keep_freed_memory`).
+    vl::keep_freed_memory();
     init_logging();
     let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
