@@ -332,7 +332,7 @@ fn relative_position_index(window: usize) -> Vec<u32> {
 
 /// The shifted windows' additive mask for a padded `hp × wp` map:
 /// `(windows, window², window²)`, 0 within a region of the rolled map and
-/// −100 across regions.
+/// −100 across regions (symmetric in query and key).
 fn shift_mask(
     hp: usize,
     wp: usize,
@@ -406,7 +406,8 @@ struct Block {
     window: usize,
     /// 0, or `window / 2` in odd blocks.
     shift: usize,
-    /// `(heads, window², window²)`: each head's bias over query × key.
+    /// `(heads, window², window²)`: each head's bias over key × query
+    /// (key-major; see `load`).
     bias: Tensor,
     /// The stored table the bias is gathered from, `((2·window − 1)²,
     /// heads)`, kept for saving.
@@ -426,11 +427,13 @@ impl Block {
         )?;
         let t = window * window;
         let index = Tensor::from_vec(relative_position_index(window), t * t, vb.device())?;
-        // (t·t, heads) -> (heads, t, t)
+        // (t·t, heads) = (query, key, heads) -> (heads, key, query):
+        // key-major, as the CPU's attention kernel reads a bias (it is
+        // passed as the transposed view, and then not rearranged).
         let bias = table
             .index_select(&index, 0)?
             .reshape((t, t, heads))?
-            .permute((2, 0, 1))?
+            .permute((2, 1, 0))?
             .contiguous()?;
         let hidden = cfg.mlp_width(s);
         let eps = cfg.layer_norm_eps;
@@ -522,9 +525,15 @@ impl Block {
         // shifted windows each window's mask `(nh · nw, 1, t, t)` (window
         // `w` of image `i` is sample `i · nh · nw + w`): added to the
         // scores tile by tile on the CPU.
-        let bias = self.bias.unsqueeze(0)?;
+        // Both passed as transposed views of key-major tensors (the mask
+        // is symmetric: its own key-major form).
+        let bias = self.bias.unsqueeze(0)?.transpose(2, 3)?;
         let mask = if shift > 0 {
-            Some(masks.get((hp, wp, ws, shift), q.dtype(), q.device())?)
+            Some(
+                masks
+                    .get((hp, wp, ws, shift), q.dtype(), q.device())?
+                    .transpose(2, 3)?,
+            )
         } else {
             None
         };

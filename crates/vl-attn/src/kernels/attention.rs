@@ -229,26 +229,35 @@ impl HostMask {
     }
 }
 
-/// An additive float bias on the scaled scores, `(batch, heads, q_len,
-/// k_len)` on the host, its batch and head extents each 1 (broadcast) or
-/// more: query sample `b` reads the bias's sample `b % batch` (a Swin
-/// stage's windows: image `i`'s window `w` is sample `i · windows + w`,
-/// the shifted-window mask has one sample per window), head `h` reads
-/// head `h` (or the one head there is).
+/// An additive float bias on the scaled scores of `(batch, heads, q_len,
+/// k_len)`, its batch and head extents each 1 (broadcast) or more: query
+/// sample `b` reads the bias's sample `b % batch` (a Swin stage's windows:
+/// image `i`'s window `w` is sample `i · windows + w`, the shifted-window
+/// mask has one sample per window), head `h` reads head `h` (or the one
+/// head there is). Held key-major, `(batch, heads, k_len, q_len)`: the
+/// tiled kernel's score tiles have a key per row and a query per lane, so
+/// that a key's bias over a task's consecutive queries is one contiguous
+/// run, added as a vector.
 pub(crate) struct HostBias {
     pub(crate) data: Vec<f32>,
     pub(crate) batch: usize,
     pub(crate) heads: usize,
     pub(crate) q_len: usize,
+    pub(crate) k_len: usize,
 }
 
 impl HostBias {
-    /// The bias of query sample `b`, head `h`, position `i`: one value per
-    /// key.
-    pub(crate) fn row(&self, b: usize, h: usize, i: usize, k_len: usize) -> &[f32] {
+    /// The bias of query sample `b`, head `h` at key `j`, for the `len`
+    /// positions from `i`.
+    pub(crate) fn lanes(&self, b: usize, h: usize, j: usize, i: usize, len: usize) -> &[f32] {
         let b = b % self.batch;
         let h = if self.heads == 1 { 0 } else { h };
-        &self.data[((b * self.heads + h) * self.q_len + i) * k_len..][..k_len]
+        &self.data[((b * self.heads + h) * self.k_len + j) * self.q_len + i..][..len]
+    }
+
+    /// The bias of query sample `b`, head `h`, position `i` at key `j`.
+    pub(crate) fn at(&self, b: usize, h: usize, i: usize, j: usize) -> f32 {
+        self.lanes(b, h, j, i, 1)[0]
     }
 }
 

@@ -224,21 +224,20 @@ fn task_generic<K: Kernel>(
     let rows: Vec<(usize, usize, usize, usize)> =
         (0..len).map(|n| p.row_of(bk, kvh, v0 + n)).collect();
     let masks: Vec<Option<&[u8]>> = rows.iter().map(|&(_, b, _, i)| p.mask_row(b, i)).collect();
-    // Each lane's row of each bias (all keys).
-    let biases: Vec<Vec<&[f32]>> = p
-        .biases
+    // Whether the lanes are consecutive positions of one sample and head
+    // (always, with biases: they share no keys), so that a key's bias over
+    // them is one run of the key-major bias.
+    let (_, b0, h0, i0) = rows[0];
+    let one_run = rows
         .iter()
-        .map(|bias| {
-            rows.iter()
-                .map(|&(_, b, h, i)| bias.row(b, h, i, k_len))
-                .collect()
-        })
-        .collect();
+        .enumerate()
+        .all(|(n, &(_, b, h, i))| (b, h, i) == (b0, h0, i0 + n));
 
+    // Scaled queries transposed, written a row of `qt` at a time.
     s.qt.fill(0.0);
-    for (n, &(row, ..)) in rows.iter().enumerate() {
-        for (d, &x) in p.q[row * hd..][..hd].iter().enumerate() {
-            s.qt[d * Q + n] = x * p.scale;
+    for (d, qt) in s.qt.chunks_exact_mut(Q).enumerate() {
+        for (x, &(row, ..)) in qt.iter_mut().zip(&rows) {
+            *x = p.q[row * hd + d] * p.scale;
         }
     }
     s.o.fill(0.0);
@@ -269,10 +268,17 @@ fn task_generic<K: Kernel>(
                 s.st[(t0 + i) * Q..][..Q].copy_from_slice(ci);
             }
         }
-        for lanes in &biases {
-            for (n, row) in lanes.iter().enumerate() {
-                for (j, &x) in row[j0..j0 + kb].iter().enumerate() {
-                    s.st[j * Q + n] += x;
+        for bias in p.biases {
+            for j in 0..kb {
+                let st = &mut s.st[j * Q..][..len];
+                if one_run {
+                    for (x, &b) in st.iter_mut().zip(bias.lanes(b0, h0, j0 + j, i0, len)) {
+                        *x += b;
+                    }
+                } else {
+                    for (x, &(_, b, h, i)) in st.iter_mut().zip(&rows) {
+                        *x += bias.at(b, h, i, j0 + j);
+                    }
                 }
             }
         }
@@ -398,12 +404,8 @@ mod tests {
                 let (row, b, h, i) = p.row_of(bk, kvh, v);
                 let q = &p.q[row * hd..][..hd];
                 let open = |j: usize| p.mask_row(b, i).is_none_or(|m| m[j] != 0);
-                let bias = |j: usize| -> f64 {
-                    p.biases
-                        .iter()
-                        .map(|x| x.row(b, h, i, d.k_len)[j] as f64)
-                        .sum()
-                };
+                let bias =
+                    |j: usize| -> f64 { p.biases.iter().map(|x| x.at(b, h, i, j) as f64).sum() };
                 let scores: Vec<Option<f64>> = (0..d.k_len)
                     .map(|j| {
                         open(j).then(|| {
@@ -484,6 +486,7 @@ mod tests {
                 batch: 1,
                 heads,
                 q_len,
+                k_len,
             };
             let cut = values(nb * q_len * k_len, seed + 4);
             let per_sample = HostBias {
@@ -494,6 +497,7 @@ mod tests {
                 batch: nb,
                 heads: 1,
                 q_len,
+                k_len,
             };
             let mask = HostMask {
                 data: values(batch * q_len * k_len, seed + 5)

@@ -367,12 +367,17 @@ pub fn attention_with_bias(
         let host = biases
             .iter()
             .map(|b| -> Result<crate::kernels::attention::HostBias> {
-                let (nb, nh, tq, _) = b.dims4()?;
+                let (nb, nh, tq, tk) = b.dims4()?;
+                // Key-major (the kernel's layout): a copy in any case, and
+                // none but that copy for a bias passed as the transposed
+                // view of a key-major tensor (as Swin keeps its own).
+                let key_major = b.to_dtype(DType::F32)?.transpose(2, 3)?.contiguous()?;
                 Ok(crate::kernels::attention::HostBias {
-                    data: b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+                    data: key_major.flatten_all()?.to_vec1::<f32>()?,
                     batch: nb,
                     heads: nh,
                     q_len: tq,
+                    k_len: tk,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
