@@ -298,21 +298,6 @@ fn norm(vb: VarBuilder, width: usize, eps: f64) -> Result<LayerNorm> {
     ))
 }
 
-/// `x` rolled by `shift` along `dim` (torch.roll: element `i` moves to
-/// `i + shift`, wrapping).
-fn roll(x: &Tensor, shift: isize, dim: usize) -> Result<Tensor> {
-    let n = x.dim(dim)? as isize;
-    let s = shift.rem_euclid(n) as usize;
-    if s == 0 {
-        return Ok(x.clone());
-    }
-    let n = n as usize;
-    Ok(Tensor::cat(
-        &[x.narrow(dim, n - s, s)?, x.narrow(dim, 0, n - s)?],
-        dim,
-    )?)
-}
-
 /// The relative position index of a `window²` window: for query `i` and
 /// key `j`, the table row of their offset.
 fn relative_position_index(window: usize) -> Vec<u32> {
@@ -364,31 +349,110 @@ fn shift_mask(
     Ok(Tensor::from_vec(mask, (nh * nw, t, t), device)?.to_dtype(dtype)?)
 }
 
-/// The shifted-window mask of the last map size asked for, `(windows, 1,
-/// t, t)`: a stage's shifted blocks share one (Donut's third stage has
-/// seven), built once per stage and forward pass.
+/// What a stage's blocks share, built once per stage and forward pass
+/// (Donut's third stage has fourteen blocks): the shifted-window mask and
+/// the token orders of its windows, unshifted and shifted.
 #[derive(Default)]
-struct ShiftMasks {
-    /// `(hp, wp, window, shift)` and its mask.
-    last: Option<((usize, usize, usize, usize), Tensor)>,
+struct StageCache {
+    /// `(hp, wp, window, shift)` and its mask `(windows, 1, t, t)`.
+    mask: Option<((usize, usize, usize, usize), Tensor)>,
+    /// `(hp, wp, window, shift)` and its [`WindowOrder`], for each shift
+    /// the stage uses (0 and `window / 2`).
+    orders: Vec<((usize, usize, usize, usize), WindowOrder)>,
 }
 
-impl ShiftMasks {
-    fn get(
+impl StageCache {
+    fn mask(
         &mut self,
         (hp, wp, window, shift): (usize, usize, usize, usize),
         dtype: DType,
         device: &Device,
     ) -> Result<Tensor> {
         let key = (hp, wp, window, shift);
-        match &self.last {
+        match &self.mask {
             Some((k, mask)) if *k == key => Ok(mask.clone()),
             _ => {
                 let mask = shift_mask(hp, wp, window, shift, dtype, device)?.unsqueeze(1)?;
-                self.last = Some((key, mask.clone()));
+                self.mask = Some((key, mask.clone()));
                 Ok(mask)
             }
         }
+    }
+
+    fn order(&mut self, key: (usize, usize, usize, usize), device: &Device) -> Result<WindowOrder> {
+        if let Some((_, o)) = self.orders.iter().find(|(k, _)| *k == key) {
+            return Ok(o.clone());
+        }
+        if self
+            .orders
+            .first()
+            .is_some_and(|(k, _)| k.0 != key.0 || k.1 != key.1)
+        {
+            // A new stage's map.
+            self.orders.clear();
+        }
+        let (hp, wp, window, shift) = key;
+        let order = WindowOrder::new(hp, wp, window, shift, device)?;
+        self.orders.push((key, order.clone()));
+        Ok(order)
+    }
+}
+
+/// Where each token of a `hp × wp` map goes when the map is rolled by
+/// `-shift` on both axes and cut into `window × window` windows, window by
+/// window, row by row (what transformers does with `torch.roll`, a view
+/// and a permute): one gather each way instead of two rolls and a
+/// rearranging copy.
+#[derive(Debug, Clone)]
+struct WindowOrder {
+    /// `(hp · wp)`: the map token at each window-order position.
+    gather: Tensor,
+    /// `(hp · wp)`: the window-order position of each map token.
+    scatter: Tensor,
+}
+
+impl WindowOrder {
+    fn new(hp: usize, wp: usize, window: usize, shift: usize, device: &Device) -> Result<Self> {
+        let (nh, nw) = (hp / window, wp / window);
+        let mut gather = Vec::with_capacity(hp * wp);
+        for wy in 0..nh {
+            for wx in 0..nw {
+                for yy in 0..window {
+                    for xx in 0..window {
+                        let y = (wy * window + yy + shift) % hp;
+                        let x = (wx * window + xx + shift) % wp;
+                        gather.push((y * wp + x) as u32);
+                    }
+                }
+            }
+        }
+        let mut scatter = vec![0u32; hp * wp];
+        for (at, &token) in gather.iter().enumerate() {
+            scatter[token as usize] = at as u32;
+        }
+        Ok(Self {
+            gather: Tensor::from_vec(gather, hp * wp, device)?,
+            scatter: Tensor::from_vec(scatter, hp * wp, device)?,
+        })
+    }
+
+    /// `(b, hp, wp, c)` → `(b · windows, window², c)`.
+    fn windows(&self, map: &Tensor, t: usize) -> Result<Tensor> {
+        let (b, hp, wp, c) = map.dims4()?;
+        Ok(map
+            .reshape((b, hp * wp, c))?
+            .index_select(&self.gather, 1)?
+            .reshape((b * hp * wp / t, t, c))?)
+    }
+
+    /// The inverse of [`WindowOrder::windows`]: `(b · windows, window², c)`
+    /// → `(b, hp, wp, c)`.
+    fn map(&self, windows: &Tensor, (b, hp, wp): (usize, usize, usize)) -> Result<Tensor> {
+        let c = windows.dim(2)?;
+        Ok(windows
+            .reshape((b, hp * wp, c))?
+            .index_select(&self.scatter, 1)?
+            .reshape((b, hp, wp, c))?)
     }
 }
 
@@ -481,7 +545,7 @@ impl Block {
 
     /// `x: (b, h, w, c)` → the same shape; a shifted block takes its mask
     /// from `masks`.
-    fn forward(&self, x: &Tensor, masks: &mut ShiftMasks) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, cache: &mut StageCache) -> Result<Tensor> {
         let (b, h, w, c) = x.dims4()?;
         // A map no larger than the window is one window, unshifted
         // (validate keeps it from being smaller).
@@ -498,20 +562,11 @@ impl Block {
             normed
         };
         let (hp, wp) = (h + ph, w + pw);
-        let shifted = if shift > 0 {
-            roll(&roll(&padded, -(shift as isize), 1)?, -(shift as isize), 2)?
-        } else {
-            padded
-        };
         let (nh, nw) = (hp / ws, wp / ws);
         let t = ws * ws;
         let n = b * nh * nw;
-        // (b, nh, ws, nw, ws, c) -> (b · nh · nw, ws², c)
-        let windows = shifted
-            .reshape((b, nh, ws, nw, ws, c))?
-            .permute((0, 1, 3, 2, 4, 5))?
-            .contiguous()?
-            .reshape((n, t, c))?;
+        let order = cache.order((hp, wp, ws, shift), x.device())?;
+        let windows = order.windows(&padded, t)?;
         let hd = c / self.heads;
         let split = |p: &Proj| -> Result<Tensor> {
             Ok(p.forward(&windows)?
@@ -530,8 +585,8 @@ impl Block {
         let bias = self.bias.unsqueeze(0)?.transpose(2, 3)?;
         let mask = if shift > 0 {
             Some(
-                masks
-                    .get((hp, wp, ws, shift), q.dtype(), q.device())?
+                cache
+                    .mask((hp, wp, ws, shift), q.dtype(), q.device())?
                     .transpose(2, 3)?,
             )
         } else {
@@ -549,16 +604,7 @@ impl Block {
         // (n, heads, t, hd) -> (n, t, c)
         let ctx = ctx.transpose(1, 2)?.contiguous()?.reshape((n, t, c))?;
         let out = self.out.forward(&ctx)?;
-        let map = out
-            .reshape((b, nh, nw, ws, ws, c))?
-            .permute((0, 1, 3, 2, 4, 5))?
-            .contiguous()?
-            .reshape((b, hp, wp, c))?;
-        let map = if shift > 0 {
-            roll(&roll(&map, shift as isize, 1)?, shift as isize, 2)?
-        } else {
-            map
-        };
+        let map = order.map(&out, (b, hp, wp))?;
         let map = if ph + pw > 0 {
             map.narrow(1, 0, h)?.narrow(2, 0, w)?
         } else {
@@ -780,10 +826,10 @@ impl Swin {
             .to_dtype(self.dtype)?
             .contiguous()?;
         let mut x = self.embed_norm.forward(&x)?;
-        let mut masks = ShiftMasks::default();
+        let mut cache = StageCache::default();
         for (blocks, merge) in &self.stages {
             for block in blocks {
-                x = block.forward(&x, &mut masks)?;
+                x = block.forward(&x, &mut cache)?;
             }
             if let Some(m) = merge {
                 x = m.forward(&x)?;
@@ -881,12 +927,62 @@ mod tests {
         assert!((0..4).all(|i| idx[i * 4 + i] == 4));
     }
 
+    /// `x` rolled by `shift` along `dim` (torch.roll: element `i` moves to
+    /// `i + shift`, wrapping).
+    fn roll(x: &Tensor, shift: isize, dim: usize) -> Result<Tensor> {
+        let n = x.dim(dim)? as isize;
+        let s = shift.rem_euclid(n) as usize;
+        if s == 0 {
+            return Ok(x.clone());
+        }
+        let n = n as usize;
+        Ok(Tensor::cat(
+            &[x.narrow(dim, n - s, s)?, x.narrow(dim, 0, n - s)?],
+            dim,
+        )?)
+    }
+
     #[test]
     fn roll_wraps_like_torch() -> Result<()> {
         let x = Tensor::arange(0u32, 5, &Device::Cpu)?;
         assert_eq!(roll(&x, -2, 0)?.to_vec1::<u32>()?, [2, 3, 4, 0, 1]);
         assert_eq!(roll(&x, 2, 0)?.to_vec1::<u32>()?, [3, 4, 0, 1, 2]);
         assert_eq!(roll(&x, 5, 0)?.to_vec1::<u32>()?, [0, 1, 2, 3, 4]);
+        Ok(())
+    }
+
+    /// The gather into windows is transformers' two rolls and the
+    /// window permute, and the scatter back is its inverse (the two
+    /// opposite rolls), shifted or not, on a map of several windows a side
+    /// and two images.
+    #[test]
+    fn window_order_is_rolls_and_the_window_permute() -> Result<()> {
+        let (b, hp, wp, c, ws) = (2, 6, 9, 2, 3);
+        let map = Tensor::arange(0f32, (b * hp * wp * c) as f32, &Device::Cpu)?
+            .reshape((b, hp, wp, c))?;
+        let (nh, nw, t) = (hp / ws, wp / ws, ws * ws);
+        for shift in [0usize, 1] {
+            let order = WindowOrder::new(hp, wp, ws, shift, &Device::Cpu)?;
+            let s = -(shift as isize);
+            let rolled = roll(&roll(&map, s, 1)?, s, 2)?;
+            let want = rolled
+                .reshape((b, nh, ws, nw, ws, c))?
+                .permute((0, 1, 3, 2, 4, 5))?
+                .contiguous()?
+                .reshape((b * nh * nw, t, c))?;
+            let windows = order.windows(&map, t)?;
+            assert_eq!(
+                windows.to_vec3::<f32>()?,
+                want.to_vec3::<f32>()?,
+                "shift {shift}"
+            );
+            let back = order.map(&windows, (b, hp, wp))?;
+            assert_eq!(
+                back.flatten_all()?.to_vec1::<f32>()?,
+                map.flatten_all()?.to_vec1::<f32>()?,
+                "shift {shift}: the scatter undoes the gather"
+            );
+        }
         Ok(())
     }
 

@@ -624,7 +624,13 @@ mod avx512 {
     /// The CPU has AVX512F and AVX512_BF16.
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub(super) unsafe fn round(x: &[f32], y: &mut [std::mem::MaybeUninit<bf16>]) {
-        assert_eq!(x.len(), y.len(), "vl-gemm-bf16: rounding {} values into {}", x.len(), y.len());
+        assert_eq!(
+            x.len(),
+            y.len(),
+            "vl-gemm-bf16: rounding {} values into {}",
+            x.len(),
+            y.len()
+        );
         let full = x.len() / 16 * 16;
         // SAFETY: `i + 16 <= full <= x.len() == y.len()`; the caller's
         // contract for the instructions.
