@@ -470,13 +470,18 @@ mod tests {
     /// past a key block; with a mask too. Max abs error 1e-5.
     #[test]
     fn biases_match_the_reference_on_every_isa() {
-        // (batch, heads, q_len, k_len, head_dim, bias batch)
+        // (batch, heads, q_len, k_len, head_dim, bias batch, heads per key
+        // head). Swin's are the first three (a task's lanes: consecutive
+        // positions of one head, each key's bias one run); the last has two
+        // heads share a key head, so that lanes span heads (the kernel then
+        // adds the biases lane by lane).
         let shapes = [
-            (6, 3, 49, 49, 32, 3),
-            (4, 2, 3, 300, 16, 2),
-            (2, 4, 100, 100, 7, 1),
+            (6, 3, 49, 49, 32, 3, 1),
+            (4, 2, 3, 300, 16, 2, 1),
+            (2, 4, 100, 100, 7, 1, 1),
+            (2, 4, 20, 45, 16, 2, 2),
         ];
-        for (n, &(batch, heads, q_len, k_len, hd, nb)) in shapes.iter().enumerate() {
+        for (n, &(batch, heads, q_len, k_len, hd, nb, g)) in shapes.iter().enumerate() {
             let seed = 500 + 10 * n as u64;
             let q = values(batch * heads * q_len * hd, seed);
             let k = values(batch * heads * k_len * hd, seed + 1);
@@ -522,7 +527,7 @@ mod tests {
                         q_len,
                         head_dim: hd,
                         batch_k: batch,
-                        kv_heads: heads,
+                        kv_heads: heads / g,
                         k_len,
                         score_elems: batch * heads * q_len * k_len,
                     },
