@@ -350,51 +350,71 @@ fn shift_mask(
 }
 
 /// What a stage's blocks share, built once per stage and forward pass
-/// (Donut's third stage has fourteen blocks): the shifted-window mask and
-/// the token orders of its windows, unshifted and shifted.
+/// (Donut's third stage has fourteen blocks): for each window layout
+/// `(hp, wp, window, shift)` the stage uses (shift 0 and `window / 2`), the
+/// token order of its windows and, shifted, its mask. A new map size (the
+/// next stage) starts over.
 #[derive(Default)]
 struct StageCache {
-    /// `(hp, wp, window, shift)` and its mask `(windows, 1, t, t)`.
-    mask: Option<((usize, usize, usize, usize), Tensor)>,
-    /// `(hp, wp, window, shift)` and its [`WindowOrder`], for each shift
-    /// the stage uses (0 and `window / 2`).
-    orders: Vec<((usize, usize, usize, usize), WindowOrder)>,
+    layouts: Vec<WindowLayout>,
+}
+
+/// One window layout of a [`StageCache`].
+struct WindowLayout {
+    key: (usize, usize, usize, usize),
+    order: WindowOrder,
+    /// The shifted-window mask `(windows, 1, t, t)`, once asked for.
+    mask: Option<Tensor>,
 }
 
 impl StageCache {
-    fn mask(
+    /// The layout of `key`, built if new (dropping the last map's).
+    fn layout(
         &mut self,
-        (hp, wp, window, shift): (usize, usize, usize, usize),
-        dtype: DType,
+        key: (usize, usize, usize, usize),
         device: &Device,
-    ) -> Result<Tensor> {
-        let key = (hp, wp, window, shift);
-        match &self.mask {
-            Some((k, mask)) if *k == key => Ok(mask.clone()),
-            _ => {
-                let mask = shift_mask(hp, wp, window, shift, dtype, device)?.unsqueeze(1)?;
-                self.mask = Some((key, mask.clone()));
-                Ok(mask)
-            }
+    ) -> Result<&mut WindowLayout> {
+        if self
+            .layouts
+            .first()
+            .is_some_and(|l| (l.key.0, l.key.1) != (key.0, key.1))
+        {
+            self.layouts.clear();
         }
+        let at = match self.layouts.iter().position(|l| l.key == key) {
+            Some(at) => at,
+            None => {
+                let (hp, wp, window, shift) = key;
+                let order = WindowOrder::new(hp, wp, window, shift, device)?;
+                self.layouts.push(WindowLayout {
+                    key,
+                    order,
+                    mask: None,
+                });
+                self.layouts.len() - 1
+            }
+        };
+        Ok(&mut self.layouts[at])
     }
 
     fn order(&mut self, key: (usize, usize, usize, usize), device: &Device) -> Result<WindowOrder> {
-        if let Some((_, o)) = self.orders.iter().find(|(k, _)| *k == key) {
-            return Ok(o.clone());
-        }
-        if self
-            .orders
-            .first()
-            .is_some_and(|(k, _)| k.0 != key.0 || k.1 != key.1)
-        {
-            // A new stage's map.
-            self.orders.clear();
+        Ok(self.layout(key, device)?.order.clone())
+    }
+
+    fn mask(
+        &mut self,
+        key: (usize, usize, usize, usize),
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let layout = self.layout(key, device)?;
+        if let Some(mask) = &layout.mask {
+            return Ok(mask.clone());
         }
         let (hp, wp, window, shift) = key;
-        let order = WindowOrder::new(hp, wp, window, shift, device)?;
-        self.orders.push((key, order.clone()));
-        Ok(order)
+        let mask = shift_mask(hp, wp, window, shift, dtype, device)?.unsqueeze(1)?;
+        layout.mask = Some(mask.clone());
+        Ok(mask)
     }
 }
 
