@@ -204,8 +204,10 @@ impl CheckedSafetensors {
                 }
             };
             let cols = row_bytes / ggml.type_size() * ggml.block_size();
-            if row_bytes % ggml.type_size() != 0 || shape.is_some_and(|s| s.dims() != [rows, cols])
-            {
+            // A weight of more dimensions (a convolution's `(out, in, k,
+            // k)`) is stored as the rows of its first one.
+            let fits = |s: &Shape| s.dims().first() == Some(&rows) && s.elem_count() == rows * cols;
+            if row_bytes % ggml.type_size() != 0 || shape.is_some_and(|s| !fits(s)) {
                 return Err(self.err(format!(
                     "tensor `{key}` holds {rows} rows of {row_bytes} bytes, not {} blocks of {:?}",
                     format,
@@ -280,7 +282,7 @@ impl SimpleBackend for CheckedSafetensors {
             for format in BLOCK_FORMATS {
                 if let Some(q) = self.stored(name, format, Some(&s)) {
                     let q = q?;
-                    let values = q.dequantize(dev)?.to_dtype(dtype)?;
+                    let values = q.dequantize(dev)?.to_dtype(dtype)?.reshape(&s)?;
                     self.blocks_read
                         .lock()
                         .unwrap_or_else(PoisonError::into_inner)

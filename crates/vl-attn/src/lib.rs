@@ -91,7 +91,7 @@ pub use attention::{AttnOutput, Backend, GroupedOutput, Weights};
 pub use cache::KvCache;
 pub use co_attn::{CoAttention, CoAttentionConfig, CoAttentionOutput};
 pub use co_block::{CoAttentionBlock, CoAttentionBlockConfig, CoAttentionBlockOutput};
-pub use conv::DepthwiseConv;
+pub use conv::{DepthwiseConv, PatchConv};
 pub use cross::{CrossAttention, CrossAttentionConfig, CrossGroup, CrossKv};
 pub use dropout::{Dropout, DropoutRng, Mode};
 pub use error::{AttnError, Result};

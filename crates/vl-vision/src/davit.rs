@@ -29,10 +29,10 @@
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Module, Tensor};
-use candle_nn::{Conv2d, Conv2dConfig, Embedding, Linear, VarBuilder};
+use candle_nn::{Embedding, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 use vl_attn::attention::{attention, Backend, Weights};
-use vl_attn::{Activation, DepthwiseConv, FeedForward, LayerNorm, Proj, Quantizer};
+use vl_attn::{Activation, DepthwiseConv, FeedForward, LayerNorm, PatchConv, Proj, Quantizer};
 
 use crate::error::{config_err, Result};
 use crate::preprocess::{PixelSpec, Resample, MAX_IMAGE_SIDE};
@@ -284,12 +284,13 @@ fn norm(vb: VarBuilder, width: usize) -> Result<LayerNorm> {
     ))
 }
 
-/// A stage's convolutional patch embedding. On the CPU its convolution
-/// runs in f32 whatever the activations' dtype (candle has no 16-bit
-/// convolution there; four convolutions per image).
+/// A stage's convolutional patch embedding: a [`PatchConv`] over the
+/// channels-last map (on the CPU, patches and one of vl's products,
+/// quantized with the blocks — except a stem whose width no block format
+/// holds), then its LayerNorm (before the convolution where configured).
 #[derive(Debug, Clone)]
 struct ConvEmbed {
-    conv: Conv2d,
+    conv: PatchConv,
     norm: LayerNorm,
     pre_norm: bool,
     /// The activations' dtype.
@@ -304,23 +305,13 @@ impl ConvEmbed {
             cfg.embed_dim[s - 1]
         };
         let out = cfg.embed_dim[s];
-        let k = cfg.patch_size[s];
-        let conv_cfg = Conv2dConfig {
-            padding: cfg.patch_padding[s],
-            stride: cfg.patch_stride[s],
-            ..Default::default()
-        };
-        let c = vb.pp("conv");
-        let conv_dtype = if vb.device().is_cpu() {
-            DType::F32
-        } else {
-            vb.dtype()
-        };
-        let conv = Conv2d::new(
-            c.get((out, inp, k, k), "weight")?.to_dtype(conv_dtype)?,
-            Some(c.get(out, "bias")?.to_dtype(conv_dtype)?),
-            conv_cfg,
-        );
+        let conv = PatchConv::load(
+            vb.pp("conv"),
+            (inp, out),
+            cfg.patch_size[s],
+            (cfg.patch_stride[s], cfg.patch_padding[s]),
+            true,
+        )?;
         let pre_norm = cfg.patch_prenorm[s];
         let norm = norm(vb.pp("norm"), if pre_norm { inp } else { out })?;
         Ok(Self {
@@ -334,24 +325,17 @@ impl ConvEmbed {
     /// `x: (batch, h, w, in)` channels-last (stage 0: `(batch, 3, H, W)`
     /// pixels) → `(batch, h', w', out)`.
     fn forward(&self, x: &Tensor, channels_last: bool) -> Result<Tensor> {
-        let x = if self.pre_norm {
-            let x = if channels_last {
-                x.clone()
-            } else {
-                x.permute((0, 2, 3, 1))?
-            };
-            self.norm.forward(&x)?.permute((0, 3, 1, 2))?
-        } else if channels_last {
-            x.permute((0, 3, 1, 2))?
-        } else {
+        let x = if channels_last {
             x.clone()
+        } else {
+            x.permute((0, 2, 3, 1))?
         };
-        let conv_dtype = self.conv.weight().dtype();
-        let x = self
-            .conv
-            .forward(&x.to_dtype(conv_dtype)?.contiguous()?)?
-            .permute((0, 2, 3, 1))?;
-        let x = x.to_dtype(self.dtype)?.contiguous()?;
+        let x = if self.pre_norm {
+            self.norm.forward(&x)?
+        } else {
+            x
+        };
+        let x = self.conv.forward(&x)?.to_dtype(self.dtype)?;
         if self.pre_norm {
             Ok(x)
         } else {
@@ -359,17 +343,16 @@ impl ConvEmbed {
         }
     }
 
-    /// The tensors in the model's dtype (the f32 copy of a 16-bit
-    /// convolution narrows back exactly).
+    fn quantize(&self, q: &Quantizer) -> Result<Self> {
+        Ok(Self {
+            conv: self.conv.quantize(q, "conv")?,
+            ..self.clone()
+        })
+    }
+
     fn named_tensors(&self, prefix: &str, out: &mut vl_attn::named::Named) -> Result<()> {
         use vl_attn::named::join;
-        out.insert(
-            join(prefix, "conv.weight"),
-            self.conv.weight().to_dtype(self.dtype)?,
-        );
-        if let Some(b) = self.conv.bias() {
-            out.insert(join(prefix, "conv.bias"), b.to_dtype(self.dtype)?);
-        }
+        self.conv.named_tensors(&join(prefix, "conv"), out)?;
         self.norm.named_tensors(&join(prefix, "norm"), out);
         Ok(())
     }
@@ -698,7 +681,14 @@ impl Davit {
                     .collect::<Result<Vec<_>>>()
             })
             .collect::<Result<Vec<_>>>()?;
+        let convs = self
+            .convs
+            .iter()
+            .enumerate()
+            .map(|(s, c)| c.quantize(&q.within(&format!("convs.{s}"))))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
+            convs,
             blocks,
             ..self.clone()
         })

@@ -20,6 +20,7 @@
 //! | bf16 addition | [`add::add`] | AVX512_BF16, portable |
 //! | GELU (erf and tanh) | `gelu::forward` (through [`crate::FeedForward`]) | AVX-512F, AVX2+FMA, portable |
 //! | depth-wise convolution, channels-last | [`dwconv::depthwise_nhwc`] | portable (vectorised by the compiler) |
+//! | convolution patches (im2col), channels-last | [`im2col::patches_nhwc`] | portable |
 //! | q4_K quantizer | `q4k` (through [`crate::Proj::quantize`]) | AVX-512F, AVX2+FMA, portable |
 //!
 //! The products split across the rayon pool. Called from a thread
@@ -37,6 +38,7 @@ pub mod gemv;
 pub mod gemv_q4k;
 pub mod gemv_q8;
 pub(crate) mod host;
+pub mod im2col;
 pub(crate) mod micro;
 pub mod norm;
 pub(crate) mod q4k;
