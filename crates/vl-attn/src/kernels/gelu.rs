@@ -107,8 +107,20 @@ fn gelu_tanh<K: Kernel>(x: f32) -> f32 {
     x * s
 }
 
+/// GELU of one value, exact or with the tanh approximation (what
+/// [`run_generic`] computes per element: a caller that holds the values
+/// in registers, a product's epilogue, gets the same bits).
 #[inline(always)]
-fn run_generic<K: Kernel>(exact: bool, x: &[f32], y: &mut [f32]) {
+pub(crate) fn gelu_one<K: Kernel>(exact: bool, x: f32) -> f32 {
+    if exact {
+        gelu_erf::<K>(x)
+    } else {
+        gelu_tanh::<K>(x)
+    }
+}
+
+#[inline(always)]
+pub(crate) fn run_generic<K: Kernel>(exact: bool, x: &[f32], y: &mut [f32]) {
     if exact {
         for (o, &v) in y.iter_mut().zip(x) {
             *o = gelu_erf::<K>(v);

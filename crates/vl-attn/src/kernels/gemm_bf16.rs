@@ -319,13 +319,86 @@ impl PackedBf16 {
         isa: Bf16Isa,
         x: &Tensor,
     ) -> candle_core::Result<Tensor> {
-        x.contiguous()?
-            .apply_op1_no_bwd(&PackedOp(self.clone(), isa))
+        x.contiguous()?.apply_op1_no_bwd(&PackedOp {
+            w: self.clone(),
+            isa,
+            mode: Mode::Plain,
+        })
+    }
+
+    /// `GELU(x W^T + b)` rounded to bf16, for many rows of f32 `x`: a
+    /// feed-forward's hidden layer whose second product
+    /// ([`PackedBf16::matmul_f32`]) rounds its input to bf16 anyway. The
+    /// GELU (exact when `exact`, else tanh) runs on the accumulators, in
+    /// the product's epilogue: no f32 hidden layer is written, read back
+    /// and rounded — the same values as the three steps apart.
+    ///
+    /// # Shapes
+    /// `x: (..., k)` f32 on the CPU, more than
+    /// [`crate::kernels::gemv::MAX_ROWS`] rows (made contiguous) → `(...,
+    /// n)` bf16.
+    ///
+    /// # Errors
+    /// Another dtype, device or width of `x`, or too few rows, named.
+    pub fn matmul_gelu(
+        self: &std::sync::Arc<Self>,
+        x: &Tensor,
+        exact: bool,
+    ) -> candle_core::Result<Tensor> {
+        self.matmul_gelu_with(CpuFeatures::get().bf16_isa(), x, exact)
+    }
+
+    /// [`PackedBf16::matmul_gelu`] on a given implementation.
+    ///
+    /// # Errors
+    /// As [`PackedBf16::matmul_gelu`].
+    pub fn matmul_gelu_with(
+        self: &std::sync::Arc<Self>,
+        isa: Bf16Isa,
+        x: &Tensor,
+        exact: bool,
+    ) -> candle_core::Result<Tensor> {
+        x.contiguous()?.apply_op1_no_bwd(&PackedOp {
+            w: self.clone(),
+            isa,
+            mode: Mode::GeluBf16 { exact },
+        })
+    }
+
+    /// `x W^T + b` in f32 whatever `x`'s dtype (f32 or bf16): the second
+    /// product of [`PackedBf16::matmul_gelu`]'s feed-forward.
+    ///
+    /// # Shapes
+    /// `x: (..., k)` f32 or bf16 on the CPU → `(..., n)` f32.
+    ///
+    /// # Errors
+    /// As [`PackedBf16::matmul`].
+    pub fn matmul_f32(self: &std::sync::Arc<Self>, x: &Tensor) -> candle_core::Result<Tensor> {
+        x.contiguous()?.apply_op1_no_bwd(&PackedOp {
+            w: self.clone(),
+            isa: CpuFeatures::get().bf16_isa(),
+            mode: Mode::F32Out,
+        })
     }
 }
 
-/// The op of [`PackedBf16::matmul`].
-struct PackedOp(std::sync::Arc<PackedBf16>, Bf16Isa);
+/// The op of [`PackedBf16::matmul`] and its variants.
+struct PackedOp {
+    w: std::sync::Arc<PackedBf16>,
+    isa: Bf16Isa,
+    mode: Mode,
+}
+
+/// What [`PackedOp`] returns.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// `x W^T + b` in `x`'s dtype.
+    Plain,
+    /// `GELU(x W^T + b)` rounded to bf16, for f32 `x` of many rows.
+    GeluBf16 { exact: bool },
+    /// `x W^T + b` in f32.
+    F32Out,
+}
 
 impl candle_core::CustomOp1 for PackedOp {
     fn name(&self) -> &'static str {
@@ -333,33 +406,51 @@ impl candle_core::CustomOp1 for PackedOp {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (w, isa) = (&*self.0, self.1);
+        let (w, isa) = (&*self.w, self.isa);
         let dims = l.shape().dims();
         if dims.last() != Some(&w.k) {
             candle_core::bail!("vl-gemm-bf16: x {dims:?} for a weight ({}, {})", w.n, w.k);
         }
         let m = l.shape().elem_count() / w.k.max(1);
         let decode = m <= crate::kernels::gemv::MAX_ROWS;
-        let y = match s {
-            CpuStorage::F32(x) => {
+        let y = match (s, self.mode) {
+            (CpuStorage::F32(_), Mode::GeluBf16 { .. }) if decode => candle_core::bail!(
+                "vl-gemm-bf16: the fused GELU takes more than {} rows, got {m}",
+                crate::kernels::gemv::MAX_ROWS
+            ),
+            (CpuStorage::F32(x), Mode::GeluBf16 { exact }) => {
+                let x = contiguous(x, l, "vl-gemm-bf16", "x")?;
+                CpuStorage::BF16(product_packed(isa, &to_bf16(isa, x), w, m, Some(exact)))
+            }
+            (CpuStorage::F32(x), _) => {
                 let x = contiguous(x, l, "vl-gemm-bf16", "x")?;
                 if decode {
                     CpuStorage::F32(gemv_packed(isa, x, w, m))
                 } else {
-                    CpuStorage::F32(product_packed(isa, &to_bf16(isa, x), w, m))
+                    CpuStorage::F32(product_packed(isa, &to_bf16(isa, x), w, m, None))
                 }
             }
-            CpuStorage::BF16(x) => {
+            (CpuStorage::BF16(x), mode @ (Mode::Plain | Mode::F32Out)) => {
                 let x = contiguous(x, l, "vl-gemm-bf16", "x")?;
+                let f32_out = mode == Mode::F32Out;
                 if decode {
                     let x: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
                     let y = gemv_packed(isa, &x, w, m);
-                    CpuStorage::BF16(y.into_iter().map(bf16::from_f32).collect())
+                    if f32_out {
+                        CpuStorage::F32(y)
+                    } else {
+                        CpuStorage::BF16(y.into_iter().map(bf16::from_f32).collect())
+                    }
+                } else if f32_out {
+                    CpuStorage::F32(product_packed(isa, x, w, m, None))
                 } else {
-                    CpuStorage::BF16(product_packed(isa, x, w, m))
+                    CpuStorage::BF16(product_packed(isa, x, w, m, None))
                 }
             }
-            _ => candle_core::bail!("vl-gemm-bf16: x must be f32 or bf16, got {:?}", s.dtype()),
+            _ => candle_core::bail!(
+                "vl-gemm-bf16: x must be f32 (or bf16, without the fused GELU), got {:?}",
+                s.dtype()
+            ),
         };
         let mut shape = dims[..dims.len() - 1].to_vec();
         shape.push(w.n);
@@ -429,20 +520,31 @@ impl Out for f32 {
 /// alone would leave one of two threads idle a quarter of the time), and
 /// each task's rows and panels stay in the core's L2 while it runs.
 fn product<O: Out>(isa: Bf16Isa, x: &[bf16], w: &[bf16], m: usize, n: usize, k: usize) -> Vec<O> {
-    panels_product(isa, x, &pack(w, n, k), None, m, (n, k))
+    panels_product(isa, x, &pack(w, n, k), (None, None), m, (n, k))
 }
 
-/// [`product`] with a packed weight, plus its bias.
-fn product_packed<O: Out>(isa: Bf16Isa, x: &[bf16], w: &PackedBf16, m: usize) -> Vec<O> {
-    panels_product(isa, x, &w.panels, w.bias.as_deref(), m, (w.n, w.k))
+/// [`product`] with a packed weight, plus its bias, then GELU (exact when
+/// `gelu` is `Some(true)`, tanh when `Some(false)`) if asked.
+fn product_packed<O: Out>(
+    isa: Bf16Isa,
+    x: &[bf16],
+    w: &PackedBf16,
+    m: usize,
+    gelu: Option<bool>,
+) -> Vec<O> {
+    panels_product(isa, x, &w.panels, (w.bias.as_deref(), gelu), m, (w.n, w.k))
 }
 
-/// [`product`] over panels ([`pack`]), plus `bias` (`n`) if any.
+/// What a task does to an accumulator before storing it: add the bias
+/// (`n` values) if any, then GELU (exact when `Some(true)`) if any.
+type Epilogue<'a> = (Option<&'a [f32]>, Option<bool>);
+
+/// [`product`] over panels ([`pack`]), then the epilogue.
 fn panels_product<O: Out>(
     isa: Bf16Isa,
     x: &[bf16],
     packed: &[u32],
-    bias: Option<&[f32]>,
+    epilogue: Epilogue<'_>,
     m: usize,
     (n, k): (usize, usize),
 ) -> Vec<O> {
@@ -476,8 +578,8 @@ fn panels_product<O: Out>(
             let shape = (rows, (first, last), (n, k));
             match isa.simd() {
                 #[cfg(target_arch = "x86_64")]
-                Bf16Simd::Avx512Bf16 => avx512::task(xt, panel_range, y, shape, bias),
-                _ => portable::task(xt, panel_range, y, shape, bias),
+                Bf16Simd::Avx512Bf16 => avx512::task(xt, panel_range, y, shape, epilogue),
+                _ => portable::task(xt, panel_range, y, shape, epilogue),
             }
         };
     });
@@ -541,7 +643,13 @@ type TaskShape = (usize, (usize, usize), (usize, usize));
 /// `vdpbf16ps` sums the same products, so the two differ by rounding only.
 mod portable {
     use super::{Out, SyncPtr, NR};
+    use crate::kernels::gelu::gelu_one;
     use crate::kernels::gemv::Weight;
+    use crate::kernels::micro::Portable;
+
+    /// Plain Rust with `mul_add` (as [`crate::kernels::micro::Fma`], which
+    /// exists on x86-64 only).
+    type Fma = Portable<true>;
 
     /// The low and high bf16 of a packed pair, as f32.
     #[inline(always)]
@@ -564,7 +672,7 @@ mod portable {
         packed: &[u32],
         y: *mut O,
         (rows, (first, last), (n, k)): super::TaskShape,
-        bias: Option<&[f32]>,
+        (bias, gelu): super::Epilogue<'_>,
     ) {
         let pairs = k / 2;
         for (j, panel) in (first..last).zip(packed.chunks_exact(pairs * NR)) {
@@ -580,6 +688,9 @@ mod portable {
                 }
                 for (c, v) in acc.iter().take(cols).enumerate() {
                     let v = v + bias.map_or(0.0, |b| b[j * NR + c]);
+                    // With FMA as the AVX-512 epilogue and GELU kernel
+                    // (`mul_add` is exact either way): the same bits.
+                    let v = gelu.map_or(v, |exact| gelu_one::<Fma>(exact, v));
                     // SAFETY: row `r < rows`, column `j * NR + c` of this
                     // task's columns (the contract).
                     unsafe { y.add(r * n + j * NR + c).write(O::from_acc(v)) };
@@ -603,7 +714,7 @@ mod portable {
         bias: Option<&[f32]>,
     ) {
         // SAFETY: the caller's contract, which is `task`'s.
-        unsafe { task(x, packed, y.0, (m, panels, dims), bias) }
+        unsafe { task(x, packed, y.0, (m, panels, dims), (bias, None)) }
     }
 }
 
@@ -614,7 +725,9 @@ mod avx512 {
     use half::bf16;
 
     use super::{Out, MR, NR};
+    use crate::kernels::gelu::{gelu_one, run_generic};
     use crate::kernels::gemv::prefetch;
+    use crate::kernels::micro::Fma;
     use crate::kernels::CpuFeatures;
 
     /// `x` rounded to bf16 into `y` (as long), sixteen at a time; the last
@@ -667,7 +780,7 @@ mod avx512 {
         packed: &[u32],
         y: *mut O,
         (rows, (first, last), (n, k)): super::TaskShape,
-        bias: Option<&[f32]>,
+        (bias, gelu): super::Epilogue<'_>,
     ) {
         let pairs = k / 2;
         for (j, panel) in (first..last).zip(packed.chunks_exact(pairs * NR)) {
@@ -706,6 +819,19 @@ mod avx512 {
                                     *v = _mm512_add_ps(*v, bv);
                                 }
                             }
+                            if let Some(exact) = gelu {
+                                // GELU's own loop over the panel's values (the
+                                // same code as its pass over a tensor).
+                                let mut wide = [0f32; NR];
+                                _mm512_storeu_ps(wide.as_mut_ptr(), v[0]);
+                                _mm512_storeu_ps(wide.as_mut_ptr().add(16), v[1]);
+                                let mut out = [0f32; NR];
+                                run_generic::<Fma>(exact, &wide, &mut out);
+                                v = [
+                                    _mm512_loadu_ps(out.as_ptr()),
+                                    _mm512_loadu_ps(out.as_ptr().add(16)),
+                                ];
+                            }
                             for (h, v) in v.into_iter().enumerate() {
                                 if O::BF16 {
                                     super::store_bf16x16(dst.add(16 * h).cast(), v);
@@ -716,6 +842,7 @@ mod avx512 {
                         } else {
                             for (c, v) in row.iter().take(cols).enumerate() {
                                 let v = v + bias.map_or(0.0, |b| b[j * NR + c]);
+                                let v = gelu.map_or(v, |exact| gelu_one::<Fma>(exact, v));
                                 dst.add(c).write(O::from_acc(v));
                             }
                         }
@@ -917,6 +1044,62 @@ mod tests {
                     .to_scalar::<f64>()?
                     / scale;
                 assert!(err < 1e-5, "{isa:?} f32 x: ({m}, {k}) x ({n}, {k}): {err}");
+            }
+        }
+        Ok(())
+    }
+
+    /// The GELU in the epilogue gives the bits of the three steps apart
+    /// (the f32 product, GELU over it, rounding to bf16) on the CPU's
+    /// best implementation, and the portable one is within a bf16 step of
+    /// it; the second product takes the bf16 hidden layer and returns f32.
+    /// Full and partial panels, both GELUs.
+    #[test]
+    fn fused_gelu_is_the_steps_apart() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        for &(m, n, k) in &[(9, 80, 64), (70, 34, 96), (130, 64, 770)] {
+            let x = Tensor::randn(0f32, 1., (m, k), &dev)?;
+            let w = Tensor::randn(0f32, 0.2, (n, k), &dev)?.to_dtype(DType::BF16)?;
+            let b = Tensor::randn(0f32, 1., n, &dev)?;
+            let packed = std::sync::Arc::new(PackedBf16::pack(&w, Some(&b))?);
+            for exact in [true, false] {
+                let best = CpuFeatures::get().bf16_isa();
+                let fused = packed.matmul_gelu_with(best, &x, exact)?;
+                assert_eq!(fused.dtype(), DType::BF16);
+                let portable = packed.matmul_gelu_with(Bf16Isa::portable(), &x, exact)?;
+                let step = (fused.to_dtype(DType::F32)? - portable.to_dtype(DType::F32)?)?
+                    .abs()?
+                    .max_all()?
+                    .to_scalar::<f32>()?;
+                let top = fused
+                    .to_dtype(DType::F32)?
+                    .abs()?
+                    .max_all()?
+                    .to_scalar::<f32>()?;
+                assert!(step <= top / 128.0, "({m}, {n}, {k}) exact {exact}: {step}");
+                if accelerated() {
+                    let y = packed.matmul_with(best, &x)?;
+                    let act = if exact {
+                        crate::Activation::Gelu
+                    } else {
+                        crate::Activation::GeluTanh
+                    };
+                    // Rounded as the second product rounds its input
+                    // (`vcvtneps2bf16` flushes subnormals, which a deep
+                    // negative GELU gives; candle's `to_dtype` keeps them).
+                    let gelu = act.forward(&y)?.flatten_all()?.to_vec1::<f32>()?;
+                    let apart = to_bf16(best, &gelu);
+                    let fused = fused.flatten_all()?.to_vec1::<bf16>()?;
+                    let differ = fused
+                        .iter()
+                        .zip(&apart)
+                        .filter(|(f, a)| f.to_bits() != a.to_bits())
+                        .count();
+                    assert_eq!(differ, 0, "({m}, {n}, {k}) exact {exact}: values differ");
+                }
+                let back = std::sync::Arc::new(PackedBf16::pack(&w.t()?.contiguous()?, None)?);
+                let y = back.matmul_f32(&fused)?;
+                assert_eq!((y.dtype(), y.dims()), (DType::F32, &[m, k][..]));
             }
         }
         Ok(())

@@ -116,8 +116,86 @@ impl FeedForward {
     /// # Shapes
     /// `x: (batch, len, hidden)` → `(batch, len, hidden)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(y) = self.fused_bf16(x)? {
+            return Ok(y);
+        }
         Ok(self
             .down
             .forward(&self.act.forward(&self.up.forward(x)?)?)?)
+    }
+
+    /// The layer in two products when both weights are packed bf16 under
+    /// f32 activations, the activation a GELU and the rows many (an
+    /// encoder's): the first product applies the GELU in its epilogue and
+    /// stores the hidden layer in bf16, which the second would round it to
+    /// anyway ([`PackedBf16::matmul_gelu`]) — the values of the three
+    /// steps apart, without the f32 hidden layer's writes, reads and
+    /// rounding pass. `None` where that does not apply.
+    ///
+    /// [`PackedBf16::matmul_gelu`]: crate::kernels::gemm_bf16::PackedBf16::matmul_gelu
+    fn fused_bf16(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let exact = match self.act {
+            Activation::Gelu => true,
+            Activation::GeluTanh => false,
+            Activation::Relu | Activation::Silu => return Ok(None),
+        };
+        let (Some(up), Some(down)) = (self.up.packed_bf16(), self.down.packed_bf16()) else {
+            return Ok(None);
+        };
+        let rows = x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1);
+        if x.dtype() != candle_core::DType::F32
+            || !x.device().is_cpu()
+            || x.track_op()
+            || rows <= crate::kernels::gemv::MAX_ROWS
+        {
+            return Ok(None);
+        }
+        let hidden = up.matmul_gelu(x, exact)?;
+        Ok(Some(down.matmul_f32(&hidden)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quantize::{Quantization, Quantizer};
+    use candle_core::{DType, Device};
+    use candle_nn::Linear;
+
+    /// With bf16 weights under f32 activations, the fused feed-forward
+    /// (GELU in the first product's epilogue, the hidden layer in bf16)
+    /// gives the bits of the three steps apart, for an encoder's rows and
+    /// a decode step's.
+    #[test]
+    fn fused_bf16_equals_the_steps() -> Result<()> {
+        let dev = Device::Cpu;
+        let layer = |o: usize, i: usize| -> Result<Proj> {
+            Ok(Proj::from(Linear::new(
+                Tensor::randn(0f32, 0.1, (o, i), &dev)?,
+                Some(Tensor::randn(0f32, 0.1, o, &dev)?),
+            )))
+        };
+        for act in [Activation::Gelu, Activation::GeluTanh] {
+            let ffn = FeedForward::from_parts(layer(96, 64)?, layer(64, 96)?, act);
+            let q = Quantizer::strict(Quantization::Bf16);
+            let (up, down) = ffn.parts();
+            let ffn = FeedForward::from_parts(q.proj("up", up)?, q.proj("down", down)?, act);
+            for rows in [3, 40] {
+                let x = Tensor::randn(0f32, 1., (2, rows, 64), &dev)?;
+                let fused = ffn.forward(&x)?;
+                let (up, down) = ffn.parts();
+                let apart = down.forward(&act.forward(&up.forward(&x)?)?)?;
+                assert_eq!(fused.dtype(), DType::F32);
+                let (f, a) = (
+                    fused.flatten_all()?.to_vec1::<f32>()?,
+                    apart.flatten_all()?.to_vec1::<f32>()?,
+                );
+                assert!(
+                    f.iter().zip(&a).all(|(f, a)| f.to_bits() == a.to_bits()),
+                    "{act:?}, {rows} rows"
+                );
+            }
+        }
+        Ok(())
     }
 }

@@ -107,6 +107,15 @@ impl Proj {
         linear.into()
     }
 
+    /// The packed bf16 weight vl's GEMM runs, if the layer holds one
+    /// (`bf16` weights under f32 activations on an AVX512_BF16 CPU).
+    pub(crate) fn packed_bf16(&self) -> Option<&Arc<PackedBf16>> {
+        match &self.inner {
+            Inner::Packed { weight, dtype } if *dtype == DType::F32 => Some(weight),
+            _ => None,
+        }
+    }
+
     /// The weight's shape `(out, in)`.
     pub fn dims(&self) -> (usize, usize) {
         match &self.inner {
