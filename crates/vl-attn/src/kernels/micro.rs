@@ -32,6 +32,9 @@ pub(crate) fn madd(fused: bool, a: f32, b: f32, c: f32) -> f32 {
 /// instruction, and the micro-kernel.
 pub(crate) trait Kernel {
     const FMA: bool;
+    /// Whether this is the AVX-512F kernel (callers may then run AVX-512F
+    /// code of their own: [`per_isa`] runs it only where the CPU has it).
+    const AVX512: bool = false;
 
     /// `c[i][..] += Σ_p a(i, p) · b(p)` for `i < MR`, `p < kdim`, where
     /// `a(i, p) = a[i * rs + p * cs]` and `b(p)` is the [`NR`] floats at
@@ -101,6 +104,7 @@ impl<const F: bool> Kernel for Portable<F> {
 #[cfg(target_arch = "x86_64")]
 impl Kernel for Avx512 {
     const FMA: bool = true;
+    const AVX512: bool = true;
 
     #[inline(always)]
     unsafe fn micro(
