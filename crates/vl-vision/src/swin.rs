@@ -23,9 +23,9 @@
 //! stage's tokens, row by row.
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{Conv2d, Conv2dConfig, Linear, VarBuilder};
+use candle_nn::{Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
-use vl_attn::{Activation, FeedForward, LayerNorm, Proj, Quantizer};
+use vl_attn::{Activation, FeedForward, LayerNorm, PatchConv, Proj, Quantizer};
 
 use crate::error::{config_err, Result};
 use crate::preprocess::{DocumentFit, PixelSpec, Resample};
@@ -695,7 +695,9 @@ impl Merge {
 /// Swin (transformers' `DonutSwinModel` without its pooler).
 #[derive(Debug, Clone)]
 pub struct Swin {
-    patch: Conv2d,
+    /// The patch embedding (stride = kernel): on the CPU vl's patch
+    /// gather and the layer's product ([`PatchConv`]).
+    patch: PatchConv,
     embed_norm: LayerNorm,
     stages: Vec<(Vec<Block>, Option<Merge>)>,
     /// From the last stage's width to `output_size`.
@@ -727,21 +729,7 @@ impl Swin {
         let e = vb.pp("embeddings");
         let p = e.pp("patch_embeddings").pp("projection");
         let k = cfg.patch_size;
-        // On the CPU candle convolves in f32 only; one convolution per image.
-        let conv_dtype = if vb.device().is_cpu() {
-            DType::F32
-        } else {
-            vb.dtype()
-        };
-        let patch = Conv2d::new(
-            p.get((cfg.embed_dim, cfg.num_channels, k, k), "weight")?
-                .to_dtype(conv_dtype)?,
-            Some(p.get(cfg.embed_dim, "bias")?.to_dtype(conv_dtype)?),
-            Conv2dConfig {
-                stride: k,
-                ..Default::default()
-            },
-        );
+        let patch = PatchConv::load(p, (cfg.num_channels, cfg.embed_dim), k, (k, 0), true)?;
         let embed_norm = norm(e.pp("norm"), cfg.embed_dim, cfg.layer_norm_eps)?;
         let n = cfg.num_stages();
         let stages = (0..n)
@@ -833,18 +821,14 @@ impl Swin {
                 ),
             );
         }
+        // Padded right and below to whole patches, as transformers pads.
         let p = self.cfg.patch_size;
         let x = pixels
-            .to_dtype(self.patch.weight().dtype())?
+            .to_dtype(DType::F32)?
             .pad_with_zeros(2, 0, (p - height % p) % p)?
             .pad_with_zeros(3, 0, (p - width % p) % p)?
-            .contiguous()?;
-        let x = self
-            .patch
-            .forward(&x)?
-            .permute((0, 2, 3, 1))?
-            .to_dtype(self.dtype)?
-            .contiguous()?;
+            .permute((0, 2, 3, 1))?;
+        let x = self.patch.forward(&x)?.to_dtype(self.dtype)?;
         let mut x = self.embed_norm.forward(&x)?;
         let mut cache = StageCache::default();
         for (blocks, merge) in &self.stages {
@@ -867,11 +851,8 @@ impl Swin {
     pub fn named_tensors(&self, prefix: &str, out: &mut vl_attn::named::Named) -> Result<()> {
         use vl_attn::named::join;
         let e = join(prefix, "embeddings");
-        let p = join(&e, "patch_embeddings.projection");
-        out.insert(join(&p, "weight"), self.patch.weight().clone());
-        if let Some(b) = self.patch.bias() {
-            out.insert(join(&p, "bias"), b.clone());
-        }
+        self.patch
+            .named_tensors(&join(&e, "patch_embeddings.projection"), out)?;
         self.embed_norm.named_tensors(&join(&e, "norm"), out);
         for (s, (blocks, merge)) in self.stages.iter().enumerate() {
             let l = join(prefix, &format!("encoder.layers.{s}"));
@@ -923,6 +904,9 @@ impl Swin {
             None => None,
         };
         Ok(Self {
+            patch: self
+                .patch
+                .quantize(&q.within("embeddings.patch_embeddings"), "projection")?,
             stages,
             output_proj,
             ..self.clone()
