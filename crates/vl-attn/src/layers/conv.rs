@@ -9,6 +9,7 @@
 //! candle's `conv2d` on the map turned channels-first and back (the
 //! reference the kernels are tested against).
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Linear, VarBuilder};
 
@@ -255,18 +256,21 @@ impl PatchConv {
         self.proj.dims().0
     }
 
-    /// A copy whose projection `q` converts (as layer `name`); a width
-    /// `in · k²` that `q`'s block format cannot hold (a stem over 3 pixel
-    /// channels: 147 columns for a 7 × 7 filter) keeps the weight as it
-    /// is — the patch embeddings were dense before they were projections,
-    /// and such a stem is a small share of the work.
+    /// A copy whose projection `q` converts (as layer `name`, falling back
+    /// as `q` does: a fitting quantizer takes a width that `q4k`'s blocks
+    /// do not divide to `q8_0`); a width `in · k²` that not even `q8_0`'s
+    /// blocks of 32 divide (a stem over 3 pixel channels: 147 columns for
+    /// a 7 × 7 filter, 48 for Swin's 4 × 4) keeps the weight as it is —
+    /// the patch embeddings were dense before they were projections, and
+    /// such a stem is a small share of the work.
     ///
     /// # Errors
     /// As [`Quantizer::proj`].
     pub fn quantize(&self, q: &Quantizer, name: &str) -> Result<Self> {
         let width = self.proj.dims().1;
+        let smallest = |f: GgmlDType| f.block_size().min(GgmlDType::Q8_0.block_size());
         if q.format()
-            .is_some_and(|f| !width.is_multiple_of(f.block_size()))
+            .is_some_and(|f| !width.is_multiple_of(smallest(f)))
         {
             return Ok(self.clone());
         }
@@ -482,6 +486,11 @@ mod tests {
         let stem = PatchConv::new(seeded(&[8, 3, 7, 7], 3), None, 4, 3)?;
         let kept = stem.quantize(&Quantizer::strict(Quantization::Q8_0), "stem")?;
         assert_eq!(kept.proj().quantization(), None);
+        // 288 columns: no q4k blocks (256), q8_0 ones, said as a fallback.
+        let q4k = Quantizer::fitting(Quantization::Q4K);
+        let held = conv.quantize(&q4k, "c")?;
+        assert_eq!(held.proj().quantization(), Some(GgmlDType::Q8_0));
+        assert_eq!(q4k.fallbacks()[0].layer, "c");
         Ok(())
     }
 
