@@ -34,6 +34,7 @@ pub(crate) trait Kernel {
     const FMA: bool;
     /// Whether this is the AVX-512F kernel (callers may then run AVX-512F
     /// code of their own: [`per_isa`] runs it only where the CPU has it).
+    #[cfg(target_arch = "x86_64")]
     const AVX512: bool = false;
 
     /// `c[i][..] += Σ_p a(i, p) · b(p)` for `i < MR`, `p < kdim`, where
