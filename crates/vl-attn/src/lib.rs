@@ -84,7 +84,7 @@ pub mod layers;
 use layers::heads;
 pub use layers::{
     attention, cache, co_attn, co_block, conv, cross, dropout, ffn, gate, mask, named, norm, pool,
-    proj, quantize, resampler, self_attn,
+    proj, quantize, resampler, self_attn, windows,
 };
 
 pub use attention::{AttnOutput, Backend, GroupedOutput, Weights};
@@ -104,3 +104,4 @@ pub use proj::Proj;
 pub use quantize::{Fallback, Quantization, Quantizer, StoredBlocks};
 pub use resampler::{Resampler, ResamplerConfig, ResamplerLayer};
 pub use self_attn::{CacheGroup, CausalSelfAttention, SelfAttention, SelfAttentionConfig};
+pub use windows::WindowOrder;

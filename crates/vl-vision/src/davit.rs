@@ -32,7 +32,9 @@ use candle_core::{DType, Module, Tensor};
 use candle_nn::{Embedding, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 use vl_attn::attention::{attention, Backend, Weights};
-use vl_attn::{Activation, DepthwiseConv, FeedForward, LayerNorm, PatchConv, Proj, Quantizer};
+use vl_attn::{
+    Activation, DepthwiseConv, FeedForward, LayerNorm, PatchConv, Proj, Quantizer, WindowOrder,
+};
 
 use crate::error::{config_err, Result};
 use crate::preprocess::{PixelSpec, Resample, MAX_IMAGE_SIDE};
@@ -433,15 +435,37 @@ impl HalfBlock {
     }
 
     /// Window attention of the normalised map `(b, h, w, c)` →
-    /// `(b, h, w, c)`, projected.
+    /// `(b, h, w, c)`, projected. The projections run on the map in its
+    /// own order (they see one token at a time); only the heads are
+    /// gathered into windows, and the output scattered back
+    /// ([`WindowOrder`]).
     fn window_attention(&self, x: &Tensor, heads: usize, ws: usize) -> Result<Tensor> {
         let (b, h, w, c) = x.dims4()?;
         let (ph, pw) = ((ws - h % ws) % ws, (ws - w % ws) % ws);
-        let x = if ph + pw > 0 {
-            x.pad_with_zeros(1, 0, ph)?.pad_with_zeros(2, 0, pw)?
-        } else {
-            x.clone()
-        };
+        if ph + pw > 0 {
+            return self.padded_window_attention(x, heads, ws);
+        }
+        let order = WindowOrder::new(h, w, ws, 0)?;
+        let hd = c / heads;
+        let qkv = self.qkv.forward(x)?;
+        let (q, k, v) = (
+            order.split_heads(&qkv, 0, heads, hd)?,
+            order.split_heads(&qkv, c, heads, hd)?,
+            order.split_heads(&qkv, 2 * c, heads, hd)?,
+        );
+        let scale = (hd as f64).powf(-0.5);
+        let out = attention(&q, &k, &v, None, scale, Backend::Auto, Weights::Skip)?.output;
+        debug_assert_eq!(out.dims()[0], b * order.windows());
+        Ok(self.proj.forward(&order.merge_heads(&out)?)?)
+    }
+
+    /// [`HalfBlock::window_attention`] of a map that is not whole windows:
+    /// padded with zeros after the norm, as transformers does, so that the
+    /// padding's tokens are the projections' biases.
+    fn padded_window_attention(&self, x: &Tensor, heads: usize, ws: usize) -> Result<Tensor> {
+        let (b, h, w, c) = x.dims4()?;
+        let (ph, pw) = ((ws - h % ws) % ws, (ws - w % ws) % ws);
+        let x = x.pad_with_zeros(1, 0, ph)?.pad_with_zeros(2, 0, pw)?;
         let (hp, wp) = (h + ph, w + pw);
         let (nh, nw) = (hp / ws, wp / ws);
         // (b, nh, ws, nw, ws, c) -> (b * nh * nw, ws², c)
@@ -475,12 +499,7 @@ impl HalfBlock {
             .permute((0, 1, 3, 2, 4, 5))?
             .contiguous()?
             .reshape((b, hp, wp, c))?;
-        let map = if ph + pw > 0 {
-            map.narrow(1, 0, h)?.narrow(2, 0, w)?.contiguous()?
-        } else {
-            map
-        };
-        Ok(map)
+        Ok(map.narrow(1, 0, h)?.narrow(2, 0, w)?.contiguous()?)
     }
 
     /// Channel attention of the normalised tokens `(b, n, c)` → `(b, n,

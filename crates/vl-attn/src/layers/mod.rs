@@ -22,3 +22,4 @@ pub mod proj;
 pub mod quantize;
 pub mod resampler;
 pub mod self_attn;
+pub mod windows;
