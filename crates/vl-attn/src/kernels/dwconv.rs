@@ -13,8 +13,6 @@
 //! the compiler, the same additions in the same order), tested against
 //! candle's grouped convolution.
 
-use rayon::prelude::*;
-
 use crate::kernels::micro::Kernel;
 use crate::kernels::{CpuFeatures, Isa};
 
@@ -72,15 +70,11 @@ fn depthwise_nhwc_on(
         assert_eq!(b.len(), c, "depthwise_nhwc: bias");
     }
     let row = width * c;
-    let mut out = vec![0f32; x.len()];
-    out.par_chunks_mut(row)
-        .enumerate()
-        .for_each(|(r, out_row)| {
-            let (img, y) = (r / height, r % height);
-            let image = &x[img * height * row..(img + 1) * height * row];
-            output_row(isa, image, taps, bias, shape, residual, y, out_row);
-        });
-    out
+    crate::kernels::host::par_filled(x.len(), row, |r, out_row| {
+        let (img, y) = (r / height, r % height);
+        let image = &x[img * height * row..(img + 1) * height * row];
+        output_row(isa, image, taps, bias, shape, residual, y, out_row);
+    })
 }
 
 /// Channels per register-held chunk of an output pixel (an AVX-512

@@ -22,10 +22,9 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use half::bf16;
-use rayon::prelude::*;
 
 use crate::kernels::features::{CpuFeatures, Isa};
-use crate::kernels::host::contiguous;
+use crate::kernels::host::{contiguous, par_filled};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::micro::Fma;
 use crate::kernels::micro::{madd, Kernel};
@@ -171,19 +170,15 @@ impl CustomOp1 for Gelu {
         let y = match s {
             CpuStorage::F32(data) => {
                 let x = contiguous(data, l, "vl-gelu", "x")?;
-                let mut y = vec![0f32; x.len()];
-                y.par_chunks_mut(CHUNK)
-                    .zip(x.par_chunks(CHUNK))
-                    .for_each(|(y, x)| run(self.isa, self.exact, x, y));
-                CpuStorage::F32(y)
+                CpuStorage::F32(par_filled(x.len(), CHUNK, |i, y| {
+                    run(self.isa, self.exact, &x[i * CHUNK..][..y.len()], y)
+                }))
             }
             CpuStorage::BF16(data) => {
                 let x = contiguous(data, l, "vl-gelu", "x")?;
-                let mut y = vec![bf16::ZERO; x.len()];
-                y.par_chunks_mut(CHUNK)
-                    .zip(x.par_chunks(CHUNK))
-                    .for_each(|(y, x)| run_bf16(self.isa, self.exact, x, y));
-                CpuStorage::BF16(y)
+                CpuStorage::BF16(par_filled(x.len(), CHUNK, |i, y| {
+                    run_bf16(self.isa, self.exact, &x[i * CHUNK..][..y.len()], y)
+                }))
             }
             _ => candle_core::bail!("vl-gelu: x must be f32 or bf16, got {:?}", s.dtype()),
         };

@@ -683,7 +683,13 @@ mod tests {
     /// of the f32 product (3% of the output's scale). Bias added.
     #[test]
     fn products_match_f64_on_every_isa() -> anyhow::Result<()> {
-        for (n, k, rows) in [(37, 512, 1), (16, 256, 3), (50, 768, 9), (5, 256, 70)] {
+        for (n, k, rows) in [
+            (37, 512, 1),
+            (16, 256, 3),
+            (50, 768, 9),
+            (5, 256, 70),
+            (40, 256, 600),
+        ] {
             let w = weight(n, k, 3);
             let bias = Tensor::arange(0f32, n as f32, &Device::Cpu)?.affine(0.01, -0.1)?;
             let p = PackedQ4K::quantize(&w)?.with_bias(Some(&bias))?;

@@ -38,6 +38,7 @@ use super::features::Simd;
 use super::features::{CpuFeatures, Isa, Q8Isa, Q8Simd};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::gemv::prefetch;
+use crate::kernels::host::zeroed;
 use crate::kernels::micro::{madd, Kernel};
 
 /// Values per q8_0 block.
@@ -421,27 +422,45 @@ fn product<P: Tiled>(p: &P, isa: Q8Isa, input: &P::Input) -> Vec<f32> {
     let a = input.activations();
     let tiles = n.div_ceil(TILE_ROWS);
     let threads = rayon::current_num_threads().max(1);
-    let per_task = tiles.div_ceil(threads * 4).max(1);
+    // A decode step's few rows: a few column tasks per thread. An
+    // encoder's many rows: also split in chunks of rows, for about 16
+    // tasks per thread — a core that falls behind (a shared machine's
+    // cores do) then leaves the other waiting for at most a small task
+    // (with 4 column tasks per thread, a seventh of a Florence-2 encode's
+    // single-core time was the last tasks of its products).
+    let (per_task, row_chunk) = if a.rows <= 4 * ROW_BLOCK {
+        (tiles.div_ceil(threads * 4).max(1), a.rows.max(1))
+    } else {
+        let per_task = tiles.div_ceil(threads * 4).max(1);
+        let chunks = (threads * 16).div_ceil(tiles.div_ceil(per_task));
+        (
+            per_task,
+            a.rows.div_ceil(chunks).next_multiple_of(ROW_BLOCK),
+        )
+    };
+    let col_tasks = tiles.div_ceil(per_task);
     // Not zeroed first (a memset and, for a fresh buffer, its page
     // faults, before the tasks overwrite it): the tasks write every
     // element (below).
     let mut y: Vec<f32> = Vec::with_capacity(a.rows * n);
     let out = OutPtr(y.as_mut_ptr());
-    (0..tiles.div_ceil(per_task))
+    (0..col_tasks * a.rows.div_ceil(row_chunk))
         .into_par_iter()
         .for_each(|task| {
-            let t0 = task * per_task;
+            let (rc, ct) = (task / col_tasks, task % col_tasks);
+            let t0 = ct * per_task;
             let t1 = (t0 + per_task).min(tiles);
-            for r0 in (0..a.rows).step_by(ROW_BLOCK) {
-                let r1 = (r0 + ROW_BLOCK).min(a.rows);
+            let rows = rc * row_chunk..((rc + 1) * row_chunk).min(a.rows);
+            for r0 in rows.clone().step_by(ROW_BLOCK) {
+                let r1 = (r0 + ROW_BLOCK).min(rows.end);
                 for t in t0..t1 {
                     let mut r = r0;
                     while r < r1 {
                         // Up to 8 rows share each tile's loads.
                         let step = (r1 - r).min(8);
-                        // SAFETY: tasks write disjoint tile columns
-                        // `t0..t1`; rows `r..r + step` exist; `y` outlives
-                        // the parallel loop.
+                        // SAFETY: tasks write disjoint blocks (tile
+                        // columns `t0..t1` of their chunk of rows); rows
+                        // `r..r + step` exist; `y` outlives the loop.
                         unsafe {
                             match step {
                                 8 => tile::<P, 8>(p, isa, input, t, r, &out),
@@ -459,9 +478,9 @@ fn product<P: Tiled>(p: &P, isa: Q8Isa, input: &P::Input) -> Vec<f32> {
                 }
             }
         });
-    // SAFETY: the tasks cover every tile column, and `tile` writes each
-    // column below `n` of every row: all `rows * n` elements are
-    // initialised.
+    // SAFETY: the tasks cover every tile column of every chunk of rows,
+    // and `tile` writes each column below `n` of its rows: all `rows * n`
+    // elements are initialised.
     unsafe { y.set_len(a.rows * n) };
     y
 }
@@ -666,18 +685,38 @@ impl Activations {
     /// split across the pool when there are many.
     pub(crate) fn new(isa: Isa, x: &[f32], rows: usize, k: usize) -> Self {
         let blocks = k / BLOCK_VALUES;
-        let mut q = vec![0i8; rows * k];
-        let mut d = vec![0f32; rows * blocks];
-        let mut offset = vec![0i32; rows * blocks];
         const CHUNK: usize = 16;
         if rows <= CHUNK {
+            let mut q = vec![0i8; rows * k];
+            let mut d = vec![0f32; rows * blocks];
+            let mut offset = vec![0i32; rows * blocks];
             round_blocks_on(isa, x, &mut q, &mut d, &mut offset);
-        } else {
-            x.par_chunks(CHUNK * k)
-                .zip(q.par_chunks_mut(CHUNK * k))
-                .zip(d.par_chunks_mut(CHUNK * blocks))
-                .zip(offset.par_chunks_mut(CHUNK * blocks))
-                .for_each(|(((x, q), d), o)| round_blocks_on(isa, x, q, d, o));
+            return Self {
+                rows,
+                k,
+                q,
+                d,
+                offset,
+            };
+        }
+        // Many rows: each task zeroes its own part of the three buffers
+        // (no one thread zeroing them all first).
+        let (mut q, mut d, mut offset) = (
+            Vec::with_capacity(rows * k),
+            Vec::with_capacity(rows * blocks),
+            Vec::with_capacity(rows * blocks),
+        );
+        x.par_chunks(CHUNK * k)
+            .zip(q.spare_capacity_mut()[..rows * k].par_chunks_mut(CHUNK * k))
+            .zip(d.spare_capacity_mut()[..rows * blocks].par_chunks_mut(CHUNK * blocks))
+            .zip(offset.spare_capacity_mut()[..rows * blocks].par_chunks_mut(CHUNK * blocks))
+            .for_each(|(((x, q), d), o)| round_blocks_on(isa, x, zeroed(q), zeroed(d), zeroed(o)));
+        // SAFETY: the chunks of each buffer cover its first `rows * k`
+        // (`rows * blocks`) values, every one initialised by its task.
+        unsafe {
+            q.set_len(rows * k);
+            d.set_len(rows * blocks);
+            offset.set_len(rows * blocks);
         }
         Self {
             rows,
@@ -1136,10 +1175,10 @@ mod tests {
 
     /// Every supported path equals the f64 product of the dequantized
     /// weight and the rounded `x` (relative error under 1e-5: only the
-    /// summation order differs) for 1 to 131 rows (past a row block),
-    /// widths of 1 to 25 blocks and heights off the tile size; and the
-    /// rows of a many-row product equal the same rows one at a time, bit
-    /// for bit.
+    /// summation order differs) for 1 to 700 rows (past a row block, and
+    /// into the chunks of rows an encoder's products split into), widths
+    /// of 1 to 25 blocks and heights off the tile size; and the rows of a
+    /// many-row product equal the same rows one at a time, bit for bit.
     #[test]
     fn matches_the_dequantized_reference() -> candle_core::Result<()> {
         let dev = Device::Cpu;
@@ -1147,7 +1186,7 @@ mod tests {
             let w = Tensor::randn(0f32, 1., (n, k), &dev)?;
             let p = PackedQ8::quantize(&w)?;
             let dq: Vec<f32> = p.dequantize()?.flatten_all()?.to_vec1()?;
-            for rows in [1, 2, 3, 5, 8, 9, 14, 70, 131] {
+            for rows in [1, 2, 3, 5, 8, 9, 14, 70, 131, 700] {
                 let x = Tensor::randn(0f32, 1., (1, rows, k), &dev)?;
                 let a = Activations::new(Isa::portable(), &x.flatten_all()?.to_vec1()?, rows, k);
                 let mut want = Vec::new();

@@ -12,8 +12,6 @@
 //! output position copies the `c` contiguous values of one input pixel.
 //! Plain Rust, rows split across the rayon pool.
 
-use rayon::prelude::*;
-
 /// The sizes of one strided convolution's patches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PatchShape {
@@ -74,33 +72,30 @@ pub fn patches_nhwc(x: &[f32], shape: PatchShape) -> Vec<f32> {
     let (oh, ow) = shape.output().expect("patches_nhwc: an empty output");
     let kk = k * k;
     let cols = c * kk;
-    let mut out = vec![0f32; batch * oh * ow * cols];
-    out.par_chunks_mut(ow * cols)
-        .enumerate()
-        .for_each(|(r, out_row)| {
-            let (img, oy) = (r / oh, r % oh);
-            let image = &x[img * height * width * c..][..height * width * c];
-            for (ox, patch) in out_row.chunks_exact_mut(cols).enumerate() {
-                for ky in 0..k {
-                    let Some(iy) = (oy * stride + ky)
-                        .checked_sub(pad)
-                        .filter(|&iy| iy < height)
+    // Each row zeroed by its task (the padding's taps stay zero).
+    crate::kernels::host::par_filled(batch * oh * ow * cols, ow * cols, |r, out_row| {
+        let (img, oy) = (r / oh, r % oh);
+        let image = &x[img * height * width * c..][..height * width * c];
+        for (ox, patch) in out_row.chunks_exact_mut(cols).enumerate() {
+            for ky in 0..k {
+                let Some(iy) = (oy * stride + ky)
+                    .checked_sub(pad)
+                    .filter(|&iy| iy < height)
+                else {
+                    continue;
+                };
+                for kx in 0..k {
+                    let Some(ix) = (ox * stride + kx).checked_sub(pad).filter(|&ix| ix < width)
                     else {
                         continue;
                     };
-                    for kx in 0..k {
-                        let Some(ix) = (ox * stride + kx).checked_sub(pad).filter(|&ix| ix < width)
-                        else {
-                            continue;
-                        };
-                        let src = &image[(iy * width + ix) * c..][..c];
-                        let tap = ky * k + kx;
-                        for (ch, &v) in src.iter().enumerate() {
-                            patch[ch * kk + tap] = v;
-                        }
+                    let src = &image[(iy * width + ix) * c..][..c];
+                    let tap = ky * k + kx;
+                    for (ch, &v) in src.iter().enumerate() {
+                        patch[ch * kk + tap] = v;
                     }
                 }
             }
-        });
-    out
+        }
+    })
 }

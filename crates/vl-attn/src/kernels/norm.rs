@@ -14,7 +14,6 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 use half::bf16;
-use rayon::prelude::*;
 
 use super::features::{Bf16Isa, Bf16Simd, CpuFeatures, Isa, Simd};
 use super::gemv::Weight;
@@ -101,15 +100,12 @@ fn rows<T: Copy + Default + Send + Sync>(
     row: impl Fn(&[T], &mut [T]) + Sync,
 ) -> Vec<T> {
     let task = (16 * 1024 / width).max(1) * width;
-    let mut y = vec![T::default(); x.len()];
-    y.par_chunks_mut(task)
-        .zip(x.par_chunks(task))
-        .for_each(|(y, x)| {
-            for (y, x) in y.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
-                row(x, y);
-            }
-        });
-    y
+    crate::kernels::host::par_filled(x.len(), task, |i, y| {
+        let x = &x[i * task..][..y.len()];
+        for (y, x) in y.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
+            row(x, y);
+        }
+    })
 }
 
 /// `(x - mean) / sqrt(var + eps) · weight + bias` over the last dimension.

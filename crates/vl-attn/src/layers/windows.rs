@@ -14,9 +14,9 @@
 //! wide). Elsewhere the same values come from candle's ops.
 
 use candle_core::{DType, Device, Tensor};
-use rayon::prelude::*;
 
 use crate::error::{AttnError, Result};
+use crate::kernels::host::par_filled;
 use crate::kernels::with_values;
 
 const MODULE: &str = "WindowOrder";
@@ -136,20 +136,17 @@ impl WindowOrder {
         if on_host(x) {
             let tokens = self.hp * self.wp;
             let per_window = heads * t * head_dim;
-            let mut out = vec![0f32; n * per_window];
-            with_values(x, |values: &[f32]| {
-                out.par_chunks_mut(per_window)
-                    .enumerate()
-                    .for_each(|(sample, dst)| {
-                        let (img, w) = (sample / self.windows(), sample % self.windows());
-                        for i in 0..t {
-                            let token = self.gather[w * t + i] as usize;
-                            let src = &values[(img * tokens + token) * width + offset..][..inner];
-                            for (h, part) in src.chunks_exact(head_dim).enumerate() {
-                                dst[(h * t + i) * head_dim..][..head_dim].copy_from_slice(part);
-                            }
+            let out = with_values(x, |values: &[f32]| {
+                par_filled(n * per_window, per_window, |sample, dst| {
+                    let (img, w) = (sample / self.windows(), sample % self.windows());
+                    for i in 0..t {
+                        let token = self.gather[w * t + i] as usize;
+                        let src = &values[(img * tokens + token) * width + offset..][..inner];
+                        for (h, part) in src.chunks_exact(head_dim).enumerate() {
+                            dst[(h * t + i) * head_dim..][..head_dim].copy_from_slice(part);
                         }
-                    });
+                    }
+                })
             })?;
             return Ok(Tensor::from_vec(out, (n, heads, t, head_dim), x.device())?);
         }
@@ -179,9 +176,8 @@ impl WindowOrder {
         let c = heads * head_dim;
         let tokens = self.hp * self.wp;
         if on_host(y) {
-            let mut out = vec![0f32; b * tokens * c];
-            with_values(y, |values: &[f32]| {
-                out.par_chunks_mut(c).enumerate().for_each(|(row, dst)| {
+            let out = with_values(y, |values: &[f32]| {
+                par_filled(b * tokens * c, c, |row, dst| {
                     let (img, token) = (row / tokens, row % tokens);
                     let at = self.scatter[token] as usize;
                     let sample = img * windows + at / t;
@@ -191,7 +187,7 @@ impl WindowOrder {
                             &values[((sample * heads + h) * t + i) * head_dim..][..head_dim],
                         );
                     }
-                });
+                })
             })?;
             return Ok(Tensor::from_vec(out, (b, self.hp, self.wp, c), y.device())?);
         }
