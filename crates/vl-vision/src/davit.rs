@@ -30,6 +30,7 @@
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Module, Tensor};
 use candle_nn::{Embedding, Linear, VarBuilder};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use vl_attn::attention::{attention, Backend, Weights};
 use vl_attn::{
@@ -545,22 +546,34 @@ impl HalfBlock {
         let scale = (n as f64).powf(-0.5);
         // (b, n, 3, groups, d): a view of the projection's output.
         let qkv = self.qkv.forward(x)?.reshape((b, n, 3, groups, d))?;
-        let mut outs = Vec::with_capacity(b);
-        for i in 0..b {
-            let img = qkv.get(i)?;
-            // (groups, n, d) views, row stride 3c.
-            let part = |p: usize| -> candle_core::Result<Tensor> {
-                img.narrow(1, p, 1)?.squeeze(1)?.transpose(0, 1)
-            };
-            let (q, k, v) = (part(0)?, part(1)?, part(2)?);
-            // (groups, d, n) · (groups, n, d) -> (groups, d, d)
-            let scores = (q.transpose(1, 2)?.matmul(&k)? * scale)?;
-            let attn = candle_nn::ops::softmax_last_dim(&scores)?;
-            // (groups, n, d) · (groups, d, d)ᵀ -> (groups, n, d)
-            let out = v.matmul(&attn.transpose(1, 2)?)?;
-            outs.push(out.transpose(0, 1)?.contiguous()?.reshape((n, c))?);
-        }
-        let out = Tensor::stack(&outs, 0)?;
+        // One task per image and group: each product is a d × d matrix
+        // over n tokens, which candle's GEMM runs on one thread (the
+        // batched form ran every group on one core).
+        let outs = (0..b * groups)
+            .into_par_iter()
+            .map(|ig| -> candle_core::Result<Tensor> {
+                let (i, g) = (ig / groups, ig % groups);
+                // (n, d) views, row stride 3c.
+                let part = |p: usize| {
+                    qkv.get(i)?
+                        .narrow(1, p, 1)?
+                        .narrow(2, g, 1)?
+                        .squeeze(2)?
+                        .squeeze(1)
+                };
+                let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+                // (d, n) · (n, d) -> (d, d)
+                let scores = (q.t()?.matmul(&k)? * scale)?;
+                let attn = candle_nn::ops::softmax_last_dim(&scores)?;
+                // (n, d) · (d, d)ᵀ -> (n, d)
+                v.matmul(&attn.t()?)
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        // (b · groups) × (n, d) -> (b, n, groups · d)
+        let out = Tensor::stack(&outs, 0)?
+            .reshape((b, groups, n, d))?
+            .transpose(1, 2)?
+            .reshape((b, n, c))?;
         Ok(self.proj.forward(&out)?)
     }
 
