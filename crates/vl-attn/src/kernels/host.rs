@@ -133,7 +133,11 @@ mod tests {
                     *x = (i * chunk + j) as u32 + 1;
                 }
             });
-            assert_eq!(v, (1..=n as u32).collect::<Vec<_>>(), "{n} in chunks of {chunk}");
+            assert_eq!(
+                v,
+                (1..=n as u32).collect::<Vec<_>>(),
+                "{n} in chunks of {chunk}"
+            );
         }
     }
 }
