@@ -33,6 +33,7 @@ use candle_nn::{Embedding, Linear, VarBuilder};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use vl_attn::attention::{attention, Backend, Weights};
+use vl_attn::kernels::add::add;
 use vl_attn::{
     Activation, DepthwiseConv, FeedForward, LayerNorm, PatchConv, Proj, Quantizer, WindowOrder,
 };
@@ -429,10 +430,9 @@ impl HalfBlock {
                 self.channel_attention(&normed.reshape((b, h * w, c))?, groups)?
             }
         };
-        let x = (x + mixed.reshape((b, h, w, c))?)?;
+        let x = add(&x, &mixed.reshape((b, h, w, c))?)?;
         let x = self.conv2.forward(&x)?;
-        let x = (&x + self.ffn.forward(&self.norm2.forward(&x)?)?)?;
-        Ok(x)
+        Ok(add(&x, &self.ffn.forward(&self.norm2.forward(&x)?)?)?)
     }
 
     /// Window attention of the normalised map `(b, h, w, c)` →

@@ -1,4 +1,4 @@
-//! Residual additions of bf16 activations on CPU.
+//! Residual additions of bf16 and f32 activations on CPU.
 //!
 //! Why vl owns it: candle's CPU bf16 addition widens, adds and rounds
 //! through its `CpuBF16` helpers, which call `_mm256_cvtneps_pbh` as a
@@ -11,6 +11,12 @@
 //! tracked tensors, CPUs without AVX512_BF16) is candle's `a + b`. The
 //! same arithmetic in plain Rust is the fallback of [`add_with`] and the
 //! oracle.
+//!
+//! f32 additions run on the rayon pool too, each task writing its own
+//! chunk of the sum: candle hands them to a thread pool of its own, whose
+//! workers then compete with vl's for the cores (and whose hand-over
+//! showed among the single-core stretches of a Florence-2 encode). The
+//! sums are IEEE additions, the same bits either way.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
@@ -20,7 +26,7 @@ use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 use super::features::Bf16Simd;
 use super::features::{Bf16Isa, CpuFeatures};
-use crate::kernels::host::contiguous;
+use crate::kernels::host::{contiguous, par_filled};
 
 /// Elements per parallel task.
 const CHUNK: usize = 16 * 1024;
@@ -32,6 +38,15 @@ const CHUNK: usize = 16 * 1024;
 /// # Errors
 /// Candle's: shapes or dtypes that differ.
 pub fn add(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    if a.device().is_cpu()
+        && a.dtype() == DType::F32
+        && b.dtype() == DType::F32
+        && a.dims() == b.dims()
+        && !a.track_op()
+        && !b.track_op()
+    {
+        return a.contiguous()?.apply_op2_no_bwd(&b.contiguous()?, &F32Add);
+    }
     let ours = a.device().is_cpu()
         && a.dtype() == DType::BF16
         && b.dtype() == DType::BF16
@@ -66,6 +81,49 @@ pub fn add_with(isa: Bf16Isa, a: &Tensor, b: &Tensor) -> candle_core::Result<Ten
 
 struct Bf16Add {
     isa: Bf16Isa,
+}
+
+/// `a + b` for f32 on the rayon pool.
+struct F32Add;
+
+impl CustomOp2 for F32Add {
+    fn name(&self) -> &'static str {
+        "vl-f32-add"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(a), CpuStorage::F32(b)) = (s1, s2) else {
+            candle_core::bail!(
+                "vl-f32-add: a and b must be f32, got {:?} and {:?}",
+                s1.dtype(),
+                s2.dtype()
+            );
+        };
+        if l1.dims() != l2.dims() {
+            candle_core::bail!(
+                "vl-f32-add: shapes differ, {:?} and {:?}",
+                l1.dims(),
+                l2.dims()
+            );
+        }
+        let (a, b) = (
+            contiguous(a, l1, "vl-f32-add", "a")?,
+            contiguous(b, l2, "vl-f32-add", "b")?,
+        );
+        let y = par_filled(a.len(), CHUNK, |i, y| {
+            let (a, b) = (&a[i * CHUNK..][..y.len()], &b[i * CHUNK..][..y.len()]);
+            for (y, (a, b)) in y.iter_mut().zip(a.iter().zip(b)) {
+                *y = a + b;
+            }
+        });
+        Ok((CpuStorage::F32(y), l1.shape().clone()))
+    }
 }
 
 impl CustomOp2 for Bf16Add {
@@ -253,6 +311,29 @@ mod tests {
         assert_eq!(add(&f, &f)?.to_vec1::<f32>()?, [2.0, 4.0]);
         let a = Tensor::zeros((2, 3), DType::BF16, &dev)?;
         assert!(add(&a, &Tensor::zeros((3, 2), DType::BF16, &dev)?).is_err());
+        Ok(())
+    }
+
+    /// f32 sums on the pool equal candle's, for sizes around the tasks'
+    /// chunk, contiguous or not; other shapes are refused by name.
+    #[test]
+    fn f32_sums_are_candles() -> candle_core::Result<()> {
+        let dev = candle_core::Device::Cpu;
+        for n in [1, 17, CHUNK, 3 * CHUNK + 5] {
+            let a = Tensor::randn(0f32, 1., (n, 2), &dev)?;
+            let b = Tensor::randn(0f32, 1., (2, n), &dev)?.t()?;
+            let got = add(&a, &b)?.flatten_all()?.to_vec1::<f32>()?;
+            let want = (&a + &b)?.flatten_all()?.to_vec1::<f32>()?;
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(g, w)| g.to_bits() == w.to_bits()),
+                "{n}"
+            );
+        }
+        let a = Tensor::zeros((2, 3), DType::F32, &dev)?;
+        let b = Tensor::zeros((3, 2), DType::F32, &dev)?;
+        assert!(add(&a, &b).is_err());
         Ok(())
     }
 }
