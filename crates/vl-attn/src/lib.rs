@@ -38,8 +38,11 @@
 //!   `quantize` on every attention and on [`FeedForward`].
 //! - [`LayerNorm`] (trainable; vl's kernel for f32 and bf16 rows on
 //!   AVX-512 CPUs in inference) and [`kernels::add::add`] (residual additions of
-//!   bf16 activations, vectorised where candle's are not): the element-wise
-//!   work of a block besides GELU.
+//!   bf16 activations, vectorised where candle's are not, and of f32 ones on
+//!   the rayon pool): the element-wise work of a block besides GELU.
+//! - [`WindowOrder`]: window attention's token order (Swin's shifted
+//!   windows, DaViT's plain ones) — a projection's output in map order to
+//!   the windows' heads and back, one gather each way.
 //! - [`dropout`]: inverted [`Dropout`] with seeded, reproducible masks and
 //!   the [`Mode`] switch (inference by default); every attention module
 //!   applies its own to the attention probabilities in training.

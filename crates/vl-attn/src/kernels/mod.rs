@@ -17,7 +17,7 @@
 //! | bf16 GEMM (and packed bf16 GEMV; GELU in its epilogue) | [`gemm_bf16::matmul`], [`gemm_bf16::PackedBf16::matmul`], [`gemm_bf16::PackedBf16::matmul_gelu`] | AVX512_BF16, portable |
 //! | fused attention, per row and tiled | `attention::fused` (through [`crate::attention::attention`]) | AVX-512F, AVX2+FMA, portable |
 //! | LayerNorm | [`norm::layer_norm`] | AVX-512F (f32), AVX512_BF16 (bf16), portable |
-//! | bf16 addition | [`add::add`] | AVX512_BF16, portable |
+//! | bf16 and f32 addition | [`add::add`] | AVX512_BF16 (bf16), portable |
 //! | GELU (erf and tanh) | `gelu::forward` (through [`crate::FeedForward`]) | AVX-512F, AVX2+FMA, portable |
 //! | depth-wise convolution, channels-last | [`dwconv::depthwise_nhwc`] | portable (vectorised by the compiler) |
 //! | convolution patches (im2col), channels-last | [`im2col::patches_nhwc`] | portable |
