@@ -25,7 +25,9 @@
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
-use vl_attn::{Activation, FeedForward, LayerNorm, PatchConv, Proj, Quantizer};
+use std::sync::Arc;
+
+use vl_attn::{Activation, FeedForward, LayerNorm, PatchConv, Proj, Quantizer, WindowOrder};
 
 use crate::error::{config_err, Result};
 use crate::preprocess::{DocumentFit, PixelSpec, Resample};
@@ -362,18 +364,14 @@ struct StageCache {
 /// One window layout of a [`StageCache`].
 struct WindowLayout {
     key: (usize, usize, usize, usize),
-    order: WindowOrder,
+    order: Arc<WindowOrder>,
     /// The shifted-window mask `(windows, 1, t, t)`, once asked for.
     mask: Option<Tensor>,
 }
 
 impl StageCache {
     /// The layout of `key`, built if new (dropping the last map's).
-    fn layout(
-        &mut self,
-        key: (usize, usize, usize, usize),
-        device: &Device,
-    ) -> Result<&mut WindowLayout> {
+    fn layout(&mut self, key: (usize, usize, usize, usize)) -> Result<&mut WindowLayout> {
         if self
             .layouts
             .first()
@@ -385,7 +383,7 @@ impl StageCache {
             Some(at) => at,
             None => {
                 let (hp, wp, window, shift) = key;
-                let order = WindowOrder::new(hp, wp, window, shift, device)?;
+                let order = Arc::new(WindowOrder::new(hp, wp, window, shift)?);
                 self.layouts.push(WindowLayout {
                     key,
                     order,
@@ -397,8 +395,8 @@ impl StageCache {
         Ok(&mut self.layouts[at])
     }
 
-    fn order(&mut self, key: (usize, usize, usize, usize), device: &Device) -> Result<WindowOrder> {
-        Ok(self.layout(key, device)?.order.clone())
+    fn order(&mut self, key: (usize, usize, usize, usize)) -> Result<Arc<WindowOrder>> {
+        Ok(self.layout(key)?.order.clone())
     }
 
     fn mask(
@@ -407,7 +405,7 @@ impl StageCache {
         dtype: DType,
         device: &Device,
     ) -> Result<Tensor> {
-        let layout = self.layout(key, device)?;
+        let layout = self.layout(key)?;
         if let Some(mask) = &layout.mask {
             return Ok(mask.clone());
         }
@@ -415,64 +413,6 @@ impl StageCache {
         let mask = shift_mask(hp, wp, window, shift, dtype, device)?.unsqueeze(1)?;
         layout.mask = Some(mask.clone());
         Ok(mask)
-    }
-}
-
-/// Where each token of a `hp × wp` map goes when the map is rolled by
-/// `-shift` on both axes and cut into `window × window` windows, window by
-/// window, row by row (what transformers does with `torch.roll`, a view
-/// and a permute): one gather each way instead of two rolls and a
-/// rearranging copy.
-#[derive(Debug, Clone)]
-struct WindowOrder {
-    /// `(hp · wp)`: the map token at each window-order position.
-    gather: Tensor,
-    /// `(hp · wp)`: the window-order position of each map token.
-    scatter: Tensor,
-}
-
-impl WindowOrder {
-    fn new(hp: usize, wp: usize, window: usize, shift: usize, device: &Device) -> Result<Self> {
-        let (nh, nw) = (hp / window, wp / window);
-        let mut gather = Vec::with_capacity(hp * wp);
-        for wy in 0..nh {
-            for wx in 0..nw {
-                for yy in 0..window {
-                    for xx in 0..window {
-                        let y = (wy * window + yy + shift) % hp;
-                        let x = (wx * window + xx + shift) % wp;
-                        gather.push((y * wp + x) as u32);
-                    }
-                }
-            }
-        }
-        let mut scatter = vec![0u32; hp * wp];
-        for (at, &token) in gather.iter().enumerate() {
-            scatter[token as usize] = at as u32;
-        }
-        Ok(Self {
-            gather: Tensor::from_vec(gather, hp * wp, device)?,
-            scatter: Tensor::from_vec(scatter, hp * wp, device)?,
-        })
-    }
-
-    /// `(b, hp, wp, c)` → `(b · windows, window², c)`.
-    fn windows(&self, map: &Tensor, t: usize) -> Result<Tensor> {
-        let (b, hp, wp, c) = map.dims4()?;
-        Ok(map
-            .reshape((b, hp * wp, c))?
-            .index_select(&self.gather, 1)?
-            .reshape((b * hp * wp / t, t, c))?)
-    }
-
-    /// The inverse of [`WindowOrder::windows`]: `(b · windows, window², c)`
-    /// → `(b, hp, wp, c)`.
-    fn map(&self, windows: &Tensor, (b, hp, wp): (usize, usize, usize)) -> Result<Tensor> {
-        let c = windows.dim(2)?;
-        Ok(windows
-            .reshape((b, hp * wp, c))?
-            .index_select(&self.scatter, 1)?
-            .reshape((b, hp, wp, c))?)
     }
 }
 
@@ -583,16 +523,14 @@ impl Block {
         };
         let (hp, wp) = (h + ph, w + pw);
         let (nh, nw) = (hp / ws, wp / ws);
-        let t = ws * ws;
         let n = b * nh * nw;
-        let order = cache.order((hp, wp, ws, shift), x.device())?;
-        let windows = order.windows(&padded, t)?;
+        let order = cache.order((hp, wp, ws, shift))?;
         let hd = c / self.heads;
+        // The projections on the (padded) map in its own order — the
+        // padding's tokens are their biases, as transformers' are — and
+        // the heads gathered into the rolled windows.
         let split = |p: &Proj| -> Result<Tensor> {
-            Ok(p.forward(&windows)?
-                .reshape((n, t, self.heads, hd))?
-                .transpose(1, 2)?
-                .contiguous()?)
+            Ok(order.split_heads(&p.forward(&padded)?, 0, self.heads, hd)?)
         };
         let (q, k, v) = (split(&self.query)?, split(&self.key)?, split(&self.value)?);
         let scale = 1.0 / (hd as f64).sqrt();
@@ -621,10 +559,9 @@ impl Block {
             scale,
             vl_attn::Backend::Auto,
         )?;
-        // (n, heads, t, hd) -> (n, t, c)
-        let ctx = ctx.transpose(1, 2)?.contiguous()?.reshape((n, t, c))?;
-        let out = self.out.forward(&ctx)?;
-        let map = order.map(&out, (b, hp, wp))?;
+        // (n, heads, t, hd) -> the (padded) map, then the projection.
+        debug_assert_eq!(ctx.dim(0)?, n);
+        let map = self.out.forward(&order.merge_heads(&ctx)?)?;
         let map = if ph + pw > 0 {
             map.narrow(1, 0, h)?.narrow(2, 0, w)?
         } else {
@@ -955,10 +892,10 @@ mod tests {
         Ok(())
     }
 
-    /// The gather into windows is transformers' two rolls and the
-    /// window permute, and the scatter back is its inverse (the two
-    /// opposite rolls), shifted or not, on a map of several windows a side
-    /// and two images.
+    /// The window order Swin takes from `vl_attn::WindowOrder` is
+    /// transformers' two rolls and the window permute, and the way back
+    /// its inverse (the two opposite rolls), shifted or not, on a map of
+    /// several windows a side and two images.
     #[test]
     fn window_order_is_rolls_and_the_window_permute() -> Result<()> {
         let (b, hp, wp, c, ws) = (2, 6, 9, 2, 3);
@@ -966,21 +903,21 @@ mod tests {
             .reshape((b, hp, wp, c))?;
         let (nh, nw, t) = (hp / ws, wp / ws, ws * ws);
         for shift in [0usize, 1] {
-            let order = WindowOrder::new(hp, wp, ws, shift, &Device::Cpu)?;
+            let order = WindowOrder::new(hp, wp, ws, shift)?;
             let s = -(shift as isize);
             let rolled = roll(&roll(&map, s, 1)?, s, 2)?;
             let want = rolled
                 .reshape((b, nh, ws, nw, ws, c))?
                 .permute((0, 1, 3, 2, 4, 5))?
                 .contiguous()?
-                .reshape((b * nh * nw, t, c))?;
-            let windows = order.windows(&map, t)?;
+                .reshape((b * nh * nw, 1, t, c))?;
+            let windows = order.split_heads(&map, 0, 1, c)?;
             assert_eq!(
-                windows.to_vec3::<f32>()?,
-                want.to_vec3::<f32>()?,
+                windows.flatten_all()?.to_vec1::<f32>()?,
+                want.flatten_all()?.to_vec1::<f32>()?,
                 "shift {shift}"
             );
-            let back = order.map(&windows, (b, hp, wp))?;
+            let back = order.merge_heads(&windows)?;
             assert_eq!(
                 back.flatten_all()?.to_vec1::<f32>()?,
                 map.flatten_all()?.to_vec1::<f32>()?,

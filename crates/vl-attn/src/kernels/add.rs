@@ -83,6 +83,19 @@ struct Bf16Add {
     isa: Bf16Isa,
 }
 
+/// The two operands of an addition as contiguous slices, or an error
+/// naming the op and what differs.
+fn operands<'a, T>(
+    op: &str,
+    (a, l1): (&'a [T], &Layout),
+    (b, l2): (&'a [T], &Layout),
+) -> candle_core::Result<(&'a [T], &'a [T])> {
+    if l1.dims() != l2.dims() {
+        candle_core::bail!("{op}: shapes differ, {:?} and {:?}", l1.dims(), l2.dims());
+    }
+    Ok((contiguous(a, l1, op, "a")?, contiguous(b, l2, op, "b")?))
+}
+
 /// `a + b` for f32 on the rayon pool.
 struct F32Add;
 
@@ -105,17 +118,7 @@ impl CustomOp2 for F32Add {
                 s2.dtype()
             );
         };
-        if l1.dims() != l2.dims() {
-            candle_core::bail!(
-                "vl-f32-add: shapes differ, {:?} and {:?}",
-                l1.dims(),
-                l2.dims()
-            );
-        }
-        let (a, b) = (
-            contiguous(a, l1, "vl-f32-add", "a")?,
-            contiguous(b, l2, "vl-f32-add", "b")?,
-        );
+        let (a, b) = operands("vl-f32-add", (a, l1), (b, l2))?;
         let y = par_filled(a.len(), CHUNK, |i, y| {
             let (a, b) = (&a[i * CHUNK..][..y.len()], &b[i * CHUNK..][..y.len()]);
             for (y, (a, b)) in y.iter_mut().zip(a.iter().zip(b)) {
@@ -145,17 +148,7 @@ impl CustomOp2 for Bf16Add {
                 s2.dtype()
             );
         };
-        if l1.dims() != l2.dims() {
-            candle_core::bail!(
-                "vl-bf16-add: shapes differ, {:?} and {:?}",
-                l1.dims(),
-                l2.dims()
-            );
-        }
-        let (a, b) = (
-            contiguous(a, l1, "vl-bf16-add", "a")?,
-            contiguous(b, l2, "vl-bf16-add", "b")?,
-        );
+        let (a, b) = operands("vl-bf16-add", (a, l1), (b, l2))?;
         let mut y = vec![bf16::ZERO; a.len()];
         let chunks = y
             .par_chunks_mut(CHUNK)
