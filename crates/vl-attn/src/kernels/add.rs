@@ -38,26 +38,17 @@ const CHUNK: usize = 16 * 1024;
 /// # Errors
 /// Candle's: shapes or dtypes that differ.
 pub fn add(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-    if a.device().is_cpu()
-        && a.dtype() == DType::F32
-        && b.dtype() == DType::F32
+    let plain = a.device().is_cpu()
+        && a.dtype() == b.dtype()
         && a.dims() == b.dims()
         && !a.track_op()
-        && !b.track_op()
-    {
-        return a.contiguous()?.apply_op2_no_bwd(&b.contiguous()?, &F32Add);
-    }
-    let ours = a.device().is_cpu()
-        && a.dtype() == DType::BF16
-        && b.dtype() == DType::BF16
-        && a.dims() == b.dims()
-        && !a.track_op()
-        && !b.track_op()
-        && crate::kernels::gemm_bf16::accelerated();
-    if ours {
-        add_with(CpuFeatures::get().bf16_isa(), a, b)
-    } else {
-        a + b
+        && !b.track_op();
+    match a.dtype() {
+        DType::F32 if plain => a.contiguous()?.apply_op2_no_bwd(&b.contiguous()?, &F32Add),
+        DType::BF16 if plain && crate::kernels::gemm_bf16::accelerated() => {
+            add_with(CpuFeatures::get().bf16_isa(), a, b)
+        }
+        _ => a + b,
     }
 }
 

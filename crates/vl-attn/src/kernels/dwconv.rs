@@ -110,72 +110,41 @@ fn output_row_on<K: Kernel>(
     let ky0 = pad.saturating_sub(y);
     let ky1 = (height + pad - y).min(k);
     let full = c - c % LANES;
-    // A 3 × 3 filter away from the map's edges (nearly every pixel): the
-    // nine taps unrolled over the three input rows, each sliced once.
-    let interior = k == 3 && y >= 1 && y + 1 < height && width >= 3;
+    // Per pixel, where each tap inside the map reads the input and the
+    // filter, listed once (in the order the taps are added) and then
+    // used by every chunk of channels: an index computation per tap and
+    // chunk was most of the kernel's work.
+    let mut offsets: Vec<(usize, usize)> = Vec::with_capacity(k * k);
     for (px, o) in out_row.chunks_exact_mut(c).enumerate() {
-        if interior && px >= 1 && px + 1 < width {
-            let rows: [&[f32]; 3] =
-                std::array::from_fn(|ky| &image[((y + ky - 1) * width + px - 1) * c..][..3 * c]);
-            let centre = &image[(y * width + px) * c..][..c];
-            for c0 in (0..full).step_by(LANES) {
-                let mut acc = [0f32; LANES];
-                if let Some(b) = bias {
-                    acc = b[c0..c0 + LANES].try_into().expect("a full chunk");
-                }
-                if residual {
-                    let xin: &[f32; LANES] =
-                        centre[c0..c0 + LANES].try_into().expect("a full chunk");
-                    for i in 0..LANES {
-                        acc[i] += xin[i];
-                    }
-                }
-                for (ky, row) in rows.iter().enumerate() {
-                    for kx in 0..3 {
-                        let src: &[f32; LANES] = row[kx * c + c0..][..LANES]
-                            .try_into()
-                            .expect("a full chunk");
-                        let w: &[f32; LANES] = taps[(ky * 3 + kx) * c + c0..][..LANES]
-                            .try_into()
-                            .expect("a full chunk");
-                        for i in 0..LANES {
-                            acc[i] += src[i] * w[i];
-                        }
-                    }
-                }
-                o[c0..c0 + LANES].copy_from_slice(&acc);
-            }
-            if full == c {
-                continue;
-            }
-        }
         let kx0 = pad.saturating_sub(px);
         let kx1 = (width + pad - px).min(k);
-        let at = |ky: usize, kx: usize| ((y + ky - pad) * width + px + kx - pad) * c;
+        offsets.clear();
+        for ky in ky0..ky1 {
+            for kx in kx0..kx1 {
+                let at = ((y + ky - pad) * width + px + kx - pad) * c;
+                offsets.push((at, (ky * k + kx) * c));
+            }
+        }
+        let centre = (y * width + px) * c;
         for c0 in (0..full).step_by(LANES) {
             let mut acc = [0f32; LANES];
             if let Some(b) = bias {
                 acc = b[c0..c0 + LANES].try_into().expect("a full chunk");
             }
             if residual {
-                let xin: &[f32; LANES] = image[(y * width + px) * c + c0..][..LANES]
+                let xin: &[f32; LANES] = image[centre + c0..][..LANES]
                     .try_into()
                     .expect("a full chunk");
                 for i in 0..LANES {
                     acc[i] += xin[i];
                 }
             }
-            for ky in ky0..ky1 {
-                for kx in kx0..kx1 {
-                    let src: &[f32; LANES] = image[at(ky, kx) + c0..][..LANES]
-                        .try_into()
-                        .expect("a full chunk");
-                    let w: &[f32; LANES] = taps[(ky * k + kx) * c + c0..][..LANES]
-                        .try_into()
-                        .expect("a full chunk");
-                    for i in 0..LANES {
-                        acc[i] += src[i] * w[i];
-                    }
+            for &(at, tap) in &offsets {
+                let src: &[f32; LANES] =
+                    image[at + c0..][..LANES].try_into().expect("a full chunk");
+                let w: &[f32; LANES] = taps[tap + c0..][..LANES].try_into().expect("a full chunk");
+                for i in 0..LANES {
+                    acc[i] += src[i] * w[i];
                 }
             }
             o[c0..c0 + LANES].copy_from_slice(&acc);
@@ -184,12 +153,10 @@ fn output_row_on<K: Kernel>(
         for ch in full..c {
             let mut acc = bias.map_or(0.0, |b| b[ch]);
             if residual {
-                acc += image[(y * width + px) * c + ch];
+                acc += image[centre + ch];
             }
-            for ky in ky0..ky1 {
-                for kx in kx0..kx1 {
-                    acc += image[at(ky, kx) + ch] * taps[(ky * k + kx) * c + ch];
-                }
+            for &(at, tap) in &offsets {
+                acc += image[at + ch] * taps[tap + ch];
             }
             o[ch] = acc;
         }

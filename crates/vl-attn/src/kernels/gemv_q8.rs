@@ -428,17 +428,14 @@ fn product<P: Tiled>(p: &P, isa: Q8Isa, input: &P::Input) -> Vec<f32> {
     // cores do) then leaves the other waiting for at most a small task
     // (with 4 column tasks per thread, a seventh of a Florence-2 encode's
     // single-core time was the last tasks of its products).
-    let (per_task, row_chunk) = if a.rows <= 4 * ROW_BLOCK {
-        (tiles.div_ceil(threads * 4).max(1), a.rows.max(1))
-    } else {
-        let per_task = tiles.div_ceil(threads * 4).max(1);
-        let chunks = (threads * 16).div_ceil(tiles.div_ceil(per_task));
-        (
-            per_task,
-            a.rows.div_ceil(chunks).next_multiple_of(ROW_BLOCK),
-        )
-    };
+    let per_task = tiles.div_ceil(threads * 4).max(1);
     let col_tasks = tiles.div_ceil(per_task);
+    let row_chunk = if a.rows <= 4 * ROW_BLOCK {
+        a.rows.max(1)
+    } else {
+        let chunks = (threads * 16).div_ceil(col_tasks);
+        a.rows.div_ceil(chunks).next_multiple_of(ROW_BLOCK)
+    };
     // Not zeroed first (a memset and, for a fresh buffer, its page
     // faults, before the tasks overwrite it): the tasks write every
     // element (below).
@@ -686,31 +683,30 @@ impl Activations {
     pub(crate) fn new(isa: Isa, x: &[f32], rows: usize, k: usize) -> Self {
         let blocks = k / BLOCK_VALUES;
         const CHUNK: usize = 16;
-        if rows <= CHUNK {
-            let mut q = vec![0i8; rows * k];
-            let mut d = vec![0f32; rows * blocks];
-            let mut offset = vec![0i32; rows * blocks];
-            round_blocks_on(isa, x, &mut q, &mut d, &mut offset);
-            return Self {
-                rows,
-                k,
-                q,
-                d,
-                offset,
-            };
-        }
-        // Many rows: each task zeroes its own part of the three buffers
-        // (no one thread zeroing them all first).
+        // Each task zeroes its own part of the three buffers (no one
+        // thread zeroing them all first); a decode step's few rows on the
+        // calling thread.
         let (mut q, mut d, mut offset) = (
             Vec::with_capacity(rows * k),
             Vec::with_capacity(rows * blocks),
             Vec::with_capacity(rows * blocks),
         );
-        x.par_chunks(CHUNK * k)
-            .zip(q.spare_capacity_mut()[..rows * k].par_chunks_mut(CHUNK * k))
-            .zip(d.spare_capacity_mut()[..rows * blocks].par_chunks_mut(CHUNK * blocks))
-            .zip(offset.spare_capacity_mut()[..rows * blocks].par_chunks_mut(CHUNK * blocks))
-            .for_each(|(((x, q), d), o)| round_blocks_on(isa, x, zeroed(q), zeroed(d), zeroed(o)));
+        let (qs, ds, os) = (
+            &mut q.spare_capacity_mut()[..rows * k],
+            &mut d.spare_capacity_mut()[..rows * blocks],
+            &mut offset.spare_capacity_mut()[..rows * blocks],
+        );
+        if rows <= CHUNK {
+            round_blocks_on(isa, x, zeroed(qs), zeroed(ds), zeroed(os));
+        } else {
+            x.par_chunks(CHUNK * k)
+                .zip(qs.par_chunks_mut(CHUNK * k))
+                .zip(ds.par_chunks_mut(CHUNK * blocks))
+                .zip(os.par_chunks_mut(CHUNK * blocks))
+                .for_each(|(((x, q), d), o)| {
+                    round_blocks_on(isa, x, zeroed(q), zeroed(d), zeroed(o))
+                });
+        }
         // SAFETY: the chunks of each buffer cover its first `rows * k`
         // (`rows * blocks`) values, every one initialised by its task.
         unsafe {

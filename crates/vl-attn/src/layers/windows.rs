@@ -98,11 +98,6 @@ impl WindowOrder {
         (self.hp / self.window) * (self.wp / self.window)
     }
 
-    /// The map token at each window-order position, `(hp · wp)`.
-    pub fn gather(&self) -> &[u32] {
-        &self.gather
-    }
-
     /// Columns `offset .. offset + heads · head_dim` of each token of `x`
     /// (`(b, hp, wp, width)` or `(b, hp · wp, width)`, map order, such as
     /// a fused q/k/v projection's output), windowed and split into heads:
