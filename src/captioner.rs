@@ -780,6 +780,9 @@ impl Captioner {
     /// alone with its request, up to the products' rounding for the row
     /// count (see [`vl_decoder::VisionLanguageDecoder::step_many`]).
     ///
+    /// A loop of steps is faster with a [`vl_attn::kernels::KeepAwake`]
+    /// held over it, as `vl serve` holds one while requests run.
+    ///
     /// # Errors
     /// As [`vl_decoder::step_decodings`]: captions recording heatmaps of
     /// different blocks cannot step together.

@@ -188,6 +188,9 @@ pub fn generate_from(
     on_token: &mut dyn FnMut(TokenEvent),
 ) -> Result<Vec<Generated>> {
     let prefix = prefix_of(model, cfg, prompt)?;
+    // Steps of small parallel parts: the pool's workers stay awake between
+    // them (see `KeepAwake`).
+    let _awake = vl_attn::kernels::KeepAwake::new();
     match cfg.strategy {
         Strategy::Beam { .. } => beam::decode(model, image, cfg, &prefix, on_token),
         Strategy::Greedy | Strategy::Sample { .. } => {

@@ -3,6 +3,8 @@
 //! values in place ([`with_values`]), check a `CustomOp`'s input is
 //! contiguous ([`contiguous`]).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use candle_core::{Layout, Tensor};
 
 /// The part of a CPU buffer that a contiguous layout covers, or an error
@@ -43,6 +45,73 @@ pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         // `scope` runs its closure on a worker of the global pool when
         // called from outside every pool (`in_place_scope` would not).
         rayon::scope(|_| f())
+    }
+}
+
+/// [`KeepAwake`] guards alive, in every thread: the spinners run while
+/// it is above zero.
+static AWAKE: AtomicUsize = AtomicUsize::new(0);
+
+/// Spinners running (for the tests).
+static SPINNING: AtomicUsize = AtomicUsize::new(0);
+
+/// While it lives, the other workers of the pool it was made in wait for
+/// work awake, looking for it, rather than asleep: hold one over a loop
+/// of small parallel steps, such as a decode.
+///
+/// Between two parallel parts of a step (a product, then an attention),
+/// the caller's worker runs the serial part alone; a rayon worker that
+/// finds no work for a few tens of microseconds goes to sleep, and the
+/// next part must wake it. On a virtual machine whose idle CPUs halt, that
+/// wake-up can take milliseconds: profiles of `vl serve` decoding 16
+/// requests (BENCHMARKS.md, 2026-12-03 sixth session) found the second
+/// worker asleep for 15% of the time while the first ran a step's
+/// products and attention alone. The spinners — one job per other
+/// worker, started by the first guard and ended when the last is dropped
+/// — run the pool's work as it appears ([`rayon::yield_now`]) and
+/// otherwise yield the CPU to the operating system, so that another
+/// thread (the caller's, when it is not a worker) is not kept from it.
+/// OpenMP's runtimes and llama.cpp's thread pool spin the same way
+/// between parallel regions.
+///
+/// The cost: the other workers use their cores while a guard lives, even
+/// when there is nothing to do. Guards nest (the first one starts the
+/// spinners, in the pool of the thread that made it: the global pool
+/// outside every pool); they are cheap to make when one is alive.
+#[must_use = "the workers stay awake only while the guard lives"]
+pub struct KeepAwake(());
+
+impl KeepAwake {
+    /// Keeps the pool's other workers awake until the guard is dropped.
+    pub fn new() -> Self {
+        if AWAKE.fetch_add(1, Ordering::AcqRel) == 0 {
+            let me = rayon::current_thread_index();
+            rayon::spawn_broadcast(move |ctx| {
+                if Some(ctx.index()) == me {
+                    return;
+                }
+                SPINNING.fetch_add(1, Ordering::AcqRel);
+                while AWAKE.load(Ordering::Acquire) > 0 {
+                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                        std::thread::yield_now();
+                    }
+                }
+                SPINNING.fetch_sub(1, Ordering::AcqRel);
+            });
+        }
+        Self(())
+    }
+}
+
+impl Default for KeepAwake {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for KeepAwake {
+    fn drop(&mut self) {
+        AWAKE.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -120,6 +189,51 @@ mod tests {
         assert!(inside.is_some());
         assert!(nested);
         assert_eq!(on_pool(|| 6 * 7), 42);
+    }
+
+    /// While a guard lives, the pool's other workers spin (all of them
+    /// for a guard made outside the pool), nested guards start no more,
+    /// work given meanwhile runs, and the spinners end once the last
+    /// guard is dropped. (The only test here to make guards: their count
+    /// is the process's.)
+    #[test]
+    fn keep_awake_spins_the_other_workers_until_dropped() {
+        use rayon::prelude::*;
+        use std::time::{Duration, Instant};
+        let until = |what: &str, want: usize| {
+            let t = Instant::now();
+            while SPINNING.load(Ordering::Acquire) != want {
+                let n = SPINNING.load(Ordering::Acquire);
+                assert!(
+                    t.elapsed() < Duration::from_secs(20),
+                    "{what}: {n} spinners, want {want}"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
+        let work = || (0..100_000u64).into_par_iter().map(|x| x * x).sum::<u64>();
+        let want = (0..100_000u64).map(|x| x * x).sum::<u64>();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .expect("pool");
+        pool.install(|| {
+            let outer = KeepAwake::new();
+            until("a guard on a worker of 3", 2);
+            let inner = KeepAwake::new();
+            assert_eq!(work(), want);
+            drop(inner);
+            assert_eq!(SPINNING.load(Ordering::Acquire), 2, "an inner guard's drop");
+            assert_eq!(work(), want);
+            drop(outer);
+        });
+        until("every guard dropped", 0);
+        // Outside every pool: the global pool's workers, all of them.
+        let guard = KeepAwake::default();
+        until("a guard outside the pools", rayon::current_num_threads());
+        assert_eq!(on_pool(work), want);
+        drop(guard);
+        until("the guard dropped", 0);
     }
 
     /// `par_filled` hands each task its chunk zeroed, in order, the last

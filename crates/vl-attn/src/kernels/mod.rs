@@ -47,4 +47,4 @@ pub(crate) mod tiled;
 pub use features::{
     Bf16Isa, Bf16Simd, CpuFeatures, Isa, PrefetchHint, Q8Isa, Q8Simd, Simd, Tuning, Vendor,
 };
-pub use host::{on_pool, with_values};
+pub use host::{on_pool, with_values, KeepAwake};

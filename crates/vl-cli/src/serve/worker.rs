@@ -15,6 +15,7 @@ use candle_core::Tensor;
 use tokio::sync::mpsc;
 use vl::captioner::{Caption, Captioner, Captioning, Request};
 use vl::tasks::Task;
+use vl::vl_attn::kernels::KeepAwake;
 use vl::vl_decoder::{GenerationConfig, TokenEvent};
 
 /// One request for the worker.
@@ -213,6 +214,9 @@ fn run_observed(
     // A job taken from the queue whose image would have passed
     // `encode_batch`: the first of the next admission.
     let mut held: Option<Job> = None;
+    // While requests run, the pool's workers stay awake between the
+    // steps' parallel parts (see `KeepAwake`).
+    let mut awake: Option<KeepAwake> = None;
     loop {
         // Admit: wait for work when idle, else take what has arrived, up
         // to `encode_batch` distinct images (a request's choices share
@@ -221,6 +225,7 @@ fn run_observed(
         if let Some(j) = held.take() {
             arrived.push(j);
         } else if running.is_empty() {
+            awake = None;
             match jobs.blocking_recv() {
                 Some(j) => arrived.push(j),
                 None => return,
@@ -259,6 +264,7 @@ fn run_observed(
             }
             return;
         }
+        awake.get_or_insert_with(Default::default);
         before_step(running.len());
         metrics.batch(running.len());
         let (n, t) = (running.len(), Instant::now());
