@@ -33,7 +33,8 @@
 //!   portable implementation that is its fallback and test oracle. The
 //!   products split across the rayon pool: run a model's whole forward
 //!   pass or decode step through [`kernels::on_pool`] to hand it over once
-//!   (vl's decoder and ViT do).
+//!   (vl's decoder and ViT do), and a loop of decode steps under a
+//!   [`kernels::KeepAwake`].
 //! - [`Proj`]: the projections, dense or quantized (`q8_0`, `q4k`) through
 //!   `quantize` on every attention and on [`FeedForward`].
 //! - [`LayerNorm`] (trainable; vl's kernel for f32 and bf16 rows on

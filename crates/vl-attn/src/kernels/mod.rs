@@ -26,7 +26,10 @@
 //! The products split across the rayon pool. Called from a thread
 //! outside it, each one hands its work over and waits (about 10 µs on a
 //! 2-core machine); run a model's whole forward pass or decode step
-//! through [`on_pool`] to pay that once (vl's decoder and ViT do).
+//! through [`on_pool`] to pay that once (vl's decoder and ViT do), and
+//! hold a [`KeepAwake`] over a loop of decode steps so that the pool's
+//! workers do not fall asleep between their parallel parts (vl's
+//! `generate` and `vl serve` do).
 
 pub mod add;
 pub(crate) mod attention;
