@@ -110,7 +110,7 @@ fn decode(
 ) -> anyhow::Result<f64> {
     let rows = ctx.images();
     // As `generate` decodes: the pool's workers awake between the steps.
-    let _awake = vl::vl_attn::kernels::KeepAwake::new();
+    let _awake = vl::vl_attn::kernels::KeepAwake::for_device(dec.device());
     let mut state = dec.start(ctx, 1)?;
     let start = vec![dec.config().bos_token_id; rows * prefix];
     let first = Tensor::from_vec(start, (rows, prefix), dec.device())?;

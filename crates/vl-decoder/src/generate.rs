@@ -190,7 +190,7 @@ pub fn generate_from(
     let prefix = prefix_of(model, cfg, prompt)?;
     // Steps of small parallel parts: the pool's workers stay awake between
     // them (see `KeepAwake`).
-    let _awake = vl_attn::kernels::KeepAwake::new();
+    let _awake = vl_attn::kernels::KeepAwake::for_device(model.device());
     match cfg.strategy {
         Strategy::Beam { .. } => beam::decode(model, image, cfg, &prefix, on_token),
         Strategy::Greedy | Strategy::Sample { .. } => {

@@ -79,9 +79,23 @@ static SPINNING: AtomicUsize = AtomicUsize::new(0);
 /// spinners, in the pool of the thread that made it: the global pool
 /// outside every pool); they are cheap to make when one is alive.
 #[must_use = "the workers stay awake only while the guard lives"]
-pub struct KeepAwake(());
+pub struct KeepAwake {
+    /// Whether this guard counts in [`AWAKE`] (not one for another device).
+    counted: bool,
+}
 
 impl KeepAwake {
+    /// [`KeepAwake::new`] for work on `device` when it is the CPU; for any
+    /// other device a guard that does nothing (a GPU's decode leaves the
+    /// pool idle: spinning workers would only keep its cores busy).
+    pub fn for_device(device: &candle_core::Device) -> Self {
+        if device.is_cpu() {
+            Self::new()
+        } else {
+            Self { counted: false }
+        }
+    }
+
     /// Keeps the pool's other workers awake until the guard is dropped.
     pub fn new() -> Self {
         if AWAKE.fetch_add(1, Ordering::AcqRel) == 0 {
@@ -99,7 +113,7 @@ impl KeepAwake {
                 SPINNING.fetch_sub(1, Ordering::AcqRel);
             });
         }
-        Self(())
+        Self { counted: true }
     }
 }
 
@@ -111,7 +125,9 @@ impl Default for KeepAwake {
 
 impl Drop for KeepAwake {
     fn drop(&mut self) {
-        AWAKE.fetch_sub(1, Ordering::AcqRel);
+        if self.counted {
+            AWAKE.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -229,7 +245,7 @@ mod tests {
         });
         until("every guard dropped", 0);
         // Outside every pool: the global pool's workers, all of them.
-        let guard = KeepAwake::default();
+        let guard = KeepAwake::for_device(&candle_core::Device::Cpu);
         until("a guard outside the pools", rayon::current_num_threads());
         assert_eq!(on_pool(work), want);
         drop(guard);

@@ -264,7 +264,7 @@ fn run_observed(
             }
             return;
         }
-        awake.get_or_insert_with(Default::default);
+        awake.get_or_insert_with(|| KeepAwake::for_device(captioner.model().decoder.device()));
         before_step(running.len());
         metrics.batch(running.len());
         let (n, t) = (running.len(), Instant::now());
