@@ -87,7 +87,10 @@ def test_parquet_of_arrays(cluster, tmp_path, shapes, samples):
     from PIL import Image
 
     arrays = [np.asarray(Image.open(p).convert("RGB")) for p in samples]
-    ds = ray.data.from_items([{"image": a} for a in arrays])
+    ds = ray.data.from_items([{"id": i, "image": a} for i, a in enumerate(arrays)])
+    # Ray Data hands batches back in the order they finish (not the
+    # input's unless `preserve_order` is set): rows are matched by id,
+    # which the captioner passes through.
     captioned = ds.map_batches(
         vl.ray.Captioner,
         fn_constructor_kwargs={"model": str(SHAPES), "result_column": "result"},
@@ -95,6 +98,8 @@ def test_parquet_of_arrays(cluster, tmp_path, shapes, samples):
         num_cpus=0.5,
         batch_size=4,
     ).take_all()
+    captioned.sort(key=lambda row: row["id"])
+    assert [row["id"] for row in captioned] == list(range(len(arrays)))
     assert [row["caption"] for row in captioned] == expected
     import json
 
