@@ -14,8 +14,7 @@ use super::{Generated, StopReason, TokenEvent};
 use crate::context::ImageContext;
 use crate::error::{arg_err, Result};
 use crate::model::VisionLanguageDecoder;
-use crate::state::{DecodeState, StepOptions, StepOutput};
-use rayon::prelude::*;
+use crate::state::{DecodeState, StepOptions};
 
 /// How a [`Decoding`] chooses its tokens.
 enum Search {
@@ -197,17 +196,12 @@ impl Decoding {
 /// running batch; a decoding's first step feeds its whole prefix). Each
 /// token is streamed to `on_token` as for [`super::generate`], with
 /// [`TokenEvent::image`] the decoding's index in `decodings`; beam search
-/// streams its result when it ends. The decodings choose their tokens in
-/// parallel on the rayon pool (each from its own logits, with its own
-/// search and generator: the same tokens as one after the other), then
-/// stream them in order.
+/// streams its result when it ends.
 ///
 /// # Errors
 /// As [`VisionLanguageDecoder::step_many`] (every decoding reads an image,
 /// or none does); [`crate::DecoderError::Argument`] naming `decodings`
-/// when two record the cross-attention weights of different blocks. A
-/// decoding whose choice fails does not stop the others': their tokens
-/// are streamed, then the first error is returned.
+/// when two record the cross-attention weights of different blocks.
 pub fn step_decodings(
     model: &VisionLanguageDecoder,
     decodings: &mut [&mut Decoding],
@@ -261,46 +255,12 @@ pub fn step_decodings(
                 .collect();
             model.step_many(&mut states, &inputs, options)?
         };
-        // Each decoding chooses from its own logits with its own search
-        // (its sampler's generator included): several choose in parallel
-        // on the pool, and their tokens are then streamed in the
-        // decodings' order, as choosing one after the other streams them.
-        let mut chosen: Vec<(usize, &mut Decoding, StepOutput)> = decodings
-            .iter_mut()
-            .enumerate()
-            .filter(|(i, _)| group.contains(i))
-            .zip(outputs)
-            .map(|((i, d), out)| (i, &mut **d, out))
-            .collect();
-        let advance = |(i, d, out): &mut (usize, &mut Decoding, StepOutput)| {
-            let mut events = Vec::new();
-            let weights = match d.cfg.cross_attention_of {
-                Some(_) => super::mean_heads(out.weights.take())?,
+        for (&i, out) in group.iter().zip(outputs) {
+            let weights = match decodings[i].cfg.cross_attention_of {
+                Some(_) => super::mean_heads(out.weights)?,
                 None => None,
             };
-            d.advance(&out.values, weights, *i, max_positions, &mut |e| {
-                events.push(e)
-            })?;
-            Ok(events)
-        };
-        let events: Vec<Result<Vec<TokenEvent>>> = if chosen.len() > 1 {
-            vl_attn::kernels::on_pool(|| chosen.par_iter_mut().map(advance).collect())
-        } else {
-            chosen.iter_mut().map(advance).collect()
-        };
-        // Every decoding that chose streams its tokens; the first error,
-        // if any, is returned after.
-        let mut failed = None;
-        for e in events {
-            match e {
-                Ok(events) => events.into_iter().for_each(&mut *on_token),
-                Err(e) => {
-                    failed.get_or_insert(e);
-                }
-            }
-        }
-        if let Some(e) = failed {
-            return Err(e);
+            decodings[i].advance(&out.values, weights, i, max_positions, on_token)?;
         }
     }
     Ok(())
