@@ -3,7 +3,9 @@
 //! values in place ([`with_values`]), check a `CustomOp`'s input is
 //! contiguous ([`contiguous`]).
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use candle_core::{Layout, Tensor};
 
@@ -55,6 +57,21 @@ static AWAKE: AtomicUsize = AtomicUsize::new(0);
 /// Spinners running (for the tests).
 static SPINNING: AtomicUsize = AtomicUsize::new(0);
 
+/// The longest a spinner runs before it returns (and queues its next
+/// turn): a spinner that a busy worker picked up while waiting inside
+/// other work holds that work back at most this long.
+const SPIN_TURN: Duration = Duration::from_millis(1);
+
+thread_local! {
+    /// Whether this worker is running a spinner (a spinner it picks up
+    /// inside one returns at once).
+    static SPINNING_HERE: Cell<bool> = const { Cell::new(false) };
+    /// Guards alive that this thread made: a worker running a guard's own
+    /// work never spins (a spinner it picks up while it waits inside that
+    /// work is handed on).
+    static GUARDS_HERE: Cell<usize> = const { Cell::new(0) };
+}
+
 /// While it lives, the other workers of the pool it was made in wait for
 /// work awake, looking for it, rather than asleep: hold one over a loop
 /// of small parallel steps, such as a decode.
@@ -67,21 +84,33 @@ static SPINNING: AtomicUsize = AtomicUsize::new(0);
 /// requests (BENCHMARKS.md, 2026-12-03 sixth session) found the second
 /// worker asleep for 15% of the time while the first ran a step's
 /// products and attention alone. The spinners — one job per other
-/// worker, started by the first guard and ended when the last is dropped
-/// — run the pool's work as it appears ([`rayon::yield_now`]) and
-/// otherwise yield the CPU to the operating system, so that another
-/// thread (the caller's, when it is not a worker) is not kept from it.
-/// OpenMP's runtimes and llama.cpp's thread pool spin the same way
-/// between parallel regions.
+/// worker, started by the first guard — run the pool's work as it
+/// appears ([`rayon::yield_now`]) and otherwise yield the CPU to the
+/// operating system, so that another thread (the caller's, when it is not
+/// a worker) is not kept from it. OpenMP's runtimes and llama.cpp's thread
+/// pool spin the same way between parallel regions.
+///
+/// A spinner runs in turns of at most a millisecond, each queueing the
+/// next ones while a guard lives (one per worker: on `n` workers, `n`
+/// small jobs a turn), and never on a worker that made a guard still
+/// alive: a worker that picks one up while it waits inside other
+/// work (a stolen part of a product, say) resumes that work within a
+/// turn, and one running a guard's own work (several decodes on the
+/// workers at once) declines it — a spinner that waited for every guard
+/// to drop there would wait for its own worker's.
 ///
 /// The cost: the other workers use their cores while a guard lives, even
 /// when there is nothing to do. Guards nest (the first one starts the
 /// spinners, in the pool of the thread that made it: the global pool
 /// outside every pool); they are cheap to make when one is alive.
+///
+/// A guard stays on the thread that made it (it is not `Send`).
 #[must_use = "the workers stay awake only while the guard lives"]
 pub struct KeepAwake {
     /// Whether this guard counts in [`AWAKE`] (not one for another device).
     counted: bool,
+    /// Not `Send`: [`GUARDS_HERE`] is its thread's.
+    _here: std::marker::PhantomData<*const ()>,
 }
 
 impl KeepAwake {
@@ -92,28 +121,48 @@ impl KeepAwake {
         if device.is_cpu() {
             Self::new()
         } else {
-            Self { counted: false }
+            Self {
+                counted: false,
+                _here: std::marker::PhantomData,
+            }
         }
     }
 
     /// Keeps the pool's other workers awake until the guard is dropped.
     pub fn new() -> Self {
+        GUARDS_HERE.with(|g| g.set(g.get() + 1));
         if AWAKE.fetch_add(1, Ordering::AcqRel) == 0 {
-            let me = rayon::current_thread_index();
-            rayon::spawn_broadcast(move |ctx| {
-                if Some(ctx.index()) == me {
-                    return;
-                }
-                SPINNING.fetch_add(1, Ordering::AcqRel);
-                while AWAKE.load(Ordering::Acquire) > 0 {
-                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
-                        std::thread::yield_now();
-                    }
-                }
-                SPINNING.fetch_sub(1, Ordering::AcqRel);
-            });
+            rayon::spawn_broadcast(|_| turn());
         }
-        Self { counted: true }
+        Self {
+            counted: true,
+            _here: std::marker::PhantomData,
+        }
+    }
+}
+
+/// One turn of a spinner on this worker (none if one runs here already,
+/// or the worker made a guard still alive): the pool's work as it
+/// appears, for at most [`SPIN_TURN`] while a guard lives; then the next
+/// turns are queued, one for every worker of the pool (each worker's own
+/// queue, which no other takes from: those spinning or running a guard's
+/// work decline theirs, and a worker whose spinner ended for whatever
+/// reason gets one back).
+fn turn() {
+    if GUARDS_HERE.with(Cell::get) > 0 || SPINNING_HERE.with(|s| s.replace(true)) {
+        return;
+    }
+    SPINNING.fetch_add(1, Ordering::AcqRel);
+    let start = Instant::now();
+    while AWAKE.load(Ordering::Acquire) > 0 && start.elapsed() < SPIN_TURN {
+        if rayon::yield_now() != Some(rayon::Yield::Executed) {
+            std::thread::yield_now();
+        }
+    }
+    SPINNING.fetch_sub(1, Ordering::AcqRel);
+    SPINNING_HERE.with(|s| s.set(false));
+    if AWAKE.load(Ordering::Acquire) > 0 {
+        rayon::spawn_broadcast(|_| turn());
     }
 }
 
@@ -126,6 +175,7 @@ impl Default for KeepAwake {
 impl Drop for KeepAwake {
     fn drop(&mut self) {
         if self.counted {
+            GUARDS_HERE.with(|g| g.set(g.get() - 1));
             AWAKE.fetch_sub(1, Ordering::AcqRel);
         }
     }
@@ -239,11 +289,27 @@ mod tests {
             let inner = KeepAwake::new();
             assert_eq!(work(), want);
             drop(inner);
-            assert_eq!(SPINNING.load(Ordering::Acquire), 2, "an inner guard's drop");
+            until("after an inner guard's drop", 2);
             assert_eq!(work(), want);
             drop(outer);
         });
         until("every guard dropped", 0);
+        // Guards on several workers at once (decodes inside a parallel
+        // loop), each over parallel work: all of it ends.
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            pool.install(|| {
+                (0..12).into_par_iter().for_each(|_| {
+                    let _guard = KeepAwake::new();
+                    assert_eq!(work(), want);
+                })
+            });
+            let _ = done.send(());
+        });
+        finished
+            .recv_timeout(Duration::from_secs(60))
+            .expect("guards made on several workers at once: their work ended");
+        until("the workers' guards dropped", 0);
         // Outside every pool: the global pool's workers, all of them.
         let guard = KeepAwake::for_device(&candle_core::Device::Cpu);
         until("a guard outside the pools", rayon::current_num_threads());
