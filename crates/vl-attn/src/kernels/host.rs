@@ -1,7 +1,9 @@
 //! What the kernels do on the host around their loops: hand a whole
-//! forward pass to the rayon pool once ([`on_pool`]), read a tensor's
-//! values in place ([`with_values`]), check a `CustomOp`'s input is
-//! contiguous ([`contiguous`]).
+//! forward pass to the rayon pool once ([`on_pool`]), keep the pool's
+//! workers awake through a loop of decode steps ([`KeepAwake`]), read a
+//! tensor's values in place ([`with_values`]), check a `CustomOp`'s input
+//! is contiguous ([`contiguous`]), fill new buffers in parallel
+//! ([`par_filled`]).
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
