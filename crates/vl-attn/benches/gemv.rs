@@ -8,7 +8,9 @@
 //! And the encoder's many-row products: candle's f32 and bf16 matmul next
 //! to `vl_attn::kernels::gemm_bf16` and the q8_0 product (FLOP/s as
 //! elements/s), for one ViT-B/16 image (197 rows) and for a 16-row decode
-//! step (a server's batch).
+//! step (a server's batch); and the q8_0 product on Florence-2 base's
+//! DaViT MLP shapes for one 768² image (group `gemm q8_0`: 576–9,216
+//! rows).
 //!
 //! `cargo bench -p vl-attn --bench gemv`
 //!
@@ -164,5 +166,27 @@ fn streamed(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, products, encoder, streamed);
+/// Florence-2 base's DaViT MLP products for one 768² image, q8_0.
+fn encoder_q8(c: &mut Criterion) {
+    let dev = Device::Cpu;
+    let mut group = c.benchmark_group("gemm q8_0");
+    group.sample_size(10);
+    for (name, out, inp, m) in [
+        ("stage 2 fc1", 1024, 256, 9216),
+        ("stage 3 fc1", 2048, 512, 2304),
+        ("stage 3 fc2", 512, 2048, 2304),
+        ("stage 4 fc1", 4096, 1024, 576),
+    ] {
+        let w32 = Tensor::randn(0f32, 1., (out, inp), &dev).expect("w");
+        let x32 = Tensor::randn(0f32, 1., (m, inp), &dev).expect("x");
+        group.throughput(Throughput::Elements((2 * m * out * inp) as u64));
+        let q8 = PackedQ8::quantize(&w32).expect("q8_0");
+        group.bench_function(BenchmarkId::new("vl q8_0", name), |b| {
+            b.iter(|| q8.matmul(&x32).expect("q8_0"))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, products, encoder, streamed, encoder_q8);
 criterion_main!(benches);

@@ -136,6 +136,25 @@ crate::kernels::micro::per_isa! {
     fn run(exact: bool, x: &[f32], y: &mut [f32]) = run_generic::<Fma>
 }
 
+/// GELU of `y` in place: [`run_generic`]'s values, bit for bit.
+#[inline(always)]
+pub(crate) fn in_place_generic<K: Kernel>(exact: bool, y: &mut [f32]) {
+    if exact {
+        for v in y.iter_mut() {
+            *v = gelu_erf::<K>(*v);
+        }
+    } else {
+        for v in y.iter_mut() {
+            *v = gelu_tanh::<K>(*v);
+        }
+    }
+}
+
+crate::kernels::micro::per_isa! {
+    /// GELU of `y` in place (a product's outputs before it stores them).
+    pub(crate) fn in_place(exact: bool, y: &mut [f32]) = in_place_generic::<Fma>
+}
+
 /// [`run_generic`] for bf16: widened through two stack buffers (no
 /// allocation) and rounded back (to nearest even, as candle's bf16 ops),
 /// the conversions compiled for the same instruction set as the GELU (in

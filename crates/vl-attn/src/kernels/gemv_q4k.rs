@@ -35,7 +35,7 @@ use super::features::{CpuFeatures, Q8Isa};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::gemv::prefetch;
 use crate::kernels::gemv_q8::{
-    bias_tensor, checked_bias, matmul_tiled, SummedActivations, Tiled, TILE_ROWS,
+    bias_tensor, checked_bias, matmul_tiled, matmul_tiled_then, SummedActivations, Tiled, TILE_ROWS,
 };
 use crate::kernels::micro::{madd, Kernel};
 use crate::kernels::q4k::{self, scale_min, BLOCK_BYTES, BLOCK_VALUES};
@@ -236,6 +236,15 @@ impl PackedQ4K {
     /// As [`PackedQ4K::matmul`].
     pub fn matmul_with(&self, isa: Q8Isa, x: &Tensor) -> candle_core::Result<Tensor> {
         matmul_tiled(self, isa, x)
+    }
+
+    /// `GELU(x W^T + b)` in f32, the GELU applied as the outputs are
+    /// stored: as [`crate::kernels::gemv_q8::PackedQ8::matmul_gelu`].
+    ///
+    /// # Errors
+    /// As [`PackedQ4K::matmul`].
+    pub fn matmul_gelu(&self, x: &Tensor, exact: bool) -> candle_core::Result<Tensor> {
+        matmul_tiled_then(self, CpuFeatures::get().q8_isa(), x, Some(exact))
     }
 }
 

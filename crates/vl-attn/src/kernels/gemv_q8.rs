@@ -23,6 +23,12 @@
 //! f32. Every output is computed the same way whatever the number of
 //! rows, so a decode step equals the full pass bit for bit.
 //!
+//! Many rows (an encoder's, a prefill's) take two tiles at once on VNNI
+//! ([`tile_pair_vnni`]: each broadcast of `x` serves 32 outputs, and the
+//! kernel adds the bias and stores from its registers), and a product may
+//! apply a GELU as it stores ([`PackedQ8::matmul_gelu`]) — both with the
+//! same values, bit for bit.
+//!
 //! The instruction set is chosen once per process ([`CpuFeatures::q8_isa`]): AVX-512
 //! VNNI intrinsics, or the same arithmetic in plain Rust compiled for
 //! AVX2+FMA or for the target's baseline. Every path is tested against an
@@ -53,6 +59,10 @@ const TILE_BYTES: usize = TILE_ROWS * BLOCK_VALUES;
 /// and their scales: a share of L2), so that `x` stays in cache while a
 /// task's weights pass by.
 const ROW_BLOCK: usize = 64;
+/// Rows of `x` per call of the two-tile kernel ([`tile_pair_vnni`]): its
+/// 2 × 6 integer and 2 × 6 f32 accumulators, the two tiles' group and the
+/// broadcast value take 27 of the 32 registers.
+const PAIR_ROWS: usize = 6;
 
 /// A q8_0 weight `(n, k)` packed for vl's kernels (see the module's
 /// documentation): `n` rounded up to tiles of 16 rows, the padding rows
@@ -255,6 +265,18 @@ impl PackedQ8 {
     pub fn matmul_with(&self, isa: Q8Isa, x: &Tensor) -> candle_core::Result<Tensor> {
         matmul_tiled(self, isa, x)
     }
+
+    /// `GELU(x W^T + b)` (exact when `exact`, else the tanh form) in f32:
+    /// [`PackedQ8::matmul`] and [`crate::layers::Activation`]'s GELU on
+    /// f32, bit for bit, with the GELU applied as the product stores its
+    /// outputs — an encoder's hidden layer is not written out and read
+    /// back between the two.
+    ///
+    /// # Errors
+    /// As [`PackedQ8::matmul`].
+    pub fn matmul_gelu(&self, x: &Tensor, exact: bool) -> candle_core::Result<Tensor> {
+        matmul_tiled_then(self, CpuFeatures::get().q8_isa(), x, Some(exact))
+    }
 }
 
 impl Tiled for PackedQ8 {
@@ -291,6 +313,34 @@ impl Tiled for PackedQ8 {
             _ => tile_plain(isa.f32_isa(), self, a, t, r0, acc),
         }
     }
+
+    fn pair_rows(&self, isa: Q8Isa) -> usize {
+        match isa.simd() {
+            #[cfg(target_arch = "x86_64")]
+            Q8Simd::Vnni => PAIR_ROWS,
+            _ => 0,
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn pair_store<const R: usize>(
+        &self,
+        isa: Q8Isa,
+        a: &Activations,
+        t: usize,
+        r0: usize,
+        out: &OutPtr,
+        gelu: Option<bool>,
+    ) {
+        match isa.simd() {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the token proves AVX-512F, BW and VNNI; the
+            // caller's contract is `tile_pair_vnni`'s.
+            Q8Simd::Vnni => unsafe { tile_pair_vnni::<R>(self, a, t, r0, out, gelu) },
+            // SAFETY: the caller's contract.
+            _ => unsafe { pair_apart::<Self, R>(self, isa, a, t, r0, out, gelu) },
+        }
+    }
 }
 
 /// A weight `(n, k)` packed in tiles of [`TILE_ROWS`] rows whose products
@@ -323,6 +373,39 @@ pub(crate) trait Tiled: Sync {
         r0: usize,
         acc: &mut [[f32; TILE_ROWS]; R],
     );
+    /// Rows of `x` per call of [`Tiled::accumulate_pair`] on `isa` in a
+    /// many-row product, or 0 where two tiles at once are no faster than
+    /// one at a time.
+    fn pair_rows(&self, isa: Q8Isa) -> usize {
+        let _ = isa;
+        0
+    }
+    /// Tiles `t` and `t + 1` against rows `r0..r0 + R`, plus the bias,
+    /// through the GELU if asked, stored in `out`: the values of
+    /// [`Tiled::accumulate`] and [`store`], bit for bit, from a kernel
+    /// that reads each value of `x` once for both tiles and stores from
+    /// its registers.
+    ///
+    /// # Panics
+    /// As [`Tiled::accumulate`], for tile `t + 1` too.
+    ///
+    /// # Safety
+    /// As [`tile`], for both tiles.
+    #[inline(always)]
+    unsafe fn pair_store<const R: usize>(
+        &self,
+        isa: Q8Isa,
+        a: &Self::Input,
+        t: usize,
+        r0: usize,
+        out: &OutPtr,
+        gelu: Option<bool>,
+    ) where
+        Self: Sized,
+    {
+        // SAFETY: the caller's contract.
+        unsafe { pair_apart::<Self, R>(self, isa, a, t, r0, out, gelu) }
+    }
 }
 
 /// Rows of `x` rounded to q8_0 as a [`Tiled`] product reads them.
@@ -387,6 +470,22 @@ pub(crate) fn bias_tensor(bias: Option<&[f32]>) -> candle_core::Result<Option<Te
 /// An `x` of another width, not on the CPU or of an integer dtype, and an
 /// `isa` this CPU does not support, named.
 pub(crate) fn matmul_tiled<P: Tiled>(p: &P, isa: Q8Isa, x: &Tensor) -> candle_core::Result<Tensor> {
+    matmul_tiled_then(p, isa, x, None)
+}
+
+/// [`matmul_tiled`], then a GELU (exact when `gelu` is `Some(true)`, tanh
+/// when `Some(false)`) applied to each output before it is stored: the
+/// bits of the two steps apart, without writing the product out and
+/// reading it back.
+///
+/// # Errors
+/// As [`matmul_tiled`].
+pub(crate) fn matmul_tiled_then<P: Tiled>(
+    p: &P,
+    isa: Q8Isa,
+    x: &Tensor,
+    gelu: Option<bool>,
+) -> candle_core::Result<Tensor> {
     let name = P::NAME;
     let (n, k) = p.dims();
     let dims = x.dims();
@@ -411,13 +510,13 @@ pub(crate) fn matmul_tiled<P: Tiled>(p: &P, isa: Q8Isa, x: &Tensor) -> candle_co
     let a = crate::kernels::with_values(&x.to_dtype(DType::F32)?, |xs: &[f32]| {
         P::Input::round(isa.f32_isa(), xs, rows, k)
     })?;
-    let y = product(p, isa, &a);
+    let y = product(p, isa, &a, gelu);
     Tensor::from_vec(y, shape, x.device())
 }
 
 /// `y (rows, n)`: tile columns split across the pool, each task writing
 /// its own columns of every row.
-fn product<P: Tiled>(p: &P, isa: Q8Isa, input: &P::Input) -> Vec<f32> {
+fn product<P: Tiled>(p: &P, isa: Q8Isa, input: &P::Input, gelu: Option<bool>) -> Vec<f32> {
     let n = p.dims().0;
     let a = input.activations();
     let tiles = n.div_ceil(TILE_ROWS);
@@ -450,7 +549,30 @@ fn product<P: Tiled>(p: &P, isa: Q8Isa, input: &P::Input) -> Vec<f32> {
             let rows = rc * row_chunk..((rc + 1) * row_chunk).min(a.rows);
             for r0 in rows.clone().step_by(ROW_BLOCK) {
                 let r1 = (r0 + ROW_BLOCK).min(rows.end);
-                for t in t0..t1 {
+                let mut t = t0;
+                let pair = p.pair_rows(isa);
+                // Two tiles at once where the weight has a kernel for
+                // them and the rows fill it.
+                while pair > 0 && t + 1 < t1 && r1 - r0 >= pair {
+                    let mut r = r0;
+                    while r < r1 {
+                        let step = (r1 - r).min(pair);
+                        // SAFETY: as below, for tiles `t` and `t + 1`.
+                        unsafe {
+                            match step {
+                                6 => p.pair_store::<6>(isa, input, t, r, &out, gelu),
+                                5 => p.pair_store::<5>(isa, input, t, r, &out, gelu),
+                                4 => p.pair_store::<4>(isa, input, t, r, &out, gelu),
+                                3 => p.pair_store::<3>(isa, input, t, r, &out, gelu),
+                                2 => p.pair_store::<2>(isa, input, t, r, &out, gelu),
+                                _ => p.pair_store::<1>(isa, input, t, r, &out, gelu),
+                            }
+                        }
+                        r += step;
+                    }
+                    t += 2;
+                }
+                for t in t..t1 {
                     let mut r = r0;
                     while r < r1 {
                         // Up to 8 rows share each tile's loads.
@@ -460,14 +582,14 @@ fn product<P: Tiled>(p: &P, isa: Q8Isa, input: &P::Input) -> Vec<f32> {
                         // `r..r + step` exist; `y` outlives the loop.
                         unsafe {
                             match step {
-                                8 => tile::<P, 8>(p, isa, input, t, r, &out),
-                                7 => tile::<P, 7>(p, isa, input, t, r, &out),
-                                6 => tile::<P, 6>(p, isa, input, t, r, &out),
-                                5 => tile::<P, 5>(p, isa, input, t, r, &out),
-                                4 => tile::<P, 4>(p, isa, input, t, r, &out),
-                                3 => tile::<P, 3>(p, isa, input, t, r, &out),
-                                2 => tile::<P, 2>(p, isa, input, t, r, &out),
-                                _ => tile::<P, 1>(p, isa, input, t, r, &out),
+                                8 => tile::<P, 8>(p, isa, input, t, r, &out, gelu),
+                                7 => tile::<P, 7>(p, isa, input, t, r, &out, gelu),
+                                6 => tile::<P, 6>(p, isa, input, t, r, &out, gelu),
+                                5 => tile::<P, 5>(p, isa, input, t, r, &out, gelu),
+                                4 => tile::<P, 4>(p, isa, input, t, r, &out, gelu),
+                                3 => tile::<P, 3>(p, isa, input, t, r, &out, gelu),
+                                2 => tile::<P, 2>(p, isa, input, t, r, &out, gelu),
+                                _ => tile::<P, 1>(p, isa, input, t, r, &out, gelu),
                             }
                         }
                         r += step;
@@ -495,10 +617,51 @@ unsafe fn tile<P: Tiled, const R: usize>(
     t: usize,
     r0: usize,
     out: &OutPtr,
+    gelu: Option<bool>,
 ) {
-    let n = p.dims().0;
     let mut acc = [[0f32; TILE_ROWS]; R];
     p.accumulate(isa, a, t, r0, &mut acc);
+    // SAFETY: the caller's contract.
+    unsafe { store(p, isa, &mut acc, t, r0, out, gelu) };
+}
+
+/// [`Tiled::pair_store`] as two calls of [`tile`].
+///
+/// # Safety
+/// As [`tile`], for both tiles.
+#[inline(always)]
+unsafe fn pair_apart<P: Tiled, const R: usize>(
+    p: &P,
+    isa: Q8Isa,
+    a: &P::Input,
+    t: usize,
+    r0: usize,
+    out: &OutPtr,
+    gelu: Option<bool>,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        tile::<P, R>(p, isa, a, t, r0, out, gelu);
+        tile::<P, R>(p, isa, a, t + 1, r0, out, gelu);
+    }
+}
+
+/// Tile `t`'s sums for rows `r0..r0 + R`, plus the bias, through the
+/// GELU if asked, stored in `out`.
+///
+/// # Safety
+/// As [`tile`].
+#[inline(always)]
+unsafe fn store<P: Tiled, const R: usize>(
+    p: &P,
+    isa: Q8Isa,
+    acc: &mut [[f32; TILE_ROWS]; R],
+    t: usize,
+    r0: usize,
+    out: &OutPtr,
+    gelu: Option<bool>,
+) {
+    let n = p.dims().0;
     let cols = (n - t * TILE_ROWS).min(TILE_ROWS);
     if let Some(b) = p.bias_values() {
         let b = &b[t * TILE_ROWS..][..cols];
@@ -507,6 +670,9 @@ unsafe fn tile<P: Tiled, const R: usize>(
                 *a += b;
             }
         }
+    }
+    if let Some(exact) = gelu {
+        crate::kernels::gelu::in_place(isa.f32_isa(), exact, acc.as_flattened_mut());
     }
     for (i, acc) in acc.iter().enumerate() {
         // SAFETY: row `r0 + i` exists and columns `t * 16 ..` of it are
@@ -523,7 +689,7 @@ unsafe fn tile<P: Tiled, const R: usize>(
 }
 
 /// The output of a product, written by the tasks at disjoint columns.
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(*mut f32);
 // SAFETY: shared only by `PackedQ8::product`'s tasks, which write
 // disjoint elements.
 unsafe impl Sync for OutPtr {}
@@ -881,6 +1047,109 @@ unsafe fn tile_vnni<const R: usize>(
     }
 }
 
+/// [`tile_vnni`] for tiles `t` and `t + 1` at once, stored from the
+/// registers ([`Tiled::pair_store`]): each value of `x` is broadcast once
+/// for both tiles (a many-row product's loads were mostly those
+/// broadcasts), one `vpdpbusd` chain per tile and row; then the bias, the
+/// GELU if asked (the f32 kernel's own, lane by lane) and a masked store.
+/// The integer sums are exact and scaled as [`tile_vnni`] scales them:
+/// the values of [`tile`], bit for bit.
+///
+/// # Panics
+/// As [`tile_vnni`], for tile `t + 1` too.
+///
+/// # Safety
+/// The CPU has AVX-512F, BW and VNNI; `out` is `(rows of a, n)` and no
+/// other thread writes these tiles' columns of these rows meanwhile.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+// Rows index the two tiles' accumulators together; iterators over one of
+// them would need closures, which do not inherit the target features.
+#[allow(clippy::needless_range_loop)]
+unsafe fn tile_pair_vnni<const R: usize>(
+    p: &PackedQ8,
+    a: &Activations,
+    t: usize,
+    r0: usize,
+    out: &OutPtr,
+    gelu: Option<bool>,
+) {
+    use crate::kernels::gelu::gelu_one;
+    use crate::kernels::micro::Fma;
+    use std::arch::x86_64::*;
+    let blocks = check_tile(p, a, t + 1, r0..r0 + R);
+    // SAFETY: every offset below is within tiles `t` and `t + 1` of `p`
+    // (tile `t + 1`'s end checked above), the rows `r0..r0 + R` of `a`,
+    // and those rows' columns of the two tiles in `out` (masked to `n`).
+    unsafe {
+        let mut sums = [[_mm512_setzero_ps(); R]; 2];
+        let qs = [
+            p.qs.as_ptr().add(t * blocks * TILE_BYTES),
+            p.qs.as_ptr().add((t + 1) * blocks * TILE_BYTES),
+        ];
+        let ds = [
+            p.d.as_ptr().add(t * blocks * TILE_ROWS),
+            p.d.as_ptr().add((t + 1) * blocks * TILE_ROWS),
+        ];
+        for b in 0..blocks {
+            // Written out rather than with closures, which would not
+            // inherit the function's target features (nor be inlined).
+            let mut s = [[_mm512_setzero_si512(); R]; 2];
+            for i in 0..R {
+                let o = _mm512_set1_epi32(*a.offset.get_unchecked((r0 + i) * blocks + b));
+                s[0][i] = o;
+                s[1][i] = o;
+            }
+            for g in 0..8 {
+                let w = [
+                    _mm512_loadu_si512(qs[0].add(b * TILE_BYTES + g * 64) as *const _),
+                    _mm512_loadu_si512(qs[1].add(b * TILE_BYTES + g * 64) as *const _),
+                ];
+                for i in 0..R {
+                    let x = a.q.as_ptr().add((r0 + i) * a.k + b * BLOCK_VALUES + g * 4);
+                    let x4 = _mm512_set1_epi32((x as *const i32).read_unaligned());
+                    s[0][i] = _mm512_dpbusd_epi32(s[0][i], w[0], x4);
+                    s[1][i] = _mm512_dpbusd_epi32(s[1][i], w[1], x4);
+                }
+            }
+            for j in 0..2 {
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(ds[j].add(b * TILE_ROWS) as *const _));
+                for i in 0..R {
+                    let dx = *a.d.get_unchecked((r0 + i) * blocks + b);
+                    let scale = _mm512_mul_ps(dw, _mm512_set1_ps(dx));
+                    sums[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[j][i]), scale, sums[j][i]);
+                }
+            }
+        }
+        let n = p.n;
+        for (j, sums) in sums.iter().enumerate() {
+            let c0 = (t + j) * TILE_ROWS;
+            // `t + 1` may be the last, partial tile (`c0 < n` as a tile).
+            let cols = (n - c0).min(TILE_ROWS);
+            let mask: __mmask16 = (((1u32 << cols) - 1) & 0xFFFF) as u16;
+            let bias = p
+                .bias
+                .as_deref()
+                .map(|b| _mm512_maskz_loadu_ps(mask, b.as_ptr().add(c0)));
+            for (i, &sum) in sums.iter().enumerate() {
+                let mut v = match bias {
+                    Some(b) => _mm512_add_ps(sum, b),
+                    None => sum,
+                };
+                if let Some(exact) = gelu {
+                    let mut lanes = [0f32; TILE_ROWS];
+                    _mm512_storeu_ps(lanes.as_mut_ptr(), v);
+                    for l in &mut lanes {
+                        *l = gelu_one::<Fma>(exact, *l);
+                    }
+                    v = _mm512_loadu_ps(lanes.as_ptr());
+                }
+                _mm512_mask_storeu_ps(out.0.add((r0 + i) * n + c0), mask, v);
+            }
+        }
+    }
+}
+
 /// [`tile_vnni`] on AVX2: per group of 4 values, the 16 rows' bytes in two
 /// 256-bit halves, multiplied by `vpmaddubsw` (unsigned × signed bytes,
 /// pairs summed to 16 bits) and summed to 32 bits by `vpmaddwd`. The
@@ -1219,12 +1488,14 @@ mod tests {
                         let err = (*g as f64 - w).abs() / scale;
                         assert!(err < 1e-5, "{isa:?} ({rows}, {k}) x ({n}, {k}): {g} vs {w}");
                     }
-                    let last = p.matmul_with(isa, &x.narrow(1, rows - 1, 1)?)?;
-                    assert_eq!(
-                        last.flatten_all()?.to_vec1::<f32>()?,
-                        got[(rows - 1) * n..].to_vec(),
-                        "{isa:?}: one row vs {rows}"
-                    );
+                    for r in [0, rows / 2, rows - 1] {
+                        let one = p.matmul_with(isa, &x.narrow(1, r, 1)?)?;
+                        assert_eq!(
+                            one.flatten_all()?.to_vec1::<f32>()?,
+                            got[r * n..][..n].to_vec(),
+                            "{isa:?}: row {r} alone vs in {rows}"
+                        );
+                    }
                 }
             }
         }

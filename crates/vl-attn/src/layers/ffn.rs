@@ -119,6 +119,9 @@ impl FeedForward {
         if let Some(y) = self.fused_bf16(x)? {
             return Ok(y);
         }
+        if let Some(y) = self.fused_tiled(x)? {
+            return Ok(y);
+        }
         Ok(self
             .down
             .forward(&self.act.forward(&self.up.forward(x)?)?)?)
@@ -152,6 +155,29 @@ impl FeedForward {
         }
         let hidden = up.matmul_gelu(x, exact)?;
         Ok(Some(down.matmul_f32(&hidden)?))
+    }
+}
+
+impl FeedForward {
+    /// The layer with the GELU in the first product's epilogue when that
+    /// product is vl's q8_0 or q4k tiles under f32 activations on the CPU:
+    /// the bits of the three steps apart (the same GELU, on the same f32
+    /// values), without the hidden layer's extra pass — in a Florence-2
+    /// q8_0 encode that pass wrote and read back the 19–75 MB hidden layer
+    /// of every DaViT block. `None` where that does not apply.
+    fn fused_tiled(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let exact = match self.act {
+            Activation::Gelu => true,
+            Activation::GeluTanh => false,
+            Activation::Relu | Activation::Silu => return Ok(None),
+        };
+        if x.dtype() != candle_core::DType::F32 || !x.device().is_cpu() || x.track_op() {
+            return Ok(None);
+        }
+        match self.up.matmul_gelu_tiled(x, exact) {
+            Some(hidden) => Ok(Some(self.down.forward(&hidden?)?)),
+            None => Ok(None),
+        }
     }
 }
 
@@ -194,6 +220,58 @@ mod tests {
                     f.iter().zip(&a).all(|(f, a)| f.to_bits() == a.to_bits()),
                     "{act:?}, {rows} rows"
                 );
+            }
+        }
+        Ok(())
+    }
+
+    /// With q8_0 or q4k weights under f32 activations, the GELU in the
+    /// first product's epilogue gives the bits of the three steps apart,
+    /// for a decode step's rows and an encoder's (the two-tile kernel and
+    /// its tails), with and without a bias; the f32 hidden layer is what
+    /// the steps apart compute, so a ReLU layer takes the plain path.
+    #[test]
+    fn fused_tiled_equals_the_steps() -> Result<()> {
+        let dev = Device::Cpu;
+        let layer = |o: usize, i: usize, bias: bool| -> Result<Proj> {
+            Ok(Proj::from(Linear::new(
+                Tensor::randn(0f32, 0.1, (o, i), &dev)?,
+                bias.then(|| Tensor::randn(0f32, 0.1, o, &dev))
+                    .transpose()?,
+            )))
+        };
+        for (format, hidden, inter) in [(Quantization::Q8_0, 64, 96), (Quantization::Q4K, 256, 512)]
+        {
+            for act in [Activation::Gelu, Activation::GeluTanh, Activation::Relu] {
+                for bias in [true, false] {
+                    let q = Quantizer::strict(format);
+                    let ffn = FeedForward::from_parts(
+                        q.proj("up", &layer(inter, hidden, bias)?)?,
+                        q.proj("down", &layer(hidden, inter, bias)?)?,
+                        act,
+                    );
+                    let (up, _) = ffn.parts();
+                    assert_eq!(
+                        up.matmul_gelu_tiled(&Tensor::zeros((1, hidden), DType::F32, &dev)?, true)
+                            .is_some(),
+                        dev.is_cpu(),
+                        "{format:?} is held in vl's tiles"
+                    );
+                    for rows in [1, 5, 13, 70] {
+                        let x = Tensor::randn(0f32, 1., (2, rows, hidden), &dev)?;
+                        let fused = ffn.forward(&x)?;
+                        let (up, down) = ffn.parts();
+                        let apart = down.forward(&act.forward(&up.forward(&x)?)?)?;
+                        let (f, a) = (
+                            fused.flatten_all()?.to_vec1::<f32>()?,
+                            apart.flatten_all()?.to_vec1::<f32>()?,
+                        );
+                        assert!(
+                            f.iter().zip(&a).all(|(f, a)| f.to_bits() == a.to_bits()),
+                            "{format:?} {act:?} bias {bias}, {rows} rows"
+                        );
+                    }
+                }
             }
         }
         Ok(())

@@ -116,6 +116,21 @@ impl Proj {
         }
     }
 
+    /// `GELU(x W^T + b)` in f32 with the GELU applied as the product
+    /// stores its outputs, where the layer holds a weight in vl's q8_0 or
+    /// q4k tiles; `None` for the other forms.
+    pub(crate) fn matmul_gelu_tiled(
+        &self,
+        x: &Tensor,
+        exact: bool,
+    ) -> Option<candle_core::Result<Tensor>> {
+        match &self.inner {
+            Inner::Q8 { weight, .. } => Some(weight.matmul_gelu(x, exact)),
+            Inner::Q4K { weight, .. } => Some(weight.matmul_gelu(x, exact)),
+            _ => None,
+        }
+    }
+
     /// The weight's shape `(out, in)`.
     pub fn dims(&self) -> (usize, usize) {
         match &self.inner {
