@@ -281,6 +281,14 @@ mod tests {
         };
         let work = || (0..100_000u64).into_par_iter().map(|x| x * x).sum::<u64>();
         let want = (0..100_000u64).map(|x| x * x).sum::<u64>();
+        // Outside every pool: the global pool's workers, all of them.
+        // (First: a pool dropped below may still hold a spinner's queued
+        // turn, which a later guard anywhere would set spinning.)
+        let guard = KeepAwake::for_device(&candle_core::Device::Cpu);
+        until("a guard outside the pools", rayon::current_num_threads());
+        assert_eq!(on_pool(work), want);
+        drop(guard);
+        until("the guard dropped", 0);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(3)
             .build()
@@ -312,12 +320,6 @@ mod tests {
             .recv_timeout(Duration::from_secs(60))
             .expect("guards made on several workers at once: their work ended");
         until("the workers' guards dropped", 0);
-        // Outside every pool: the global pool's workers, all of them.
-        let guard = KeepAwake::for_device(&candle_core::Device::Cpu);
-        until("a guard outside the pools", rayon::current_num_threads());
-        assert_eq!(on_pool(work), want);
-        drop(guard);
-        until("the guard dropped", 0);
     }
 
     /// `par_filled` hands each task its chunk zeroed, in order, the last
