@@ -24,7 +24,7 @@
 //! rows, so a decode step equals the full pass bit for bit.
 //!
 //! Many rows (an encoder's, a prefill's) take two tiles at once on VNNI
-//! ([`tile_pair_vnni`]: each broadcast of `x` serves 32 outputs, and the
+//! (`tile_pair_vnni`: each broadcast of `x` serves 32 outputs, and the
 //! kernel adds the bias and stores from its registers), and a product may
 //! apply a GELU as it stores ([`PackedQ8::matmul_gelu`]) — both with the
 //! same values, bit for bit.
@@ -269,7 +269,7 @@ impl PackedQ8 {
     }
 
     /// `GELU(x W^T + b)` (exact when `exact`, else the tanh form) in f32:
-    /// [`PackedQ8::matmul`] and [`crate::layers::Activation`]'s GELU on
+    /// [`PackedQ8::matmul`] and [`crate::Activation`]'s GELU on
     /// f32, bit for bit, with the GELU applied as the product stores its
     /// outputs — an encoder's hidden layer is not written out and read
     /// back between the two.
