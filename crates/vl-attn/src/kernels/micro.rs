@@ -53,6 +53,23 @@ pub(crate) trait Kernel {
         kdim: usize,
         c: &mut [[f32; NR]; MR],
     );
+
+    /// `m[l] = if x > m[l] { x } else { m[l] }` for each row `x` of `rows`
+    /// ([`NR`] floats each, lane `l`): a NaN leaves `m` as it was. The
+    /// same values on every instruction set; the SIMD forms keep `m` in
+    /// registers (the plain loop compiled to a scalar compare and store
+    /// per row and lane: 15% of the tiled attention on DaViT's windows).
+    ///
+    /// # Safety
+    /// The CPU runs the instruction set.
+    #[inline(always)]
+    unsafe fn row_maxima(m: &mut [f32; NR], rows: &[f32]) {
+        for row in rows.chunks_exact(NR) {
+            for (m, &x) in m.iter_mut().zip(row) {
+                *m = if x > *m { x } else { *m };
+            }
+        }
+    }
 }
 
 /// Plain Rust over fixed-size arrays: `Portable<false>` ([`Plain`]) for
@@ -143,6 +160,26 @@ impl Kernel for Avx512 {
             }
         }
     }
+
+    /// `vmaxps` is `if x > m { x } else { m }`, lane by lane.
+    #[inline(always)]
+    unsafe fn row_maxima(m: &mut [f32; NR], rows: &[f32]) {
+        use std::arch::x86_64::*;
+        // SAFETY: AVX-512F (the caller's contract); each load is within a
+        // whole row (`chunks_exact`), `m` holds two registers.
+        unsafe {
+            let (mut m0, mut m1) = (
+                _mm512_loadu_ps(m.as_ptr()),
+                _mm512_loadu_ps(m.as_ptr().add(16)),
+            );
+            for row in rows.chunks_exact(NR) {
+                m0 = _mm512_max_ps(_mm512_loadu_ps(row.as_ptr()), m0);
+                m1 = _mm512_max_ps(_mm512_loadu_ps(row.as_ptr().add(16)), m1);
+            }
+            _mm512_storeu_ps(m.as_mut_ptr(), m0);
+            _mm512_storeu_ps(m.as_mut_ptr().add(16), m1);
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -178,6 +215,28 @@ impl Kernel for Avx2 {
                 for (i, acc_i) in acc.iter().enumerate() {
                     _mm256_storeu_ps(cp.add(i * NR + col), *acc_i);
                 }
+            }
+        }
+    }
+
+    /// `vmaxps` is `if x > m { x } else { m }`, lane by lane.
+    #[inline(always)]
+    unsafe fn row_maxima(m: &mut [f32; NR], rows: &[f32]) {
+        use std::arch::x86_64::*;
+        // SAFETY: AVX2 (the caller's contract); each load is within a
+        // whole row (`chunks_exact`), `m` holds four registers.
+        unsafe {
+            let mut acc: [__m256; NR / 8] = [_mm256_setzero_ps(); NR / 8];
+            for (v, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_loadu_ps(m.as_ptr().add(8 * v));
+            }
+            for row in rows.chunks_exact(NR) {
+                for (v, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_max_ps(_mm256_loadu_ps(row.as_ptr().add(8 * v)), *a);
+                }
+            }
+            for (v, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(m.as_mut_ptr().add(8 * v), *a);
             }
         }
     }

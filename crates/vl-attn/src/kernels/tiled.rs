@@ -352,23 +352,9 @@ fn task_generic<K: Kernel>(
         // -inf (nothing open yet) gets weights exp(NaN) = 0 and alpha 0
         // on an accumulator that is 0.
         let mut m_new = s.m;
-        #[cfg(target_arch = "x86_64")]
-        let vectorised = K::AVX512 && {
-            // SAFETY: `K::AVX512` is set by the AVX-512F kernel alone,
-            // which `per_isa` runs only where the CPU has AVX-512F.
-            unsafe { row_maxima_avx512(&mut m_new, &s.st[..kb * Q]) };
-            true
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        let vectorised = false;
-        if !vectorised {
-            for j in 0..kb {
-                let row: &[f32; Q] = s.st[j * Q..][..Q].try_into().expect("Q floats");
-                for (m, &x) in m_new.iter_mut().zip(row) {
-                    *m = if x > *m { x } else { *m };
-                }
-            }
-        }
+        // SAFETY: `K` is only instantiated inside functions compiled for
+        // its instruction set, which run only on CPUs that have it.
+        unsafe { K::row_maxima(&mut m_new, &s.st[..kb * Q]) };
         for ((a, &m_old), &m) in s.alpha.iter_mut().zip(&s.m).zip(&m_new) {
             *a = exp_neg::<K>(m_old - m);
         }
@@ -430,34 +416,6 @@ fn task_generic<K: Kernel>(
         }
     }
     out
-}
-
-/// `m[n] = max(m[n], st[j][n])` over the rows `j` of `st (rows, BLOCK_Q)`,
-/// two registers of lanes at a time: `vmaxps` is `if x > m { x } else {
-/// m }` (a NaN score leaves the maximum as it was), the plain loop's
-/// values. The plain loop compiled to a scalar compare and store per key
-/// and lane (15% of a window attention's time).
-///
-/// # Safety
-/// The CPU has AVX-512F, and the caller is compiled for it.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn row_maxima_avx512(m: &mut [f32; BLOCK_Q], st: &[f32]) {
-    use std::arch::x86_64::*;
-    const LANES: usize = 16;
-    const _: () = assert!(BLOCK_Q == 2 * LANES);
-    // SAFETY: AVX-512F (the caller's contract); every load is within a
-    // whole row of `st` (`chunks_exact`) and `m` holds two registers.
-    unsafe {
-        let mut m0 = _mm512_loadu_ps(m.as_ptr());
-        let mut m1 = _mm512_loadu_ps(m.as_ptr().add(LANES));
-        for row in st.chunks_exact(BLOCK_Q) {
-            m0 = _mm512_max_ps(_mm512_loadu_ps(row.as_ptr()), m0);
-            m1 = _mm512_max_ps(_mm512_loadu_ps(row.as_ptr().add(LANES)), m1);
-        }
-        _mm512_storeu_ps(m.as_mut_ptr(), m0);
-        _mm512_storeu_ps(m.as_mut_ptr().add(LANES), m1);
-    }
 }
 
 /// `qt (hd, BLOCK_Q)`: `qt[d][n] = scale · q[n][d]` for the `len` rows of
@@ -567,6 +525,44 @@ mod tests {
         }
     }
     use crate::kernels::micro::Plain;
+
+    /// The rows' maxima of every instruction set are the plain loop's,
+    /// NaN scores and `-inf` (masked keys) included.
+    #[test]
+    fn row_maxima_are_the_plain_loop() {
+        use crate::kernels::micro::Plain;
+        let rows: Vec<f32> = (0..37 * BLOCK_Q)
+            .map(|i| match i % 11 {
+                3 => f32::NAN,
+                5 => f32::NEG_INFINITY,
+                _ => ((i * 7919) % 1009) as f32 / 100.0 - 5.0,
+            })
+            .collect();
+        let start: [f32; BLOCK_Q] = std::array::from_fn(|l| match l % 3 {
+            0 => f32::NEG_INFINITY,
+            _ => l as f32 / 4.0,
+        });
+        let mut want = start;
+        // SAFETY: the plain loop runs on every CPU.
+        unsafe { Plain::row_maxima(&mut want, &rows) };
+        assert!(want.iter().all(|m| !m.is_nan()));
+        for isa in crate::kernels::CpuFeatures::get().isas() {
+            let mut got = start;
+            // SAFETY: `isas` lists only what this CPU runs.
+            unsafe {
+                match isa.simd() {
+                    #[cfg(target_arch = "x86_64")]
+                    crate::kernels::Simd::Avx512 => Avx512::row_maxima(&mut got, &rows),
+                    #[cfg(target_arch = "x86_64")]
+                    crate::kernels::Simd::Avx2 => {
+                        crate::kernels::micro::Avx2::row_maxima(&mut got, &rows)
+                    }
+                    _ => Plain::row_maxima(&mut got, &rows),
+                }
+            }
+            assert_eq!(got.map(f32::to_bits), want.map(f32::to_bits), "{isa:?}");
+        }
+    }
 
     #[test]
     fn exp_matches_std() {
