@@ -93,8 +93,10 @@ ALL_CONFIGS = list(TORCH_CONFIGS) + list(VL_CONFIGS)
 
 
 def median(xs):
+    """The middle value, or the mean of the two middle ones (as `vl bench`)."""
     xs = sorted(xs)
-    return xs[len(xs) // 2]
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
 
 
 def model_type(model_dir: str) -> str:
@@ -175,8 +177,9 @@ def florence_worker(model_dir: str, dtype: str, repeats: int) -> dict:
         many = timed(lambda: gen_n(NEW_TOKENS + 1))
         ms_per_token = (many - one) / NEW_TOKENS
         e2e_ms = timed(lambda: gen_n(FLORENCE_TOKENS, from_pixels=True))
+        # As many runs as `vl bench` times its beam caption.
         e2e_beam_ms = timed(lambda: gen_n(FLORENCE_TOKENS, FLORENCE_BEAMS, True),
-                            reps=max(1, repeats // 2))
+                            reps=max(1, (repeats + 1) // 2))
     weights = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return dict(
