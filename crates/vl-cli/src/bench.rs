@@ -83,7 +83,7 @@ const STEPS_AFTER_PREFIX: usize = 8;
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     let m = xs.len() / 2;
-    if xs.len() % 2 == 0 {
+    if xs.len().is_multiple_of(2) {
         (xs[m - 1] + xs[m]) / 2.0
     } else {
         xs[m]
