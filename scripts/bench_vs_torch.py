@@ -67,6 +67,7 @@ own venv (see its docstring).
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -90,13 +91,6 @@ VL_CONFIGS = {
     "vl-q8_0-kv16": ("vl q8_0 + bf16 cache", ["--quantize", "q8_0", "--text-cache", "bf16"]),
 }
 ALL_CONFIGS = list(TORCH_CONFIGS) + list(VL_CONFIGS)
-
-
-def median(xs):
-    """The middle value, or the mean of the two middle ones (as `vl bench`)."""
-    xs = sorted(xs)
-    m = len(xs) // 2
-    return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
 
 
 def model_type(model_dir: str) -> str:
@@ -148,7 +142,7 @@ def florence_worker(model_dir: str, dtype: str, repeats: int) -> dict:
                  forced_bos_token_id=None, no_repeat_ngram_size=0, early_stopping=False)
 
     def timed(f, reps=repeats):
-        return median(timings(f, reps))
+        return statistics.median(timings(f, reps))
 
     def encode():
         feats = model.get_image_features(pixel_values=pixels).pooler_output
@@ -227,7 +221,7 @@ def torch_worker(model_dir: str, dtype: str, repeats: int, batch: int,
     pixels = (torch.arange(n, dtype=torch.float32) / n - 0.5).reshape(1, 3, h, w).to(dt)
 
     def timed(f, reps=repeats):
-        return median(timings(f, reps))
+        return statistics.median(timings(f, reps))
 
     with torch.inference_mode():
         encode_ms = timed(lambda: encoder(pixel_values=pixels))
@@ -289,7 +283,8 @@ def torch_worker(model_dir: str, dtype: str, repeats: int, batch: int,
                     return (stamps[-1] - stamps[0]) * 1e3 / STEPS_AFTER_PREFIX
 
                 steps()
-                at[f"ms_per_token_at_{p}"] = median(steps() for _ in range(max(1, min(repeats, 3))))
+                at[f"ms_per_token_at_{p}"] = statistics.median(
+                    [steps() for _ in range(max(1, min(repeats, 3)))])
         batch_px = pixels.repeat(batch, 1, 1, 1)
         batch_ms = timed(lambda: gen_n(NEW_TOKENS, px=batch_px), reps=max(1, repeats // 2))
     weights = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) / 2**20
@@ -321,7 +316,7 @@ def torch_attention(q_len: int, k_len: int, repeats: int) -> dict:
             t = time.perf_counter()
             F.scaled_dot_product_attention(q, k, v)
             ts.append((time.perf_counter() - t) * 1e3)
-    return dict(side="torch", q_len=q_len, k_len=k_len, ms=median(ts),
+    return dict(side="torch", q_len=q_len, k_len=k_len, ms=statistics.median(ts),
                 peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
