@@ -10,7 +10,11 @@
 //! elements/s), for one ViT-B/16 image (197 rows) and for a 16-row decode
 //! step (a server's batch); and the q8_0 product on Florence-2 base's
 //! DaViT MLP shapes for one 768² image (group `gemm q8_0`: 576–9,216
-//! rows).
+//! rows); and a whole q8_0 feed-forward on its first two stages' shapes
+//! (group `ffn q8_0`): `FeedForward::forward`, which takes an encoder's
+//! many rows a chunk at a time with the hidden layer kept in cache,
+//! against its two products apart (the GELU in the first one's epilogue,
+//! the hidden layer written out and read back).
 //!
 //! `cargo bench -p vl-attn --bench gemv`
 //!
@@ -188,5 +192,45 @@ fn encoder_q8(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, products, encoder, streamed, encoder_q8);
+/// Florence-2 base's first two DaViT stages' feed-forward for one 768²
+/// image, q8_0: chunked (`FeedForward::forward`) against its two products
+/// apart.
+fn ffn_q8(c: &mut Criterion) {
+    use vl_attn::{Activation, FeedForward, Quantization};
+    let dev = Device::Cpu;
+    let mut group = c.benchmark_group("ffn q8_0");
+    group.sample_size(10);
+    for (name, width, hidden, m) in [("stage 1", 128, 512, 36864), ("stage 2", 256, 1024, 9216)] {
+        let layer = |o: usize, i: usize| {
+            candle_nn::Linear::new(
+                Tensor::randn(0f32, 0.1, (o, i), &dev).expect("w"),
+                Some(Tensor::randn(0f32, 0.1, o, &dev).expect("b")),
+            )
+        };
+        let (up, down) = (layer(hidden, width), layer(width, hidden));
+        let x = Tensor::randn(0f32, 1., (m, width), &dev).expect("x");
+        group.throughput(Throughput::Elements((4 * m * hidden * width) as u64));
+        let ffn = FeedForward::from_parts(up.clone(), down.clone(), Activation::Gelu)
+            .quantize(Quantization::Q8_0)
+            .expect("q8_0");
+        group.bench_function(BenchmarkId::new("chunked", name), |b| {
+            b.iter(|| ffn.forward(&x).expect("ffn"))
+        });
+        let packed = |l: &candle_nn::Linear| {
+            PackedQ8::quantize(l.weight())
+                .and_then(|p| p.with_bias(l.bias()))
+                .expect("q8_0")
+        };
+        let (up, down) = (packed(&up), packed(&down));
+        group.bench_function(BenchmarkId::new("apart", name), |b| {
+            b.iter(|| {
+                let h = up.matmul_gelu(&x, true).expect("up");
+                down.matmul(&h).expect("down")
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, products, encoder, streamed, encoder_q8, ffn_q8);
 criterion_main!(benches);

@@ -413,8 +413,10 @@ pub(crate) trait Tiled: Sync {
 
 /// Rows of `x` rounded to q8_0 as a [`Tiled`] product reads them.
 pub(crate) trait RoundedInput: Sync + Sized {
-    /// Rounds `x (rows, k)` on `isa`.
+    /// Rounds `x (rows, k)` on `isa`, rows split across the pool.
     fn round(isa: Isa, x: &[f32], rows: usize, k: usize) -> Self;
+    /// [`RoundedInput::round`] on the calling thread alone.
+    fn round_here(isa: Isa, x: &[f32], rows: usize, k: usize) -> Self;
     /// The rounded values and scales.
     fn activations(&self) -> &Activations;
 }
@@ -422,6 +424,10 @@ pub(crate) trait RoundedInput: Sync + Sized {
 impl RoundedInput for Activations {
     fn round(isa: Isa, x: &[f32], rows: usize, k: usize) -> Self {
         Activations::new(isa, x, rows, k)
+    }
+
+    fn round_here(isa: Isa, x: &[f32], rows: usize, k: usize) -> Self {
+        Activations::new_here(isa, x, rows, k)
     }
 
     fn activations(&self) -> &Activations {
@@ -432,6 +438,10 @@ impl RoundedInput for Activations {
 impl RoundedInput for SummedActivations {
     fn round(isa: Isa, x: &[f32], rows: usize, k: usize) -> Self {
         Activations::new(isa, x, rows, k).with_sums()
+    }
+
+    fn round_here(isa: Isa, x: &[f32], rows: usize, k: usize) -> Self {
+        Activations::new_here(isa, x, rows, k).with_sums()
     }
 
     fn activations(&self) -> &Activations {
@@ -552,56 +562,10 @@ fn product<P: Tiled>(p: &P, isa: Q8Isa, input: &P::Input, gelu: Option<bool>) ->
             let rows = rc * row_chunk..((rc + 1) * row_chunk).min(a.rows);
             for r0 in rows.clone().step_by(ROW_BLOCK) {
                 let r1 = (r0 + ROW_BLOCK).min(rows.end);
-                let mut t = t0;
-                let pair = p.pair_rows(isa);
-                // Two tiles at once where the weight has a kernel for
-                // them and the block has an encoder's rows. A decode
-                // batch's few rows read each weight from memory once, and
-                // there the one-tile kernel, which prefetches, is faster
-                // (a 16-row serve step of vit-gpt2 q8_0 took 23–25 ms on
-                // the two-tile kernel against 19–21 ms).
-                while pair > 0 && t + 1 < t1 && r1 - r0 >= PAIR_MIN_ROWS {
-                    let mut r = r0;
-                    while r < r1 {
-                        let step = (r1 - r).min(pair);
-                        // SAFETY: as below, for tiles `t` and `t + 1`.
-                        unsafe {
-                            match step {
-                                6 => p.pair_store::<6>(isa, input, t, r, &out, gelu),
-                                5 => p.pair_store::<5>(isa, input, t, r, &out, gelu),
-                                4 => p.pair_store::<4>(isa, input, t, r, &out, gelu),
-                                3 => p.pair_store::<3>(isa, input, t, r, &out, gelu),
-                                2 => p.pair_store::<2>(isa, input, t, r, &out, gelu),
-                                _ => p.pair_store::<1>(isa, input, t, r, &out, gelu),
-                            }
-                        }
-                        r += step;
-                    }
-                    t += 2;
-                }
-                for t in t..t1 {
-                    let mut r = r0;
-                    while r < r1 {
-                        // Up to 8 rows share each tile's loads.
-                        let step = (r1 - r).min(8);
-                        // SAFETY: tasks write disjoint blocks (tile
-                        // columns `t0..t1` of their chunk of rows); rows
-                        // `r..r + step` exist; `y` outlives the loop.
-                        unsafe {
-                            match step {
-                                8 => tile::<P, 8>(p, isa, input, t, r, &out, gelu),
-                                7 => tile::<P, 7>(p, isa, input, t, r, &out, gelu),
-                                6 => tile::<P, 6>(p, isa, input, t, r, &out, gelu),
-                                5 => tile::<P, 5>(p, isa, input, t, r, &out, gelu),
-                                4 => tile::<P, 4>(p, isa, input, t, r, &out, gelu),
-                                3 => tile::<P, 3>(p, isa, input, t, r, &out, gelu),
-                                2 => tile::<P, 2>(p, isa, input, t, r, &out, gelu),
-                                _ => tile::<P, 1>(p, isa, input, t, r, &out, gelu),
-                            }
-                        }
-                        r += step;
-                    }
-                }
+                // SAFETY: tasks write disjoint blocks (tile columns
+                // `t0..t1` of their chunk of rows) of `y`, which outlives
+                // the loop.
+                unsafe { rows_by_tiles(p, isa, input, t0..t1, r0..r1, &out, gelu) };
             }
         });
     // SAFETY: the tasks cover every tile column of every chunk of rows,
@@ -609,6 +573,168 @@ fn product<P: Tiled>(p: &P, isa: Q8Isa, input: &P::Input, gelu: Option<bool>) ->
     // elements are initialised.
     unsafe { y.set_len(a.rows * n) };
     y
+}
+
+/// The hidden layer's bytes a task of [`ffn_tiled`] keeps in f32: with
+/// its rounded copy and the two weights' tiles it stays in a core's L2.
+const FFN_HIDDEN_BYTES: usize = 192 * 1024;
+
+/// `down(GELU(up(x)))` for an encoder's many rows, a chunk of rows per
+/// task: the chunk is rounded, multiplied by `up` into a hidden layer
+/// that stays in the task's cache (the GELU applied as it is stored),
+/// rounded again and multiplied by `down` into its rows of the output.
+/// The values are those of the two products apart ([`product`] with the
+/// GELU, then without): every row is rounded and multiplied alike, only
+/// the order of the work differs — but the hidden layer, up to 4× the
+/// input's width, is neither written to memory in f32, read back to be
+/// rounded, nor faulted in as a fresh buffer (the first stage of a
+/// Florence-2 DaViT, 36,864 tokens × 512 hidden values, spent twice its
+/// products' time on that traffic).
+///
+/// `None` where it does not pay: under 4 chunks per thread (a decode
+/// step's rows read each weight once), or a hidden layer so wide that a
+/// chunk of it in [`FFN_HIDDEN_BYTES`] is under [`PAIR_MIN_ROWS`] rows —
+/// too few for the two-tile kernel, and too few to be worth reading both
+/// weights again for (every chunk does).
+pub(crate) fn ffn_tiled<U: Tiled, D: Tiled>(
+    up: &U,
+    down: &D,
+    isa: Q8Isa,
+    x: &Tensor,
+    exact: bool,
+) -> candle_core::Result<Option<Tensor>> {
+    let ((hidden, k), (n, down_k)) = (up.dims(), down.dims());
+    let dims = x.dims();
+    if down_k != hidden {
+        candle_core::bail!(
+            "{}: the feed-forward's second weight ({n}, {down_k}) does not take the first's {hidden} outputs",
+            D::NAME
+        );
+    }
+    if dims.last() != Some(&k) || !x.device().is_cpu() || x.dtype() != DType::F32 {
+        return Ok(None);
+    }
+    let rows = x.elem_count() / k.max(1);
+    let chunk = (FFN_HIDDEN_BYTES / (4 * hidden.max(1))) / PAIR_ROWS * PAIR_ROWS;
+    let threads = rayon::current_num_threads().max(1);
+    if chunk < PAIR_MIN_ROWS || rows < 4 * chunk * threads || n == 0 {
+        return Ok(None);
+    }
+    let (up_tiles, down_tiles) = (hidden.div_ceil(TILE_ROWS), n.div_ceil(TILE_ROWS));
+    let mut shape = dims[..dims.len() - 1].to_vec();
+    shape.push(n);
+    // Not zeroed first: each task writes every value of its rows.
+    let mut y: Vec<f32> = Vec::with_capacity(rows * n);
+    let out = OutPtr(y.as_mut_ptr());
+    crate::kernels::with_values(x, |xs: &[f32]| {
+        xs.par_chunks(chunk * k).enumerate().for_each(|(c, xs)| {
+            let rows_here = xs.len() / k;
+            let input = U::Input::round_here(isa.f32_isa(), xs, rows_here, k);
+            let mut h: Vec<f32> = Vec::with_capacity(rows_here * hidden);
+            // SAFETY: `h` is `(rows_here, hidden)`, this task's own;
+            // every tile of `up` is stored for every row, so all of it
+            // is written before it is read.
+            unsafe {
+                rows_by_tiles(
+                    up,
+                    isa,
+                    &input,
+                    0..up_tiles,
+                    0..rows_here,
+                    &OutPtr(h.as_mut_ptr()),
+                    Some(exact),
+                );
+                h.set_len(rows_here * hidden);
+            }
+            let hidden_input = D::Input::round_here(isa.f32_isa(), &h, rows_here, hidden);
+            // SAFETY: rows `c * chunk ..` of `y` are this task's
+            // alone, within its capacity, and every tile of `down`
+            // is stored for each of them.
+            unsafe {
+                let mine = out.offset(c * chunk * n);
+                rows_by_tiles(
+                    down,
+                    isa,
+                    &hidden_input,
+                    0..down_tiles,
+                    0..rows_here,
+                    &mine,
+                    None,
+                );
+            }
+        })
+    })?;
+    // SAFETY: the chunks cover every row, each written whole above.
+    unsafe { y.set_len(rows * n) };
+    Ok(Some(Tensor::from_vec(y, shape, x.device())?))
+}
+
+/// Rows `rows` of `input` against tiles `tiles` of `p`, plus the bias,
+/// through the GELU if asked, stored in `out`: two tiles at once where
+/// the weight has a kernel for them and the rows are an encoder's many,
+/// else one at a time — the same values either way.
+///
+/// # Safety
+/// `out` is `(rows of input, n)` from its pointer on; no other thread
+/// writes these tiles' columns of these rows meanwhile.
+unsafe fn rows_by_tiles<P: Tiled>(
+    p: &P,
+    isa: Q8Isa,
+    input: &P::Input,
+    tiles: std::ops::Range<usize>,
+    rows: std::ops::Range<usize>,
+    out: &OutPtr,
+    gelu: Option<bool>,
+) {
+    let (t0, t1) = (tiles.start, tiles.end);
+    let (r0, r1) = (rows.start, rows.end);
+    let mut t = t0;
+    let pair = p.pair_rows(isa);
+    // Two tiles at once where the weight has a kernel for them and the
+    // block has an encoder's rows. A decode batch's few rows read each
+    // weight from memory once, and there the one-tile kernel, which
+    // prefetches, is faster (a 16-row serve step of vit-gpt2 q8_0 took
+    // 23–25 ms on the two-tile kernel against 19–21 ms).
+    while pair > 0 && t + 1 < t1 && r1 - r0 >= PAIR_MIN_ROWS {
+        let mut r = r0;
+        while r < r1 {
+            let step = (r1 - r).min(pair);
+            // SAFETY: as below, for tiles `t` and `t + 1`.
+            unsafe {
+                match step {
+                    6 => p.pair_store::<6>(isa, input, t, r, out, gelu),
+                    5 => p.pair_store::<5>(isa, input, t, r, out, gelu),
+                    4 => p.pair_store::<4>(isa, input, t, r, out, gelu),
+                    3 => p.pair_store::<3>(isa, input, t, r, out, gelu),
+                    2 => p.pair_store::<2>(isa, input, t, r, out, gelu),
+                    _ => p.pair_store::<1>(isa, input, t, r, out, gelu),
+                }
+            }
+            r += step;
+        }
+        t += 2;
+    }
+    for t in t..t1 {
+        let mut r = r0;
+        while r < r1 {
+            // Up to 8 rows share each tile's loads.
+            let step = (r1 - r).min(8);
+            // SAFETY: the caller's contract; rows `r..r + step` exist.
+            unsafe {
+                match step {
+                    8 => tile::<P, 8>(p, isa, input, t, r, out, gelu),
+                    7 => tile::<P, 7>(p, isa, input, t, r, out, gelu),
+                    6 => tile::<P, 6>(p, isa, input, t, r, out, gelu),
+                    5 => tile::<P, 5>(p, isa, input, t, r, out, gelu),
+                    4 => tile::<P, 4>(p, isa, input, t, r, out, gelu),
+                    3 => tile::<P, 3>(p, isa, input, t, r, out, gelu),
+                    2 => tile::<P, 2>(p, isa, input, t, r, out, gelu),
+                    _ => tile::<P, 1>(p, isa, input, t, r, out, gelu),
+                }
+            }
+            r += step;
+        }
+    }
 }
 
 /// Rows `r0..r0 + R` of `x` against tile `t`, written to `out`.
@@ -700,6 +826,17 @@ pub(crate) struct OutPtr(*mut f32);
 // SAFETY: shared only by `PackedQ8::product`'s tasks, which write
 // disjoint elements.
 unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The output from its `elems`-th value on.
+    ///
+    /// # Safety
+    /// The buffer has room for `elems` values.
+    unsafe fn offset(&self, elems: usize) -> OutPtr {
+        // SAFETY: the caller's contract.
+        OutPtr(unsafe { self.0.add(elems) })
+    }
+}
 
 /// Rows of `x` rounded to q8_0, with what the kernels read besides.
 pub(crate) struct Activations {
@@ -854,6 +991,16 @@ impl Activations {
     /// Rounds `x (rows, k)` block by block (see [`round_blocks`]); rows
     /// split across the pool when there are many.
     pub(crate) fn new(isa: Isa, x: &[f32], rows: usize, k: usize) -> Self {
+        Self::rounded(isa, x, rows, k, true)
+    }
+
+    /// [`Activations::new`] on the calling thread alone (a task's own
+    /// rows).
+    pub(crate) fn new_here(isa: Isa, x: &[f32], rows: usize, k: usize) -> Self {
+        Self::rounded(isa, x, rows, k, false)
+    }
+
+    fn rounded(isa: Isa, x: &[f32], rows: usize, k: usize, split: bool) -> Self {
         let blocks = k / BLOCK_VALUES;
         const CHUNK: usize = 16;
         // Each task zeroes its own part of the three buffers (no one
@@ -869,7 +1016,7 @@ impl Activations {
             &mut d.spare_capacity_mut()[..rows * blocks],
             &mut offset.spare_capacity_mut()[..rows * blocks],
         );
-        if rows <= CHUNK {
+        if rows <= CHUNK || !split {
             round_blocks_on(isa, x, zeroed(qs), zeroed(ds), zeroed(os));
         } else {
             x.par_chunks(CHUNK * k)

@@ -131,6 +131,36 @@ impl Proj {
         }
     }
 
+    /// `down(GELU(up(x)))` for an encoder's many rows, a chunk of rows
+    /// at a time with the hidden layer kept in cache, where both layers
+    /// hold vl's q8_0 or q4k tiles (see
+    /// `crate::kernels::gemv_q8::ffn_tiled`); `None` for the other forms,
+    /// a few rows or a hidden layer too wide for it to pay.
+    pub(crate) fn ffn_tiled(
+        up: &Proj,
+        down: &Proj,
+        x: &Tensor,
+        exact: bool,
+    ) -> candle_core::Result<Option<Tensor>> {
+        use crate::kernels::gemv_q8::ffn_tiled;
+        let isa = crate::kernels::CpuFeatures::get().q8_isa();
+        match (&up.inner, &down.inner) {
+            (Inner::Q8 { weight: u, .. }, Inner::Q8 { weight: d, .. }) => {
+                ffn_tiled(&**u, &**d, isa, x, exact)
+            }
+            (Inner::Q8 { weight: u, .. }, Inner::Q4K { weight: d, .. }) => {
+                ffn_tiled(&**u, &**d, isa, x, exact)
+            }
+            (Inner::Q4K { weight: u, .. }, Inner::Q8 { weight: d, .. }) => {
+                ffn_tiled(&**u, &**d, isa, x, exact)
+            }
+            (Inner::Q4K { weight: u, .. }, Inner::Q4K { weight: d, .. }) => {
+                ffn_tiled(&**u, &**d, isa, x, exact)
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// The weight's shape `(out, in)`.
     pub fn dims(&self) -> (usize, usize) {
         match &self.inner {
