@@ -448,12 +448,18 @@ impl HalfBlock {
         }
         let order = WindowOrder::new(h, w, ws, 0)?;
         let hd = c / heads;
-        let qkv = self.qkv.forward(x)?;
-        let (q, k, v) = (
-            order.split_heads(&qkv, 0, heads, hd)?,
-            order.split_heads(&qkv, c, heads, hd)?,
-            order.split_heads(&qkv, 2 * c, heads, hd)?,
-        );
+        // vl's tiles store the projection straight into the heads.
+        let [q, k, v] = match order.project_heads(&self.qkv, x, heads, hd)? {
+            Some(qkv) => qkv,
+            None => {
+                let qkv = self.qkv.forward(x)?;
+                [
+                    order.split_heads(&qkv, 0, heads, hd)?,
+                    order.split_heads(&qkv, c, heads, hd)?,
+                    order.split_heads(&qkv, 2 * c, heads, hd)?,
+                ]
+            }
+        };
         let scale = (hd as f64).powf(-0.5);
         let out = attention(&q, &k, &v, None, scale, Backend::Auto, Weights::Skip)?.output;
         debug_assert_eq!(out.dims()[0], b * order.windows());

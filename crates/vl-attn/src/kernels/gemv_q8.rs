@@ -530,6 +530,25 @@ pub(crate) fn matmul_tiled_then<P: Tiled>(
 /// `y (rows, n)`: tile columns split across the pool, each task writing
 /// its own columns of every row.
 fn product<P: Tiled>(p: &P, isa: Q8Isa, input: &P::Input, gelu: Option<bool>) -> Vec<f32> {
+    let len = input.activations().rows * p.dims().0;
+    // SAFETY: rows one after the other fill `rows · n` values.
+    unsafe { product_placed(p, isa, input, gelu, len, None) }
+}
+
+/// [`product`] into `len` values, tile `t` of row `r` at `rows[r] +
+/// tiles[t]` when `place` is given.
+///
+/// # Safety
+/// The places of every row's every tile (up to 16 values, fewer for the
+/// last tile) are disjoint and within `len`, and together cover it.
+unsafe fn product_placed<P: Tiled>(
+    p: &P,
+    isa: Q8Isa,
+    input: &P::Input,
+    gelu: Option<bool>,
+    len: usize,
+    place: Option<(&[usize], &[usize])>,
+) -> Vec<f32> {
     let n = p.dims().0;
     let a = input.activations();
     let tiles = n.div_ceil(TILE_ROWS);
@@ -551,8 +570,11 @@ fn product<P: Tiled>(p: &P, isa: Q8Isa, input: &P::Input, gelu: Option<bool>) ->
     // Not zeroed first (a memset and, for a fresh buffer, its page
     // faults, before the tasks overwrite it): the tasks write every
     // element (below).
-    let mut y: Vec<f32> = Vec::with_capacity(a.rows * n);
-    let out = OutPtr(y.as_mut_ptr());
+    let mut y: Vec<f32> = Vec::with_capacity(len);
+    let out = OutPtr {
+        ptr: y.as_mut_ptr(),
+        place,
+    };
     (0..col_tasks * a.rows.div_ceil(row_chunk))
         .into_par_iter()
         .for_each(|task| {
@@ -569,10 +591,70 @@ fn product<P: Tiled>(p: &P, isa: Q8Isa, input: &P::Input, gelu: Option<bool>) ->
             }
         });
     // SAFETY: the tasks cover every tile column of every chunk of rows,
-    // and `tile` writes each column below `n` of its rows: all `rows * n`
-    // elements are initialised.
-    unsafe { y.set_len(a.rows * n) };
+    // and `tile` writes each column below `n` of its rows: all `len`
+    // elements are initialised (the caller's contract).
+    unsafe { y.set_len(len) };
     y
+}
+
+/// `x W^T` (plus the bias, if any) for `x: (rows, k)` f32 on the CPU into
+/// a layout of the caller's: tile `t` (outputs `16 t ..`, up to 16) of row
+/// `r` at `rows[r] + tiles[t]` of the `len` values returned — e.g. a
+/// fused q/k/v projection straight to window attention's heads, with no
+/// projection in token order to copy from.
+///
+/// # Errors
+/// An `x` of another width, not f32 or not on the CPU, and tables of
+/// other lengths than `x`'s rows and the weight's tiles, named.
+///
+/// # Safety
+/// The places are disjoint, within `len` and together cover it (checked
+/// in debug builds).
+pub(crate) unsafe fn matmul_tiled_placed<P: Tiled>(
+    p: &P,
+    isa: Q8Isa,
+    x: &Tensor,
+    rows: &[usize],
+    tiles: &[usize],
+    len: usize,
+) -> candle_core::Result<Vec<f32>> {
+    let (n, k) = p.dims();
+    let m = x.elem_count() / k.max(1);
+    if x.dims().last() != Some(&k)
+        || !x.device().is_cpu()
+        || x.dtype() != DType::F32
+        || rows.len() != m
+        || tiles.len() != n.div_ceil(TILE_ROWS)
+    {
+        candle_core::bail!(
+            "{}: a placed product takes x (..., {k}) f32 on the CPU, {} row places and {} tile places for a weight ({n}, {k}); got x {:?} {:?} on {:?}, {} and {}",
+            P::NAME,
+            m,
+            n.div_ceil(TILE_ROWS),
+            x.dims(),
+            x.dtype(),
+            x.device(),
+            rows.len(),
+            tiles.len()
+        );
+    }
+    #[cfg(debug_assertions)]
+    {
+        let mut seen = vec![false; len];
+        for &r in rows {
+            for (t, &c) in tiles.iter().enumerate() {
+                let cols = (n - t * TILE_ROWS).min(TILE_ROWS);
+                for s in &mut seen[r + c..][..cols] {
+                    assert!(!*s, "two places overlap at {}", r + c);
+                    *s = true;
+                }
+            }
+        }
+        assert!(seen.iter().all(|&s| s), "the places leave values unwritten");
+    }
+    let a = crate::kernels::with_values(x, |xs: &[f32]| P::Input::round(isa.f32_isa(), xs, m, k))?;
+    // SAFETY: the caller's contract.
+    Ok(unsafe { product_placed(p, isa, &a, None, len, Some((rows, tiles))) })
 }
 
 /// The hidden layer's bytes a task of [`ffn_tiled`] keeps in f32: with
@@ -625,7 +707,7 @@ pub(crate) fn ffn_tiled<U: Tiled, D: Tiled>(
     shape.push(n);
     // Not zeroed first: each task writes every value of its rows.
     let mut y: Vec<f32> = Vec::with_capacity(rows * n);
-    let out = OutPtr(y.as_mut_ptr());
+    let out = OutPtr::rows(y.as_mut_ptr());
     crate::kernels::with_values(x, |xs: &[f32]| {
         xs.par_chunks(chunk * k).enumerate().for_each(|(c, xs)| {
             let rows_here = xs.len() / k;
@@ -641,7 +723,7 @@ pub(crate) fn ffn_tiled<U: Tiled, D: Tiled>(
                     &input,
                     0..up_tiles,
                     0..rows_here,
-                    &OutPtr(h.as_mut_ptr()),
+                    &OutPtr::rows(h.as_mut_ptr()),
                     Some(exact),
                 );
                 h.set_len(rows_here * hidden);
@@ -811,30 +893,55 @@ unsafe fn store<P: Tiled, const R: usize>(
         // SAFETY: row `r0 + i` exists and columns `t * 16 ..` of it are
         // this call's alone (the caller's contract); written through the
         // pointer (the buffer is not initialised before).
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                acc.as_ptr(),
-                out.0.add((r0 + i) * n + t * TILE_ROWS),
-                cols,
-            )
-        };
+        unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), out.at(r0 + i, t, n), cols) };
     }
 }
 
-/// The output of a product, written by the tasks at disjoint columns.
-pub(crate) struct OutPtr(*mut f32);
-// SAFETY: shared only by `PackedQ8::product`'s tasks, which write
-// disjoint elements.
-unsafe impl Sync for OutPtr {}
+/// The output of a product, written by the tasks at disjoint places:
+/// tile `t` of row `r` (up to 16 values) at `r · n + 16 t` — the rows one
+/// after the other — or at `rows[r] + tiles[t]`, a layout of the
+/// caller's ([`matmul_tiled_placed`]).
+pub(crate) struct OutPtr<'a> {
+    ptr: *mut f32,
+    place: Option<(&'a [usize], &'a [usize])>,
+}
+// SAFETY: shared only by a product's tasks, which write disjoint
+// elements.
+unsafe impl Sync for OutPtr<'_> {}
 
-impl OutPtr {
+impl OutPtr<'static> {
+    /// Rows one after the other from `ptr` on.
+    fn rows(ptr: *mut f32) -> Self {
+        Self { ptr, place: None }
+    }
+}
+
+impl OutPtr<'_> {
     /// The output from its `elems`-th value on.
     ///
     /// # Safety
     /// The buffer has room for `elems` values.
-    unsafe fn offset(&self, elems: usize) -> OutPtr {
+    unsafe fn offset(&self, elems: usize) -> Self {
         // SAFETY: the caller's contract.
-        OutPtr(unsafe { self.0.add(elems) })
+        Self {
+            ptr: unsafe { self.ptr.add(elems) },
+            place: self.place,
+        }
+    }
+
+    /// Where tile `t` of row `r` of a product of `n` outputs goes.
+    ///
+    /// # Safety
+    /// The place is within the buffer (the constructor's contract).
+    #[inline(always)]
+    unsafe fn at(&self, r: usize, t: usize, n: usize) -> *mut f32 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match self.place {
+                None => self.ptr.add(r * n + t * TILE_ROWS),
+                Some((rows, tiles)) => self.ptr.add(rows[r] + tiles[t]),
+            }
+        }
     }
 }
 
@@ -1298,7 +1405,7 @@ unsafe fn tile_pair_vnni<const R: usize>(
                     }
                     v = _mm512_loadu_ps(lanes.as_ptr());
                 }
-                _mm512_mask_storeu_ps(out.0.add((r0 + i) * n + c0), mask, v);
+                _mm512_mask_storeu_ps(out.at(r0 + i, t + j, n), mask, v);
             }
         }
     }

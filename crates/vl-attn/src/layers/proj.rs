@@ -161,6 +161,37 @@ impl Proj {
         }
     }
 
+    /// `x W^T + b` in f32 into a layout of the caller's, where the layer
+    /// holds vl's q8_0 or q4k tiles (see
+    /// `crate::kernels::gemv_q8::matmul_tiled_placed`); `None` for the
+    /// other forms.
+    ///
+    /// # Safety
+    /// The places of every row's every tile of 16 outputs are disjoint,
+    /// within `len`, and together cover it.
+    pub(crate) unsafe fn matmul_placed(
+        &self,
+        x: &Tensor,
+        rows: &[usize],
+        tiles: &[usize],
+        len: usize,
+    ) -> Option<candle_core::Result<Vec<f32>>> {
+        use crate::kernels::gemv_q8::matmul_tiled_placed;
+        let isa = crate::kernels::CpuFeatures::get().q8_isa();
+        // SAFETY: the caller's contract.
+        unsafe {
+            match &self.inner {
+                Inner::Q8 { weight, .. } => {
+                    Some(matmul_tiled_placed(&**weight, isa, x, rows, tiles, len))
+                }
+                Inner::Q4K { weight, .. } => {
+                    Some(matmul_tiled_placed(&**weight, isa, x, rows, tiles, len))
+                }
+                _ => None,
+            }
+        }
+    }
+
     /// The weight's shape `(out, in)`.
     pub fn dims(&self) -> (usize, usize) {
         match &self.inner {

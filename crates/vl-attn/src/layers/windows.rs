@@ -18,6 +18,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::error::{AttnError, Result};
 use crate::kernels::host::par_filled;
 use crate::kernels::with_values;
+use crate::layers::proj::Proj;
 
 const MODULE: &str = "WindowOrder";
 
@@ -153,6 +154,76 @@ impl WindowOrder {
             .reshape((n, t, heads, head_dim))?
             .transpose(1, 2)?
             .contiguous()?)
+    }
+
+    /// A fused q/k/v projection of `x` (`(b, hp, wp, width)` or `(b, hp ·
+    /// wp, width)`, map order) straight to the attention's layout: `[q, k,
+    /// v]`, each `(b · windows, heads, window², head_dim)` — the values of
+    /// [`WindowOrder::split_heads`] on `proj.forward(x)` at offsets 0,
+    /// `heads · head_dim` and twice that — stored there by the product
+    /// itself, where the projection's output in map order (3× the map)
+    /// was written, then copied three times (in a Florence-2 q8_0 encode,
+    /// a quarter of DaViT's first-stage window attention). `None` where
+    /// that does not apply: a projection not held in vl's q8_0 or q4k
+    /// tiles, an `x` not f32 on the CPU, or a head width that is not a
+    /// multiple of 16 (a tile of outputs would straddle two heads).
+    ///
+    /// # Errors
+    /// An `x` of another token count, or a projection of another shape
+    /// than `(3 · heads · head_dim, width)`, named.
+    pub fn project_heads(
+        &self,
+        proj: &Proj,
+        x: &Tensor,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<Option<[Tensor; 3]>> {
+        const TILE: usize = crate::kernels::gemv_q8::TILE_ROWS;
+        let (b, width) = self.check(x, "x")?;
+        let inner = heads * head_dim;
+        if proj.dims() != (3 * inner, width) || inner == 0 {
+            return Err(AttnError::Config {
+                module: MODULE,
+                reason: format!(
+                    "project_heads: a q/k/v projection of {heads} heads of {head_dim} takes ({}, {width}); got {:?}",
+                    3 * inner,
+                    proj.dims()
+                ),
+            });
+        }
+        if !on_host(x) || !head_dim.is_multiple_of(TILE) {
+            return Ok(None);
+        }
+        let (t, windows, tokens) = (self.window_len(), self.windows(), self.hp * self.wp);
+        let n = b * windows;
+        let part = n * heads * t * head_dim;
+        // Row `r` (image `img`, map token `token`): its window and place
+        // in it; tile `c`: its part (q, k, v), head and first column.
+        let rows: Vec<usize> = (0..b * tokens)
+            .map(|r| {
+                let (img, token) = (r / tokens, r % tokens);
+                let at = self.scatter[token] as usize;
+                ((img * windows + at / t) * heads * t + at % t) * head_dim
+            })
+            .collect();
+        let tiles: Vec<usize> = (0..3 * inner / TILE)
+            .map(|c| {
+                let col = c * TILE;
+                let (which, within) = (col / inner, col % inner);
+                which * part + (within / head_dim) * t * head_dim + within % head_dim
+            })
+            .collect();
+        let x = x.reshape((b * tokens, width))?;
+        // SAFETY: `rows` is a permutation of the (sample, position) pairs
+        // times `head_dim`, and `tiles` of the (part, head, 16-column
+        // block) triples, whose offsets (multiples of `t · head_dim` and
+        // of 16 within `head_dim`) are apart from the rows': every value
+        // of the `3 · part` is one row's one tile's, once.
+        let Some(y) = (unsafe { proj.matmul_placed(&x, &rows, &tiles, 3 * part) }) else {
+            return Ok(None);
+        };
+        let all = Tensor::from_vec(y?, (3, n, heads, t, head_dim), x.device())?;
+        Ok(Some([all.get(0)?, all.get(1)?, all.get(2)?]))
     }
 
     /// The inverse of [`WindowOrder::split_heads`] for an attention's
@@ -315,6 +386,50 @@ mod tests {
         let y = Tensor::zeros((3, 2, 9, 4), DType::F32, &Device::Cpu)?;
         let err = order.merge_heads(&y).unwrap_err().to_string();
         assert!(err.contains("[3, 2, 9, 4]"), "{err}");
+        Ok(())
+    }
+
+    /// A q8_0 or q4k q/k/v projection placed straight into the heads
+    /// gives the bits of `split_heads` on the projection's output, plain
+    /// and shifted windows, two images, with and without a bias; declined
+    /// for dense weights and heads narrower than a tile.
+    #[test]
+    fn project_heads_is_split_heads_of_the_projection() -> Result<()> {
+        use crate::quantize::{Quantization, Quantizer};
+        use candle_core::Module;
+        let dev = Device::Cpu;
+        let (heads, hd) = (2, 32);
+        for (format, width) in [(Quantization::Q8_0, 64), (Quantization::Q4K, 256)] {
+            for (bias, shift) in [(true, 0), (false, 3)] {
+                let dense = Proj::from(candle_nn::Linear::new(
+                    Tensor::randn(0f32, 0.1, (3 * heads * hd, width), &dev)?,
+                    bias.then(|| Tensor::randn(0f32, 0.1, 3 * heads * hd, &dev))
+                        .transpose()?,
+                ));
+                let proj = Quantizer::strict(format).proj("qkv", &dense)?;
+                let order = WindowOrder::new(12, 18, 6, shift)?;
+                let x = Tensor::randn(0f32, 1., (2, 12, 18, width), &dev)?;
+                let placed = order
+                    .project_heads(&proj, &x, heads, hd)?
+                    .expect("q8_0 and q4k projections are placed");
+                let y = proj.forward(&x)?;
+                for (i, got) in placed.iter().enumerate() {
+                    let want = order.split_heads(&y, i * heads * hd, heads, hd)?;
+                    assert_eq!(got.dims(), want.dims());
+                    let (g, w) = (
+                        got.flatten_all()?.to_vec1::<f32>()?,
+                        want.flatten_all()?.to_vec1::<f32>()?,
+                    );
+                    assert!(
+                        g.iter().zip(&w).all(|(g, w)| g.to_bits() == w.to_bits()),
+                        "{format:?}, bias {bias}, shift {shift}: part {i}"
+                    );
+                }
+                assert!(order.project_heads(&dense, &x, heads, hd)?.is_none());
+                assert!(order.project_heads(&proj, &x, 4 * heads, hd / 4)?.is_none());
+                assert!(order.project_heads(&proj, &x, heads, hd / 2).is_err());
+            }
+        }
         Ok(())
     }
 }
