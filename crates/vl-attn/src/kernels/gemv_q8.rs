@@ -326,22 +326,22 @@ impl Tiled for PackedQ8 {
     }
 
     #[inline(always)]
-    unsafe fn pair_store<const R: usize>(
+    unsafe fn pair_store<const R: usize, O: Out>(
         &self,
         isa: Q8Isa,
         a: &Activations,
         t: usize,
         r0: usize,
-        out: &OutPtr,
+        out: &O,
         gelu: Option<bool>,
     ) {
         match isa.simd() {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the token proves AVX-512F, BW and VNNI; the
             // caller's contract is `tile_pair_vnni`'s.
-            Q8Simd::Vnni => unsafe { tile_pair_vnni::<R>(self, a, t, r0, out, gelu) },
+            Q8Simd::Vnni => unsafe { tile_pair_vnni::<R, O>(self, a, t, r0, out, gelu) },
             // SAFETY: the caller's contract.
-            _ => unsafe { pair_apart::<Self, R>(self, isa, a, t, r0, out, gelu) },
+            _ => unsafe { pair_apart::<Self, R, O>(self, isa, a, t, r0, out, gelu) },
         }
     }
 }
@@ -395,19 +395,19 @@ pub(crate) trait Tiled: Sync {
     /// # Safety
     /// As [`tile`], for both tiles.
     #[inline(always)]
-    unsafe fn pair_store<const R: usize>(
+    unsafe fn pair_store<const R: usize, O: Out>(
         &self,
         isa: Q8Isa,
         a: &Self::Input,
         t: usize,
         r0: usize,
-        out: &OutPtr,
+        out: &O,
         gelu: Option<bool>,
     ) where
         Self: Sized,
     {
         // SAFETY: the caller's contract.
-        unsafe { pair_apart::<Self, R>(self, isa, a, t, r0, out, gelu) }
+        unsafe { pair_apart::<Self, R, O>(self, isa, a, t, r0, out, gelu) }
     }
 }
 
@@ -549,6 +549,31 @@ unsafe fn product_placed<P: Tiled>(
     len: usize,
     place: Option<(&[usize], &[usize])>,
 ) -> Vec<f32> {
+    let mut y: Vec<f32> = Vec::with_capacity(len);
+    let ptr = y.as_mut_ptr();
+    // SAFETY: the caller's contract.
+    unsafe {
+        match place {
+            None => product_into(p, isa, input, gelu, &OutPtr(ptr)),
+            Some((rows, tiles)) => product_into(p, isa, input, gelu, &Placed { ptr, rows, tiles }),
+        }
+        // The tasks wrote all `len` values (the caller's contract).
+        y.set_len(len);
+    }
+    y
+}
+
+/// [`product`]'s work into `out`, split across the pool.
+///
+/// # Safety
+/// `out`'s places for every row's every tile are disjoint and writable.
+unsafe fn product_into<P: Tiled, O: Out>(
+    p: &P,
+    isa: Q8Isa,
+    input: &P::Input,
+    gelu: Option<bool>,
+    out: &O,
+) {
     let n = p.dims().0;
     let a = input.activations();
     let tiles = n.div_ceil(TILE_ROWS);
@@ -567,14 +592,9 @@ unsafe fn product_placed<P: Tiled>(
         let chunks = (threads * 16).div_ceil(col_tasks);
         a.rows.div_ceil(chunks).next_multiple_of(ROW_BLOCK)
     };
-    // Not zeroed first (a memset and, for a fresh buffer, its page
-    // faults, before the tasks overwrite it): the tasks write every
-    // element (below).
-    let mut y: Vec<f32> = Vec::with_capacity(len);
-    let out = OutPtr {
-        ptr: y.as_mut_ptr(),
-        place,
-    };
+    // The output is not zeroed first (a memset and, for a fresh buffer,
+    // its page faults, before the tasks overwrite it): the tasks write
+    // every element.
     (0..col_tasks * a.rows.div_ceil(row_chunk))
         .into_par_iter()
         .for_each(|task| {
@@ -585,16 +605,11 @@ unsafe fn product_placed<P: Tiled>(
             for r0 in rows.clone().step_by(ROW_BLOCK) {
                 let r1 = (r0 + ROW_BLOCK).min(rows.end);
                 // SAFETY: tasks write disjoint blocks (tile columns
-                // `t0..t1` of their chunk of rows) of `y`, which outlives
-                // the loop.
-                unsafe { rows_by_tiles(p, isa, input, t0..t1, r0..r1, &out, gelu) };
+                // `t0..t1` of their chunk of rows) of `out`, which
+                // outlives the loop.
+                unsafe { rows_by_tiles(p, isa, input, t0..t1, r0..r1, out, gelu) };
             }
         });
-    // SAFETY: the tasks cover every tile column of every chunk of rows,
-    // and `tile` writes each column below `n` of its rows: all `len`
-    // elements are initialised (the caller's contract).
-    unsafe { y.set_len(len) };
-    y
 }
 
 /// `x W^T` (plus the bias, if any) for `x: (rows, k)` f32 on the CPU into
@@ -707,7 +722,7 @@ pub(crate) fn ffn_tiled<U: Tiled, D: Tiled>(
     shape.push(n);
     // Not zeroed first: each task writes every value of its rows.
     let mut y: Vec<f32> = Vec::with_capacity(rows * n);
-    let out = OutPtr::rows(y.as_mut_ptr());
+    let out = OutPtr(y.as_mut_ptr());
     crate::kernels::with_values(x, |xs: &[f32]| {
         xs.par_chunks(chunk * k).enumerate().for_each(|(c, xs)| {
             let rows_here = xs.len() / k;
@@ -723,7 +738,7 @@ pub(crate) fn ffn_tiled<U: Tiled, D: Tiled>(
                     &input,
                     0..up_tiles,
                     0..rows_here,
-                    &OutPtr::rows(h.as_mut_ptr()),
+                    &OutPtr(h.as_mut_ptr()),
                     Some(exact),
                 );
                 h.set_len(rows_here * hidden);
@@ -759,13 +774,13 @@ pub(crate) fn ffn_tiled<U: Tiled, D: Tiled>(
 /// # Safety
 /// `out` is `(rows of input, n)` from its pointer on; no other thread
 /// writes these tiles' columns of these rows meanwhile.
-unsafe fn rows_by_tiles<P: Tiled>(
+unsafe fn rows_by_tiles<P: Tiled, O: Out>(
     p: &P,
     isa: Q8Isa,
     input: &P::Input,
     tiles: std::ops::Range<usize>,
     rows: std::ops::Range<usize>,
-    out: &OutPtr,
+    out: &O,
     gelu: Option<bool>,
 ) {
     let (t0, t1) = (tiles.start, tiles.end);
@@ -784,12 +799,12 @@ unsafe fn rows_by_tiles<P: Tiled>(
             // SAFETY: as below, for tiles `t` and `t + 1`.
             unsafe {
                 match step {
-                    6 => p.pair_store::<6>(isa, input, t, r, out, gelu),
-                    5 => p.pair_store::<5>(isa, input, t, r, out, gelu),
-                    4 => p.pair_store::<4>(isa, input, t, r, out, gelu),
-                    3 => p.pair_store::<3>(isa, input, t, r, out, gelu),
-                    2 => p.pair_store::<2>(isa, input, t, r, out, gelu),
-                    _ => p.pair_store::<1>(isa, input, t, r, out, gelu),
+                    6 => p.pair_store::<6, O>(isa, input, t, r, out, gelu),
+                    5 => p.pair_store::<5, O>(isa, input, t, r, out, gelu),
+                    4 => p.pair_store::<4, O>(isa, input, t, r, out, gelu),
+                    3 => p.pair_store::<3, O>(isa, input, t, r, out, gelu),
+                    2 => p.pair_store::<2, O>(isa, input, t, r, out, gelu),
+                    _ => p.pair_store::<1, O>(isa, input, t, r, out, gelu),
                 }
             }
             r += step;
@@ -804,14 +819,14 @@ unsafe fn rows_by_tiles<P: Tiled>(
             // SAFETY: the caller's contract; rows `r..r + step` exist.
             unsafe {
                 match step {
-                    8 => tile::<P, 8>(p, isa, input, t, r, out, gelu),
-                    7 => tile::<P, 7>(p, isa, input, t, r, out, gelu),
-                    6 => tile::<P, 6>(p, isa, input, t, r, out, gelu),
-                    5 => tile::<P, 5>(p, isa, input, t, r, out, gelu),
-                    4 => tile::<P, 4>(p, isa, input, t, r, out, gelu),
-                    3 => tile::<P, 3>(p, isa, input, t, r, out, gelu),
-                    2 => tile::<P, 2>(p, isa, input, t, r, out, gelu),
-                    _ => tile::<P, 1>(p, isa, input, t, r, out, gelu),
+                    8 => tile::<P, 8, O>(p, isa, input, t, r, out, gelu),
+                    7 => tile::<P, 7, O>(p, isa, input, t, r, out, gelu),
+                    6 => tile::<P, 6, O>(p, isa, input, t, r, out, gelu),
+                    5 => tile::<P, 5, O>(p, isa, input, t, r, out, gelu),
+                    4 => tile::<P, 4, O>(p, isa, input, t, r, out, gelu),
+                    3 => tile::<P, 3, O>(p, isa, input, t, r, out, gelu),
+                    2 => tile::<P, 2, O>(p, isa, input, t, r, out, gelu),
+                    _ => tile::<P, 1, O>(p, isa, input, t, r, out, gelu),
                 }
             }
             r += step;
@@ -825,13 +840,13 @@ unsafe fn rows_by_tiles<P: Tiled>(
 /// `out` is `(rows of a, n)`; no other thread writes tile `t`'s columns
 /// of these rows meanwhile.
 #[inline(always)]
-unsafe fn tile<P: Tiled, const R: usize>(
+unsafe fn tile<P: Tiled, const R: usize, O: Out>(
     p: &P,
     isa: Q8Isa,
     a: &P::Input,
     t: usize,
     r0: usize,
-    out: &OutPtr,
+    out: &O,
     gelu: Option<bool>,
 ) {
     let mut acc = [[0f32; TILE_ROWS]; R];
@@ -845,19 +860,19 @@ unsafe fn tile<P: Tiled, const R: usize>(
 /// # Safety
 /// As [`tile`], for both tiles.
 #[inline(always)]
-unsafe fn pair_apart<P: Tiled, const R: usize>(
+unsafe fn pair_apart<P: Tiled, const R: usize, O: Out>(
     p: &P,
     isa: Q8Isa,
     a: &P::Input,
     t: usize,
     r0: usize,
-    out: &OutPtr,
+    out: &O,
     gelu: Option<bool>,
 ) {
     // SAFETY: the caller's contract.
     unsafe {
-        tile::<P, R>(p, isa, a, t, r0, out, gelu);
-        tile::<P, R>(p, isa, a, t + 1, r0, out, gelu);
+        tile::<P, R, O>(p, isa, a, t, r0, out, gelu);
+        tile::<P, R, O>(p, isa, a, t + 1, r0, out, gelu);
     }
 }
 
@@ -867,13 +882,13 @@ unsafe fn pair_apart<P: Tiled, const R: usize>(
 /// # Safety
 /// As [`tile`].
 #[inline(always)]
-unsafe fn store<P: Tiled, const R: usize>(
+unsafe fn store<P: Tiled, const R: usize, O: Out>(
     p: &P,
     isa: Q8Isa,
     acc: &mut [[f32; TILE_ROWS]; R],
     t: usize,
     r0: usize,
-    out: &OutPtr,
+    out: &O,
     gelu: Option<bool>,
 ) {
     let n = p.dims().0;
@@ -897,51 +912,58 @@ unsafe fn store<P: Tiled, const R: usize>(
     }
 }
 
-/// The output of a product, written by the tasks at disjoint places:
-/// tile `t` of row `r` (up to 16 values) at `r · n + 16 t` — the rows one
-/// after the other — or at `rows[r] + tiles[t]`, a layout of the
-/// caller's ([`matmul_tiled_placed`]).
-pub(crate) struct OutPtr<'a> {
-    ptr: *mut f32,
-    place: Option<(&'a [usize], &'a [usize])>,
+/// Where a product's tasks store tile `t` (up to 16 outputs) of row `r`:
+/// a product is compiled for each kind of output, so that the rows' usual
+/// layout costs its kernels nothing.
+pub(crate) trait Out: Sync {
+    /// Where tile `t` of row `r` of a product of `n` outputs goes.
+    ///
+    /// # Safety
+    /// Row `r` and tile `t` are the product's.
+    unsafe fn at(&self, r: usize, t: usize, n: usize) -> *mut f32;
 }
+
+/// Rows one after the other: tile `t` of row `r` at `r · n + 16 t`.
+pub(crate) struct OutPtr(*mut f32);
 // SAFETY: shared only by a product's tasks, which write disjoint
 // elements.
-unsafe impl Sync for OutPtr<'_> {}
+unsafe impl Sync for OutPtr {}
 
-impl OutPtr<'static> {
-    /// Rows one after the other from `ptr` on.
-    fn rows(ptr: *mut f32) -> Self {
-        Self { ptr, place: None }
-    }
-}
-
-impl OutPtr<'_> {
+impl OutPtr {
     /// The output from its `elems`-th value on.
     ///
     /// # Safety
     /// The buffer has room for `elems` values.
     unsafe fn offset(&self, elems: usize) -> Self {
         // SAFETY: the caller's contract.
-        Self {
-            ptr: unsafe { self.ptr.add(elems) },
-            place: self.place,
-        }
+        Self(unsafe { self.0.add(elems) })
     }
+}
 
-    /// Where tile `t` of row `r` of a product of `n` outputs goes.
-    ///
-    /// # Safety
-    /// The place is within the buffer (the constructor's contract).
+impl Out for OutPtr {
     #[inline(always)]
     unsafe fn at(&self, r: usize, t: usize, n: usize) -> *mut f32 {
-        // SAFETY: the caller's contract.
-        unsafe {
-            match self.place {
-                None => self.ptr.add(r * n + t * TILE_ROWS),
-                Some((rows, tiles)) => self.ptr.add(rows[r] + tiles[t]),
-            }
-        }
+        // SAFETY: the caller's contract; the buffer holds the rows.
+        unsafe { self.0.add(r * n + t * TILE_ROWS) }
+    }
+}
+
+/// A layout of the caller's ([`matmul_tiled_placed`]): tile `t` of row
+/// `r` at `rows[r] + tiles[t]`.
+struct Placed<'a> {
+    ptr: *mut f32,
+    rows: &'a [usize],
+    tiles: &'a [usize],
+}
+// SAFETY: as `OutPtr`'s.
+unsafe impl Sync for Placed<'_> {}
+
+impl Out for Placed<'_> {
+    #[inline(always)]
+    unsafe fn at(&self, r: usize, t: usize, _n: usize) -> *mut f32 {
+        // SAFETY: the caller's contract; the places are within the buffer
+        // (`matmul_tiled_placed`'s).
+        unsafe { self.ptr.add(self.rows[r] + self.tiles[t]) }
     }
 }
 
@@ -1327,12 +1349,12 @@ unsafe fn tile_vnni<const R: usize>(
 // Rows index the two tiles' accumulators together; iterators over one of
 // them would need closures, which do not inherit the target features.
 #[allow(clippy::needless_range_loop)]
-unsafe fn tile_pair_vnni<const R: usize>(
+unsafe fn tile_pair_vnni<const R: usize, O: Out>(
     p: &PackedQ8,
     a: &Activations,
     t: usize,
     r0: usize,
-    out: &OutPtr,
+    out: &O,
     gelu: Option<bool>,
 ) {
     use crate::kernels::gelu::gelu_one;
