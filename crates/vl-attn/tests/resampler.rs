@@ -37,15 +37,29 @@ fn any_memory_length_gives_num_queries_tokens() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Batched and one at a time, the products may sum in another order (a
+/// GEMM's blocking follows its rows): equal to f32 rounding of the
+/// outputs' scale — 16 ulps of the largest output (these seeded values
+/// differ by 1.07e-6 at most over outputs up to 2.85 with AVX-512, ~4
+/// ulps; the bound leaves other GEMM blockings room). Seeded: candle's
+/// unseeded initialisation once gave a difference of 1.06e-5 against the
+/// former absolute bound of 1e-5.
 #[test]
 fn batch_equals_per_sample() -> anyhow::Result<()> {
-    let (_v, r) = build(&cfg());
-    let m = randn(&[3, 65, 24]);
+    let c = cfg();
+    let (vars, _) = build(&c);
+    seed_vars(&vars, 3);
+    let r = Resampler::load(frozen(&vars, DType::F32), &c)?;
+    let m = seeded_randn(&[3, 65, 24], 7);
     let all = r.forward(&m, None)?;
+    let scale = all.abs()?.max_all()?.to_scalar::<f32>()?;
     for i in 0..3 {
         let one = r.forward(&m.narrow(0, i, 1)?, None)?;
         let d = max_abs_diff(&all.i(i)?, &one.i(0)?);
-        assert!(d <= 1e-5, "sample {i}: {d}");
+        assert!(
+            d <= 16.0 * f32::EPSILON * scale,
+            "sample {i}: {d} (outputs up to {scale})"
+        );
     }
     Ok(())
 }
