@@ -61,8 +61,8 @@ const TILE_BYTES: usize = TILE_ROWS * BLOCK_VALUES;
 const ROW_BLOCK: usize = 64;
 /// Rows of `x` per call of the two-tile kernel ([`tile_pair_vnni`]): its
 /// 2 × 6 integer and 2 × 6 f32 accumulators, the two tiles' group and the
-/// broadcast value take 27 of the 32 registers.
-#[cfg(target_arch = "x86_64")]
+/// broadcast value take 27 of the 32 registers. A chunk of
+/// [`ffn_tiled`]'s rows is a multiple of it.
 const PAIR_ROWS: usize = 6;
 /// Rows of a row block from which its products take the two-tile kernel.
 const PAIR_MIN_ROWS: usize = 32;
