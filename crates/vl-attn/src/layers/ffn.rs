@@ -198,6 +198,16 @@ mod tests {
     use candle_core::{DType, Device};
     use candle_nn::Linear;
 
+    /// A dense `(o, i)` layer of random weights, with a bias if asked.
+    fn layer(o: usize, i: usize, bias: bool) -> Result<Proj> {
+        let dev = Device::Cpu;
+        Ok(Proj::from(Linear::new(
+            Tensor::randn(0f32, 0.1, (o, i), &dev)?,
+            bias.then(|| Tensor::randn(0f32, 0.1, o, &dev))
+                .transpose()?,
+        )))
+    }
+
     /// With bf16 weights under f32 activations, the fused feed-forward
     /// (GELU in the first product's epilogue, the hidden layer in bf16)
     /// gives the bits of the three steps apart, for an encoder's rows and
@@ -205,14 +215,8 @@ mod tests {
     #[test]
     fn fused_bf16_equals_the_steps() -> Result<()> {
         let dev = Device::Cpu;
-        let layer = |o: usize, i: usize| -> Result<Proj> {
-            Ok(Proj::from(Linear::new(
-                Tensor::randn(0f32, 0.1, (o, i), &dev)?,
-                Some(Tensor::randn(0f32, 0.1, o, &dev)?),
-            )))
-        };
         for act in [Activation::Gelu, Activation::GeluTanh] {
-            let ffn = FeedForward::from_parts(layer(96, 64)?, layer(64, 96)?, act);
+            let ffn = FeedForward::from_parts(layer(96, 64, true)?, layer(64, 96, true)?, act);
             let q = Quantizer::strict(Quantization::Bf16);
             let (up, down) = ffn.parts();
             let ffn = FeedForward::from_parts(q.proj("up", up)?, q.proj("down", down)?, act);
@@ -243,13 +247,6 @@ mod tests {
     #[test]
     fn fused_tiled_equals_the_steps() -> Result<()> {
         let dev = Device::Cpu;
-        let layer = |o: usize, i: usize, bias: bool| -> Result<Proj> {
-            Ok(Proj::from(Linear::new(
-                Tensor::randn(0f32, 0.1, (o, i), &dev)?,
-                bias.then(|| Tensor::randn(0f32, 0.1, o, &dev))
-                    .transpose()?,
-            )))
-        };
         for (format, hidden, inter) in [(Quantization::Q8_0, 64, 96), (Quantization::Q4K, 256, 512)]
         {
             for act in [Activation::Gelu, Activation::GeluTanh, Activation::Relu] {
@@ -296,13 +293,6 @@ mod tests {
     #[test]
     fn chunked_tiled_equals_the_steps() -> Result<()> {
         let dev = Device::Cpu;
-        let layer = |o: usize, i: usize, bias: bool| -> Result<Proj> {
-            Ok(Proj::from(Linear::new(
-                Tensor::randn(0f32, 0.1, (o, i), &dev)?,
-                bias.then(|| Tensor::randn(0f32, 0.1, o, &dev))
-                    .transpose()?,
-            )))
-        };
         // The chunks' size and the threshold follow the pool's threads.
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(2)
