@@ -80,7 +80,7 @@ const STEPS_AFTER_PREFIX: usize = 8;
 /// two middle ones for an even count — the upper one alone made the
 /// 3-beam caption time (timed on half the repeats, rounded up: 2 of 3)
 /// the slower of its two runs.
-fn median(mut xs: Vec<f64>) -> f64 {
+pub(crate) fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     let m = xs.len() / 2;
     if xs.len().is_multiple_of(2) {

@@ -149,8 +149,9 @@ fn median_ms<S>(
         out.sum_all()?.to_scalar::<f32>()?;
         ms.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    ms.sort_by(f64::total_cmp);
-    Ok(ms[ms.len() / 2])
+    // The true median (the mean of the middle two for an even count), as
+    // `vl bench` takes it.
+    Ok(crate::bench::median(ms))
 }
 
 /// Weights initialised under `vars`, as plain (detached) tensors, so that
