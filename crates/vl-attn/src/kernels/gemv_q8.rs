@@ -499,7 +499,21 @@ pub(crate) fn matmul_tiled_then<P: Tiled>(
     x: &Tensor,
     gelu: Option<bool>,
 ) -> candle_core::Result<Tensor> {
-    let name = P::NAME;
+    let n = p.dims().0;
+    let rows = checked_rows(p, x)?;
+    let dims = x.dims();
+    let mut shape = dims[..dims.len() - 1].to_vec();
+    shape.push(n);
+    if rows == 0 || n == 0 {
+        return Tensor::zeros(shape, DType::F32, x.device());
+    }
+    let y = product(p, isa, &rounded(p, isa, x, rows)?, gelu);
+    Tensor::from_vec(y, shape, x.device())
+}
+
+/// The rows of `x (..., k)` for a product by `p`, or the error naming `x`
+/// when it is of another width, not on the CPU or of an integer dtype.
+fn checked_rows<P: Tiled>(p: &P, x: &Tensor) -> candle_core::Result<usize> {
     let (n, k) = p.dims();
     let dims = x.dims();
     if dims.last() != Some(&k)
@@ -507,60 +521,46 @@ pub(crate) fn matmul_tiled_then<P: Tiled>(
         || !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
     {
         candle_core::bail!(
-            "{name}: takes x (..., {k}) f32, f16 or bf16 on the CPU for a weight ({n}, {k}); got x {dims:?} {:?} on {:?}",
+            "{}: takes x (..., {k}) f32, f16 or bf16 on the CPU for a weight ({n}, {k}); got x {dims:?} {:?} on {:?}",
+            P::NAME,
             x.dtype(),
             x.device()
         );
     }
-    let rows = x.elem_count() / k.max(1);
-    let mut shape = dims[..dims.len() - 1].to_vec();
-    shape.push(n);
-    if rows == 0 || n == 0 {
-        return Tensor::zeros(shape, DType::F32, x.device());
-    }
-    // Read in place where `x` is contiguous f32 (an encoder's activations:
-    // a copy of them was 2.5% of a Florence-2 q8_0 encode).
-    let a = crate::kernels::with_values(&x.to_dtype(DType::F32)?, |xs: &[f32]| {
+    Ok(x.elem_count() / k.max(1))
+}
+
+/// `x`'s `rows` (checked by [`checked_rows`]) rounded for `p`'s kernels:
+/// read in place where `x` is contiguous f32 (an encoder's activations: a
+/// copy of them was 2.5% of a Florence-2 q8_0 encode).
+fn rounded<P: Tiled>(p: &P, isa: Q8Isa, x: &Tensor, rows: usize) -> candle_core::Result<P::Input> {
+    let k = p.dims().1;
+    crate::kernels::with_values(&x.to_dtype(DType::F32)?, |xs: &[f32]| {
         P::Input::round(isa.f32_isa(), xs, rows, k)
-    })?;
-    let y = product(p, isa, &a, gelu);
-    Tensor::from_vec(y, shape, x.device())
+    })
+}
+
+/// A vector of `len` values written by `fill` through the pointer it is
+/// given — not zeroed first (a memset and, for a fresh buffer, its page
+/// faults, before the kernels overwrite it).
+///
+/// # Safety
+/// `fill` writes every one of the `len` values and no other.
+unsafe fn written(len: usize, fill: impl FnOnce(*mut f32)) -> Vec<f32> {
+    let mut y: Vec<f32> = Vec::with_capacity(len);
+    fill(y.as_mut_ptr());
+    // SAFETY: the caller's contract.
+    unsafe { y.set_len(len) };
+    y
 }
 
 /// `y (rows, n)`: tile columns split across the pool, each task writing
 /// its own columns of every row.
 fn product<P: Tiled>(p: &P, isa: Q8Isa, input: &P::Input, gelu: Option<bool>) -> Vec<f32> {
     let len = input.activations().rows * p.dims().0;
-    // SAFETY: rows one after the other fill `rows · n` values.
-    unsafe { product_placed(p, isa, input, gelu, len, None) }
-}
-
-/// [`product`] into `len` values, tile `t` of row `r` at `rows[r] +
-/// tiles[t]` when `place` is given.
-///
-/// # Safety
-/// The places of every row's every tile (up to 16 values, fewer for the
-/// last tile) are disjoint and within `len`, and together cover it.
-unsafe fn product_placed<P: Tiled>(
-    p: &P,
-    isa: Q8Isa,
-    input: &P::Input,
-    gelu: Option<bool>,
-    len: usize,
-    place: Option<(&[usize], &[usize])>,
-) -> Vec<f32> {
-    let mut y: Vec<f32> = Vec::with_capacity(len);
-    let ptr = y.as_mut_ptr();
-    // SAFETY: the caller's contract.
-    unsafe {
-        match place {
-            None => product_into(p, isa, input, gelu, &OutPtr(ptr)),
-            Some((rows, tiles)) => product_into(p, isa, input, gelu, &Placed { ptr, rows, tiles }),
-        }
-        // The tasks wrote all `len` values (the caller's contract).
-        y.set_len(len);
-    }
-    y
+    // SAFETY: the tasks of `product_into` store every tile of every row,
+    // rows one after the other: all `rows · n` values.
+    unsafe { written(len, |ptr| product_into(p, isa, input, gelu, &OutPtr(ptr))) }
 }
 
 /// [`product`]'s work into `out`, split across the pool.
@@ -592,9 +592,6 @@ unsafe fn product_into<P: Tiled, O: Out>(
         let chunks = (threads * 16).div_ceil(col_tasks);
         a.rows.div_ceil(chunks).next_multiple_of(ROW_BLOCK)
     };
-    // The output is not zeroed first (a memset and, for a fresh buffer,
-    // its page faults, before the tasks overwrite it): the tasks write
-    // every element.
     (0..col_tasks * a.rows.div_ceil(row_chunk))
         .into_par_iter()
         .for_each(|task| {
@@ -612,15 +609,15 @@ unsafe fn product_into<P: Tiled, O: Out>(
         });
 }
 
-/// `x W^T` (plus the bias, if any) for `x: (rows, k)` f32 on the CPU into
+/// `x W^T` (plus the bias, if any) for `x: (rows, k)` on the CPU into
 /// a layout of the caller's: tile `t` (outputs `16 t ..`, up to 16) of row
 /// `r` at `rows[r] + tiles[t]` of the `len` values returned — e.g. a
 /// fused q/k/v projection straight to window attention's heads, with no
 /// projection in token order to copy from.
 ///
 /// # Errors
-/// An `x` of another width, not f32 or not on the CPU, and tables of
-/// other lengths than `x`'s rows and the weight's tiles, named.
+/// As [`matmul_tiled`], and tables of other lengths than `x`'s rows and
+/// the weight's tiles, named.
 ///
 /// # Safety
 /// The places are disjoint, within `len` and together cover it (checked
@@ -633,22 +630,15 @@ pub(crate) unsafe fn matmul_tiled_placed<P: Tiled>(
     tiles: &[usize],
     len: usize,
 ) -> candle_core::Result<Vec<f32>> {
-    let (n, k) = p.dims();
-    let m = x.elem_count() / k.max(1);
-    if x.dims().last() != Some(&k)
-        || !x.device().is_cpu()
-        || x.dtype() != DType::F32
-        || rows.len() != m
-        || tiles.len() != n.div_ceil(TILE_ROWS)
-    {
+    let n = p.dims().0;
+    let m = checked_rows(p, x)?;
+    if rows.len() != m || tiles.len() != n.div_ceil(TILE_ROWS) {
         candle_core::bail!(
-            "{}: a placed product takes x (..., {k}) f32 on the CPU, {} row places and {} tile places for a weight ({n}, {k}); got x {:?} {:?} on {:?}, {} and {}",
+            "{}: a placed product takes {m} row places and {} tile places for x {:?} and a weight {:?}; got {} and {}",
             P::NAME,
-            m,
             n.div_ceil(TILE_ROWS),
             x.dims(),
-            x.dtype(),
-            x.device(),
+            p.dims(),
             rows.len(),
             tiles.len()
         );
@@ -667,9 +657,13 @@ pub(crate) unsafe fn matmul_tiled_placed<P: Tiled>(
         }
         assert!(seen.iter().all(|&s| s), "the places leave values unwritten");
     }
-    let a = crate::kernels::with_values(x, |xs: &[f32]| P::Input::round(isa.f32_isa(), xs, m, k))?;
-    // SAFETY: the caller's contract.
-    Ok(unsafe { product_placed(p, isa, &a, None, len, Some((rows, tiles))) })
+    let a = rounded(p, isa, x, m)?;
+    // SAFETY: the caller's contract: the places cover the `len` values.
+    Ok(unsafe {
+        written(len, |ptr| {
+            product_into(p, isa, &a, None, &Placed { ptr, rows, tiles })
+        })
+    })
 }
 
 /// The hidden layer's bytes a task of [`ffn_tiled`] keeps in f32: with
@@ -720,49 +714,28 @@ pub(crate) fn ffn_tiled<U: Tiled, D: Tiled>(
     let (up_tiles, down_tiles) = (hidden.div_ceil(TILE_ROWS), n.div_ceil(TILE_ROWS));
     let mut shape = dims[..dims.len() - 1].to_vec();
     shape.push(n);
-    // Not zeroed first: each task writes every value of its rows.
-    let mut y: Vec<f32> = Vec::with_capacity(rows * n);
-    let out = OutPtr(y.as_mut_ptr());
-    crate::kernels::with_values(x, |xs: &[f32]| {
-        xs.par_chunks(chunk * k).enumerate().for_each(|(c, xs)| {
-            let rows_here = xs.len() / k;
-            let input = U::Input::round_here(isa.f32_isa(), xs, rows_here, k);
-            let mut h: Vec<f32> = Vec::with_capacity(rows_here * hidden);
-            // SAFETY: `h` is `(rows_here, hidden)`, this task's own;
-            // every tile of `up` is stored for every row, so all of it
-            // is written before it is read.
-            unsafe {
-                rows_by_tiles(
-                    up,
-                    isa,
-                    &input,
-                    0..up_tiles,
-                    0..rows_here,
-                    &OutPtr(h.as_mut_ptr()),
-                    Some(exact),
-                );
-                h.set_len(rows_here * hidden);
-            }
-            let hidden_input = D::Input::round_here(isa.f32_isa(), &h, rows_here, hidden);
-            // SAFETY: rows `c * chunk ..` of `y` are this task's
-            // alone, within its capacity, and every tile of `down`
-            // is stored for each of them.
-            unsafe {
-                let mine = out.offset(c * chunk * n);
-                rows_by_tiles(
-                    down,
-                    isa,
-                    &hidden_input,
-                    0..down_tiles,
-                    0..rows_here,
-                    &mine,
-                    None,
-                );
-            }
-        })
+    let y = crate::kernels::with_values(x, |xs: &[f32]| {
+        // SAFETY: the chunks cover every row, and each task stores every
+        // tile of `down` for its own rows (`c * chunk ..`) alone.
+        unsafe {
+            written(rows * n, |ptr| {
+                let out = OutPtr(ptr);
+                xs.par_chunks(chunk * k).enumerate().for_each(|(c, xs)| {
+                    let rows_here = xs.len() / k;
+                    let input = U::Input::round_here(isa.f32_isa(), xs, rows_here, k);
+                    // The task's own `(rows_here, hidden)`: every tile of
+                    // `up` stored for every row.
+                    let h = written(rows_here * hidden, |h| {
+                        let h = OutPtr(h);
+                        rows_by_tiles(up, isa, &input, 0..up_tiles, 0..rows_here, &h, Some(exact))
+                    });
+                    let h = D::Input::round_here(isa.f32_isa(), &h, rows_here, hidden);
+                    let mine = out.offset(c * chunk * n);
+                    rows_by_tiles(down, isa, &h, 0..down_tiles, 0..rows_here, &mine, None);
+                })
+            })
+        }
     })?;
-    // SAFETY: the chunks cover every row, each written whole above.
-    unsafe { y.set_len(rows * n) };
     Ok(Some(Tensor::from_vec(y, shape, x.device())?))
 }
 

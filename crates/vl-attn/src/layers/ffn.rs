@@ -194,6 +194,7 @@ impl FeedForward {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layers::same_bits;
     use crate::quantize::{Quantization, Quantizer};
     use candle_core::{DType, Device};
     use candle_nn::Linear;
@@ -226,14 +227,7 @@ mod tests {
                 let (up, down) = ffn.parts();
                 let apart = down.forward(&act.forward(&up.forward(&x)?)?)?;
                 assert_eq!(fused.dtype(), DType::F32);
-                let (f, a) = (
-                    fused.flatten_all()?.to_vec1::<f32>()?,
-                    apart.flatten_all()?.to_vec1::<f32>()?,
-                );
-                assert!(
-                    f.iter().zip(&a).all(|(f, a)| f.to_bits() == a.to_bits()),
-                    "{act:?}, {rows} rows"
-                );
+                assert!(same_bits(&fused, &apart)?, "{act:?}, {rows} rows");
             }
         }
         Ok(())
@@ -269,12 +263,8 @@ mod tests {
                         let fused = ffn.forward(&x)?;
                         let (up, down) = ffn.parts();
                         let apart = down.forward(&act.forward(&up.forward(&x)?)?)?;
-                        let (f, a) = (
-                            fused.flatten_all()?.to_vec1::<f32>()?,
-                            apart.flatten_all()?.to_vec1::<f32>()?,
-                        );
                         assert!(
-                            f.iter().zip(&a).all(|(f, a)| f.to_bits() == a.to_bits()),
+                            same_bits(&fused, &apart)?,
                             "{format:?} {act:?} bias {bias}, {rows} rows"
                         );
                     }
@@ -327,17 +317,12 @@ mod tests {
                         })?;
                         let apart = down.forward(&act.forward(&up.forward(&x)?)?)?;
                         assert_eq!(chunked.dims(), apart.dims());
-                        let (c, a) = (
-                            chunked.flatten_all()?.to_vec1::<f32>()?,
-                            apart.flatten_all()?.to_vec1::<f32>()?,
-                        );
                         assert!(
-                            c.iter().zip(&a).all(|(c, a)| c.to_bits() == a.to_bits()),
+                            same_bits(&chunked, &apart)?,
                             "{uf:?} then {df:?}, {act:?}, bias {bias}, {rows} × 2 rows"
                         );
                         let ffn = FeedForward::from_parts(up.clone(), down.clone(), act);
-                        let f = ffn.forward(&x)?.flatten_all()?.to_vec1::<f32>()?;
-                        assert!(f.iter().zip(&a).all(|(f, a)| f.to_bits() == a.to_bits()));
+                        assert!(same_bits(&ffn.forward(&x)?, &apart)?);
                     }
                     let few = Tensor::randn(0f32, 1., (1, 200, width), &dev)?;
                     assert!(Proj::ffn_tiled(&up, &down, &few, exact)?.is_none());

@@ -23,3 +23,17 @@ pub mod quantize;
 pub mod resampler;
 pub mod self_attn;
 pub mod windows;
+
+/// Whether `a` and `b` hold the same f32 values, bit for bit, in order
+/// (the tests of fused paths against the steps they replace).
+#[cfg(test)]
+pub(crate) fn same_bits(
+    a: &candle_core::Tensor,
+    b: &candle_core::Tensor,
+) -> candle_core::Result<bool> {
+    let (a, b) = (
+        a.flatten_all()?.to_vec1::<f32>()?,
+        b.flatten_all()?.to_vec1::<f32>()?,
+    );
+    Ok(a.len() == b.len() && a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()))
+}

@@ -416,12 +416,8 @@ mod tests {
                 for (i, got) in placed.iter().enumerate() {
                     let want = order.split_heads(&y, i * heads * hd, heads, hd)?;
                     assert_eq!(got.dims(), want.dims());
-                    let (g, w) = (
-                        got.flatten_all()?.to_vec1::<f32>()?,
-                        want.flatten_all()?.to_vec1::<f32>()?,
-                    );
                     assert!(
-                        g.iter().zip(&w).all(|(g, w)| g.to_bits() == w.to_bits()),
+                        crate::layers::same_bits(got, &want)?,
                         "{format:?}, bias {bias}, shift {shift}: part {i}"
                     );
                 }
