@@ -74,6 +74,11 @@ const PAIR_MIN_ROWS: usize = 32;
 /// took ~8% less, AMD EPYC Zen 4).
 #[cfg(target_arch = "x86_64")]
 const VNNI_TILE_ROWS: usize = 16;
+/// The most rows of `x` any kernel takes per call of
+/// [`Tiled::accumulate`]: the widest call [`rows_by_tiles`] makes.
+const MOST_TILE_ROWS: usize = 16;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(VNNI_TILE_ROWS <= MOST_TILE_ROWS);
 
 /// A q8_0 weight `(n, k)` packed for vl's kernels (see the module's
 /// documentation): `n` rounded up to tiles of 16 rows, the padding rows
@@ -393,12 +398,13 @@ pub(crate) trait Tiled: Sync {
         acc: &mut [[f32; TILE_ROWS]; R],
     );
     /// Rows of `x` at most per call of [`Tiled::accumulate`] on `isa`:
-    /// as many as its kernel keeps the sums of in registers.
+    /// as many as its kernel keeps the sums of in registers, up to
+    /// [`MOST_TILE_ROWS`].
     fn tile_rows(&self, isa: Q8Isa) -> usize {
         let _ = isa;
         8
     }
-    /// Rows of `x` per call of [`Tiled::accumulate_pair`] on `isa` in a
+    /// Rows of `x` per call of [`Tiled::pair_store`] on `isa` in a
     /// many-row product, or 0 where two tiles at once are no faster than
     /// one at a time.
     fn pair_rows(&self, isa: Q8Isa) -> usize {
@@ -806,7 +812,7 @@ unsafe fn rows_by_tiles<P: Tiled, O: Out>(
         }
         t += 2;
     }
-    let most = p.tile_rows(isa).clamp(1, 16);
+    let most = p.tile_rows(isa).clamp(1, MOST_TILE_ROWS);
     for t in t..t1 {
         let mut r = r0;
         while r < r1 {
