@@ -1,7 +1,7 @@
-//! Loading checkpoints onto vl's own modules: one owner, [`load`], for
+//! Loading checkpoints onto vl's own modules: one owner, [`load()`], for
 //! every format.
 //!
-//! [`load`] runs one sequence whatever the checkpoint:
+//! [`load()`] runs one sequence whatever the checkpoint:
 //!
 //! 1. read `config.json` once and tell the format from its `model_type`
 //!    ([`ModelFormat::of`]);

@@ -211,7 +211,7 @@ impl Family for Native {
         Ok(Some((encoder, resampler)))
     }
 
-    /// All blocks at once: vl's own models are small, and [`super::load`]
+    /// All blocks at once: vl's own models are small, and [`super::load()`]
     /// converts them after.
     fn decoder(
         &self,

@@ -43,7 +43,7 @@ const LANES: usize = 16;
 const MIN_TASK_ROWS: usize = 16;
 
 /// Asks for the cache line holding `p + ahead` bytes with `hint` (the
-/// CPU's [`Tuning`](crate::kernels::Tuning), read once per product or
+/// CPU's [`Tuning`], read once per product or
 /// tile by the caller). A prefetch never faults, whatever the address; a
 /// no-op off x86-64.
 #[inline(always)]
@@ -358,7 +358,7 @@ unsafe fn dot_rows_avx2<W: Weight, const R: usize>(
     }
 }
 
-/// [`dot_rows`], or [`dot_rows_neon`] when `NEON` (on aarch64).
+/// [`dot_rows`], or `dot_rows_neon` when `NEON` (compiled on aarch64 only).
 #[inline(always)]
 fn dot<W: Weight, const NEON: bool, const R: usize>(
     x: [&[f32]; R],

@@ -281,7 +281,8 @@ mod avx512 {
     ///
     /// # Safety
     /// The CPU has AVX-512F and, for bf16, AVX512_BF16; inlined only into
-    /// [`row_f32`] and [`row_bf16`], compiled for those.
+    /// [`row_f32`](super::row_f32) and [`row_bf16`](super::row_bf16),
+    /// compiled for those.
     #[inline(always)]
     pub(super) unsafe fn row<E: Out>(x: &[E], w: &[E], b: &[E], eps: f32, y: &mut [E]) {
         let n = x.len().min(w.len()).min(b.len()).min(y.len());

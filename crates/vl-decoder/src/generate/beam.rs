@@ -3,7 +3,7 @@
 //! documentation](super) for the conventions, step by step).
 //!
 //! Every image has its own search over `num_beams` rows of one shared
-//! [`DecodeState`](crate::model::DecodeState); the image's keys and values
+//! [`DecodeState`](crate::DecodeState); the image's keys and values
 //! are projected once and read by all its beams, and only the text caches
 //! are reordered between steps.
 

@@ -1,5 +1,5 @@
 //! Greedy decoding and sampling: one row per image, all images decoded
-//! together in one [`DecodeState`](crate::model::DecodeState).
+//! together in one [`DecodeState`](crate::DecodeState).
 
 use candle_core::Tensor;
 
