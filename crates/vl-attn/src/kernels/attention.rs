@@ -17,7 +17,7 @@ use super::features::Isa;
 #[cfg(target_arch = "x86_64")]
 use super::features::Simd;
 use super::gemv::Weight;
-use super::host::contiguous;
+use super::host::{contiguous, leaf_len};
 #[cfg(target_arch = "x86_64")]
 use super::micro::Fma;
 use super::micro::{madd, Kernel};
@@ -669,21 +669,25 @@ fn rows<E: Weight>(groups: &[(&FusedCpu, KeysValues<'_, E>)], q: &[f32], out: &m
         .map(|(op, _)| op.dims.k_len)
         .max()
         .unwrap_or(0);
-    out.par_chunks_mut(head_dim).enumerate().for_each_init(
-        || vec![0f32; longest],
-        |scores, (r, o)| {
-            let e = r * head_dim;
-            // The group holding element `e`: the last start at or before it.
-            let gi = match groups.len() {
-                1 => 0,
-                _ => starts.partition_point(|&s| s <= e) - 1,
-            };
-            let ((op, kv), base) = (groups[gi], starts[gi]);
-            let q_group = &q[base..starts[gi + 1]];
-            let scores = &mut scores[..op.dims.k_len];
-            row(op, (e - base) / head_dim, q_group, kv, scores, o);
-        },
-    );
+    let leaf = leaf_len(out.len() / head_dim);
+    out.par_chunks_mut(head_dim)
+        .enumerate()
+        .with_max_len(leaf)
+        .for_each_init(
+            || vec![0f32; longest],
+            |scores, (r, o)| {
+                let e = r * head_dim;
+                // The group holding element `e`: the last start at or before it.
+                let gi = match groups.len() {
+                    1 => 0,
+                    _ => starts.partition_point(|&s| s <= e) - 1,
+                };
+                let ((op, kv), base) = (groups[gi], starts[gi]);
+                let q_group = &q[base..starts[gi + 1]];
+                let scores = &mut scores[..op.dims.k_len];
+                row(op, (e - base) / head_dim, q_group, kv, scores, o);
+            },
+        );
 }
 
 impl CustomOp3 for FusedCpu {

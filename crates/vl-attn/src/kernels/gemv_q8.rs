@@ -44,7 +44,7 @@ use super::features::Simd;
 use super::features::{CpuFeatures, Isa, Q8Isa, Q8Simd};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::gemv::prefetch;
-use crate::kernels::host::zeroed;
+use crate::kernels::host::{leaf_len, zeroed};
 use crate::kernels::micro::{madd, Kernel};
 
 /// Values per q8_0 block.
@@ -620,8 +620,10 @@ unsafe fn product_into<P: Tiled, O: Out>(
         let chunks = (threads * 16).div_ceil(col_tasks);
         a.rows.div_ceil(chunks).next_multiple_of(ROW_BLOCK)
     };
-    (0..col_tasks * a.rows.div_ceil(row_chunk))
+    let tasks = col_tasks * a.rows.div_ceil(row_chunk);
+    (0..tasks)
         .into_par_iter()
+        .with_max_len(leaf_len(tasks))
         .for_each(|task| {
             let (rc, ct) = (task / col_tasks, task % col_tasks);
             let t0 = ct * per_task;

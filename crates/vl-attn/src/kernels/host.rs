@@ -205,6 +205,29 @@ pub fn with_values<T: candle_core::WithDType, R>(
     Ok(f(&t.flatten_all()?.to_vec1::<T>()?))
 }
 
+/// Leaves per worker that [`leaf_len`] allows a parallel loop at least.
+const LEAVES_PER_THREAD: usize = 16;
+
+/// The most items of a parallel loop over `len` items that one rayon leaf
+/// runs in a row — `len / (16 × workers)`, at least one — for `with_max_len`
+/// on a loop whose tasks were sized for balance (a product's tile columns,
+/// attention's rows).
+///
+/// Rayon's adaptive splitter halves a loop only as deep as the pool has
+/// workers unless a part is stolen: on two workers, the one that starts a
+/// loop runs its first quarter as one piece that the other cannot take
+/// from, and the loop ends when the slower of the two ends its last
+/// piece. A 16-request decode step of `vl serve` runs ~100 such loops
+/// (its profile: one worker spinning for 8–16% of the step, mostly while
+/// the other finished an attention's or a product's last piece). With
+/// leaves of at most this many items, the step took 2–5% less time in 9
+/// of 11 interleaved rounds and a Florence-2 encode 0.5–3% less in 9 of 11
+/// (BENCHMARKS.md, Zen 4, twelfth session).
+pub(crate) fn leaf_len(len: usize) -> usize {
+    len.div_ceil(LEAVES_PER_THREAD * rayon::current_num_threads().max(1))
+        .max(1)
+}
+
 /// A vector of `n` values written by `f` in parallel, chunk by chunk:
 /// `f(i, chunk)` gets chunk `i` (`chunk` values, fewer at the end), zeroed
 /// by its own task just before (while it is in cache) — rather than the
