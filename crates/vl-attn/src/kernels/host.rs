@@ -3,7 +3,8 @@
 //! workers awake through a loop of decode steps ([`KeepAwake`]), read a
 //! tensor's values in place ([`with_values`]), check a `CustomOp`'s input
 //! is contiguous ([`contiguous`]), fill new buffers in parallel
-//! ([`par_filled`]).
+//! ([`par_filled`]), cut a parallel loop into leaves the other workers can
+//! take from ([`leaf_len`]).
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
