@@ -1367,8 +1367,8 @@ unsafe fn tile_vnni<const R: usize>(
                 let s = if R >= CHAINED_ROWS {
                     // Enough rows' chains in flight to hide `vpdpbusd`'s
                     // latency: one chain per row, no closing add.
-                    for g in 0..8 {
-                        s0 = _mm512_dpbusd_epi32(s0, w[g], x4(g));
+                    for (g, &w) in w.iter().enumerate() {
+                        s0 = _mm512_dpbusd_epi32(s0, w, x4(g));
                     }
                     s0
                 } else {
