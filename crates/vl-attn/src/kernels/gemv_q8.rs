@@ -325,7 +325,7 @@ impl Tiled for PackedQ8 {
         match isa.simd() {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the token proves AVX-512F, BW and VNNI.
-            Q8Simd::Vnni => unsafe { tile_vnni(self, a, t, r0, acc) },
+            Q8Simd::Vnni => unsafe { tile_vnni::<R, OutPtr>(self, a, t, r0, Sums::Acc(acc)) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the token proves AVX2 and FMA.
             Q8Simd::Avx2 => unsafe { tile_avx2(self, a, t, r0, acc) },
@@ -371,6 +371,47 @@ impl Tiled for PackedQ8 {
             _ => unsafe { pair_apart::<Self, R, O>(self, isa, a, t, r0, out, gelu) },
         }
     }
+
+    #[inline(always)]
+    unsafe fn tile_store<const R: usize, O: Out>(
+        &self,
+        isa: Q8Isa,
+        a: &Activations,
+        t: usize,
+        r0: usize,
+        out: &O,
+        gelu: Option<bool>,
+    ) {
+        match isa.simd() {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the token proves AVX-512F, BW and VNNI; the
+            // caller's contract is `tile`'s, which `tile_vnni` stores by.
+            Q8Simd::Vnni => unsafe { tile_vnni::<R, O>(self, a, t, r0, Sums::Out(out, gelu)) },
+            // SAFETY: the caller's contract.
+            _ => unsafe { tile_cold::<Self, R, O>(self, isa, a, t, r0, out, gelu) },
+        }
+    }
+}
+
+/// [`tile`] as a call of its own: the other instruction sets' path of a
+/// kernel that has a faster one inlined, so that the compiler does not
+/// hoist that path's address arithmetic into every tile's loop (4% of a
+/// 16-row decode step went to the unused path's setup).
+///
+/// # Safety
+/// As [`tile`].
+#[inline(never)]
+unsafe fn tile_cold<P: Tiled, const R: usize, O: Out>(
+    p: &P,
+    isa: Q8Isa,
+    a: &P::Input,
+    t: usize,
+    r0: usize,
+    out: &O,
+    gelu: Option<bool>,
+) {
+    // SAFETY: the caller's contract.
+    unsafe { tile::<P, R, O>(p, isa, a, t, r0, out, gelu) }
 }
 
 /// A weight `(n, k)` packed in tiles of [`TILE_ROWS`] rows whose products
@@ -442,6 +483,32 @@ pub(crate) trait Tiled: Sync {
     {
         // SAFETY: the caller's contract.
         unsafe { pair_apart::<Self, R, O>(self, isa, a, t, r0, out, gelu) }
+    }
+    /// Tile `t` against rows `r0..r0 + R`, plus the bias, through the
+    /// GELU if asked, stored in `out`: [`tile`], which a kernel may do
+    /// from its registers rather than through [`Tiled::accumulate`]'s
+    /// array (a 16-row decode step's tiles each went through 1 KiB of
+    /// stack: zeroed, stored, read back).
+    ///
+    /// # Panics
+    /// As [`Tiled::accumulate`].
+    ///
+    /// # Safety
+    /// As [`tile`].
+    #[inline(always)]
+    unsafe fn tile_store<const R: usize, O: Out>(
+        &self,
+        isa: Q8Isa,
+        a: &Self::Input,
+        t: usize,
+        r0: usize,
+        out: &O,
+        gelu: Option<bool>,
+    ) where
+        Self: Sized,
+    {
+        // SAFETY: the caller's contract.
+        unsafe { tile::<Self, R, O>(self, isa, a, t, r0, out, gelu) }
     }
 }
 
@@ -829,22 +896,22 @@ unsafe fn rows_by_tiles<P: Tiled, O: Out>(
             // SAFETY: the caller's contract; rows `r..r + step` exist.
             unsafe {
                 match step {
-                    16 => tile::<P, 16, O>(p, isa, input, t, r, out, gelu),
-                    15 => tile::<P, 15, O>(p, isa, input, t, r, out, gelu),
-                    14 => tile::<P, 14, O>(p, isa, input, t, r, out, gelu),
-                    13 => tile::<P, 13, O>(p, isa, input, t, r, out, gelu),
-                    12 => tile::<P, 12, O>(p, isa, input, t, r, out, gelu),
-                    11 => tile::<P, 11, O>(p, isa, input, t, r, out, gelu),
-                    10 => tile::<P, 10, O>(p, isa, input, t, r, out, gelu),
-                    9 => tile::<P, 9, O>(p, isa, input, t, r, out, gelu),
-                    8 => tile::<P, 8, O>(p, isa, input, t, r, out, gelu),
-                    7 => tile::<P, 7, O>(p, isa, input, t, r, out, gelu),
-                    6 => tile::<P, 6, O>(p, isa, input, t, r, out, gelu),
-                    5 => tile::<P, 5, O>(p, isa, input, t, r, out, gelu),
-                    4 => tile::<P, 4, O>(p, isa, input, t, r, out, gelu),
-                    3 => tile::<P, 3, O>(p, isa, input, t, r, out, gelu),
-                    2 => tile::<P, 2, O>(p, isa, input, t, r, out, gelu),
-                    _ => tile::<P, 1, O>(p, isa, input, t, r, out, gelu),
+                    16 => p.tile_store::<16, O>(isa, input, t, r, out, gelu),
+                    15 => p.tile_store::<15, O>(isa, input, t, r, out, gelu),
+                    14 => p.tile_store::<14, O>(isa, input, t, r, out, gelu),
+                    13 => p.tile_store::<13, O>(isa, input, t, r, out, gelu),
+                    12 => p.tile_store::<12, O>(isa, input, t, r, out, gelu),
+                    11 => p.tile_store::<11, O>(isa, input, t, r, out, gelu),
+                    10 => p.tile_store::<10, O>(isa, input, t, r, out, gelu),
+                    9 => p.tile_store::<9, O>(isa, input, t, r, out, gelu),
+                    8 => p.tile_store::<8, O>(isa, input, t, r, out, gelu),
+                    7 => p.tile_store::<7, O>(isa, input, t, r, out, gelu),
+                    6 => p.tile_store::<6, O>(isa, input, t, r, out, gelu),
+                    5 => p.tile_store::<5, O>(isa, input, t, r, out, gelu),
+                    4 => p.tile_store::<4, O>(isa, input, t, r, out, gelu),
+                    3 => p.tile_store::<3, O>(isa, input, t, r, out, gelu),
+                    2 => p.tile_store::<2, O>(isa, input, t, r, out, gelu),
+                    _ => p.tile_store::<1, O>(isa, input, t, r, out, gelu),
                 }
             }
             r += step;
@@ -1328,12 +1395,12 @@ fn check_tile(p: &PackedQ8, a: &Activations, t: usize, rows: std::ops::Range<usi
 /// The CPU has AVX-512F, BW and VNNI.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tile_vnni<const R: usize>(
+unsafe fn tile_vnni<const R: usize, O: Out>(
     p: &PackedQ8,
     a: &Activations,
     t: usize,
     r0: usize,
-    acc: &mut [[f32; TILE_ROWS]; R],
+    to: Sums<'_, R, O>,
 ) {
     use std::arch::x86_64::*;
     let blocks = check_tile(p, a, t, r0..r0 + R);
@@ -1384,10 +1451,25 @@ unsafe fn tile_vnni<const R: usize>(
                 *sum = _mm512_fmadd_ps(s, scale, *sum);
             }
         }
-        for (o, sum) in acc.iter_mut().zip(sums) {
-            _mm512_storeu_ps(o.as_mut_ptr(), sum);
+        match to {
+            Sums::Acc(acc) => {
+                for (o, sum) in acc.iter_mut().zip(sums) {
+                    _mm512_storeu_ps(o.as_mut_ptr(), sum);
+                }
+            }
+            // SAFETY: the caller's contract.
+            Sums::Out(out, gelu) => store_sums_avx512(p, &sums, t, r0, out, gelu),
         }
     }
+}
+
+/// Where [`tile_vnni`] puts its sums: into the caller's accumulators
+/// ([`Tiled::accumulate`]), or, plus the bias and through the GELU if
+/// asked, straight into the product's rows ([`Tiled::tile_store`]).
+#[cfg(target_arch = "x86_64")]
+enum Sums<'a, const R: usize, O> {
+    Acc(&'a mut [[f32; TILE_ROWS]; R]),
+    Out(&'a O, Option<bool>),
 }
 
 /// [`tile_vnni`] for tiles `t` and `t + 1` at once, stored from the
@@ -1417,8 +1499,6 @@ unsafe fn tile_pair_vnni<const R: usize, O: Out>(
     out: &O,
     gelu: Option<bool>,
 ) {
-    use crate::kernels::gelu::gelu_one;
-    use crate::kernels::micro::Fma;
     use std::arch::x86_64::*;
     let blocks = check_tile(p, a, t + 1, r0..r0 + R);
     // SAFETY: every offset below is within tiles `t` and `t + 1` of `p`
@@ -1464,31 +1544,60 @@ unsafe fn tile_pair_vnni<const R: usize, O: Out>(
                 }
             }
         }
-        let n = p.n;
         for (j, sums) in sums.iter().enumerate() {
-            let c0 = (t + j) * TILE_ROWS;
-            // `t + 1` may be the last, partial tile (`c0 < n` as a tile).
-            let cols = (n - c0).min(TILE_ROWS);
-            let mask: __mmask16 = (((1u32 << cols) - 1) & 0xFFFF) as u16;
-            let bias = p
-                .bias
-                .as_deref()
-                .map(|b| _mm512_maskz_loadu_ps(mask, b.as_ptr().add(c0)));
-            for (i, &sum) in sums.iter().enumerate() {
-                let mut v = match bias {
-                    Some(b) => _mm512_add_ps(sum, b),
-                    None => sum,
-                };
-                if let Some(exact) = gelu {
-                    let mut lanes = [0f32; TILE_ROWS];
-                    _mm512_storeu_ps(lanes.as_mut_ptr(), v);
-                    for l in &mut lanes {
-                        *l = gelu_one::<Fma>(exact, *l);
-                    }
-                    v = _mm512_loadu_ps(lanes.as_ptr());
+            store_sums_avx512(p, sums, t + j, r0, out, gelu);
+        }
+    }
+}
+
+/// Stores tile `t`'s sums of rows `r0..` (one register per row) plus the
+/// bias, through the GELU if asked (the f32 kernel's own, lane by lane),
+/// masked to the tile's columns: the values of [`store`], bit for bit.
+///
+/// # Safety
+/// The CPU has AVX-512F; `out` is `(rows of x, n)`, rows `r0..r0 +
+/// sums.len()` and tile `t` exist, and no other thread writes these
+/// rows' columns of the tile meanwhile.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn store_sums_avx512<O: Out>(
+    p: &PackedQ8,
+    sums: &[std::arch::x86_64::__m512],
+    t: usize,
+    r0: usize,
+    out: &O,
+    gelu: Option<bool>,
+) {
+    use crate::kernels::gelu::gelu_one;
+    use crate::kernels::micro::Fma;
+    use std::arch::x86_64::*;
+    let n = p.n;
+    let c0 = t * TILE_ROWS;
+    // `t` may be the last, partial tile (`c0 < n` as a tile).
+    let cols = (n - c0).min(TILE_ROWS);
+    let mask: __mmask16 = (((1u32 << cols) - 1) & 0xFFFF) as u16;
+    // SAFETY: the bias has `n` values, read masked to the tile's columns;
+    // the stores are the caller's contract.
+    unsafe {
+        let bias = p
+            .bias
+            .as_deref()
+            .map(|b| _mm512_maskz_loadu_ps(mask, b.as_ptr().add(c0)));
+        for (i, &sum) in sums.iter().enumerate() {
+            let mut v = match bias {
+                Some(b) => _mm512_add_ps(sum, b),
+                None => sum,
+            };
+            if let Some(exact) = gelu {
+                let mut lanes = [0f32; TILE_ROWS];
+                _mm512_storeu_ps(lanes.as_mut_ptr(), v);
+                for l in &mut lanes {
+                    *l = gelu_one::<Fma>(exact, *l);
                 }
-                _mm512_mask_storeu_ps(out.at(r0 + i, t + j, n), mask, v);
+                v = _mm512_loadu_ps(lanes.as_ptr());
             }
+            _mm512_mask_storeu_ps(out.at(r0 + i, t, n), mask, v);
         }
     }
 }
