@@ -393,10 +393,10 @@ impl Tiled for PackedQ8 {
     }
 }
 
-/// [`tile`] as a call of its own: the other instruction sets' path of a
-/// kernel that has a faster one inlined, so that the compiler does not
-/// hoist that path's address arithmetic into every tile's loop (4% of a
-/// 16-row decode step went to the unused path's setup).
+/// [`tile`] as a call of its own, so that the compiler does not hoist
+/// its address arithmetic for each row count into every tile's loop (4%
+/// of a 16-row q8_0 decode step went to that setup, for the path of the
+/// other instruction sets, unused).
 ///
 /// # Safety
 /// As [`tile`].
@@ -488,7 +488,11 @@ pub(crate) trait Tiled: Sync {
     /// GELU if asked, stored in `out`: [`tile`], which a kernel may do
     /// from its registers rather than through [`Tiled::accumulate`]'s
     /// array (a 16-row decode step's tiles each went through 1 KiB of
-    /// stack: zeroed, stored, read back).
+    /// stack: zeroed, stored, read back). By default [`tile`] as a call
+    /// of its own ([`tile_cold`]): inlined into [`rows_by_tiles`]'s 16
+    /// row counts, its address arithmetic was hoisted into every tile
+    /// (a vit-gpt2 q4_K decode step took 3.4 against 3.9 ms out of line,
+    /// its 197-row encode 4% longer).
     ///
     /// # Panics
     /// As [`Tiled::accumulate`].
@@ -508,7 +512,7 @@ pub(crate) trait Tiled: Sync {
         Self: Sized,
     {
         // SAFETY: the caller's contract.
-        unsafe { tile::<Self, R, O>(self, isa, a, t, r0, out, gelu) }
+        unsafe { tile_cold::<Self, R, O>(self, isa, a, t, r0, out, gelu) }
     }
 }
 
