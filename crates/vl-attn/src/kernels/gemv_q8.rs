@@ -491,8 +491,8 @@ pub(crate) trait Tiled: Sync {
     /// stack: zeroed, stored, read back). By default [`tile`] as a call
     /// of its own ([`tile_cold`]): inlined into [`rows_by_tiles`]'s 16
     /// row counts, its address arithmetic was hoisted into every tile
-    /// (a vit-gpt2 q4_K decode step took 3.4 against 3.9 ms out of line,
-    /// its 197-row encode 4% longer).
+    /// (a vit-gpt2 q4_K decode step took 3.4 against 3.7 ms out of line,
+    /// medians of 7 interleaved rounds; its 197-row encode 4% longer).
     ///
     /// # Panics
     /// As [`Tiled::accumulate`].
@@ -985,7 +985,8 @@ unsafe fn store<P: Tiled, const R: usize, O: Out>(
     if cols == TILE_ROWS {
         // A whole tile, its width known here: the bias is added and the
         // rows copied as vectors rather than through a call to `memcpy`
-        // per row (7% of a 16-row decode step).
+        // per row (4.5% of a 16-row q8_0 decode step, when the VNNI
+        // kernel still stored through here).
         // SAFETY: as in `store_cols`.
         unsafe { store_cols::<P, R, O, TILE_ROWS>(p, isa, acc, t, r0, out, gelu) }
     } else {
@@ -1389,14 +1390,17 @@ fn check_tile(p: &PackedQ8, a: &Activations, t: usize, rows: std::ops::Range<usi
 }
 
 /// [`tile_generic`] with AVX-512 VNNI intrinsics: per block, the tile's 8
-/// groups loaded once for all `R` rows, two `vpdpbusd` chains per row.
+/// groups loaded once for all `R` rows, one `vpdpbusd` chain per row from
+/// [`CHAINED_ROWS`] rows (two below); the sums into the caller's array or,
+/// with the bias and the GELU, into the product ([`Sums`]).
 ///
 /// # Panics
 /// If `t` is not a tile of `p`, rows `r0..r0 + R` are not in `a` or `a`'s
 /// width is not `p`'s (checked once, before the loops).
 ///
 /// # Safety
-/// The CPU has AVX-512F, BW and VNNI.
+/// The CPU has AVX-512F, BW and VNNI; with [`Sums::Out`], [`tile`]'s
+/// contract for `out`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn tile_vnni<const R: usize, O: Out>(
