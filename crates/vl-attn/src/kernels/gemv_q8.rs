@@ -944,7 +944,9 @@ unsafe fn tile<P: Tiled, const R: usize, O: Out>(
     unsafe { store(p, isa, &mut acc, t, r0, out, gelu) };
 }
 
-/// [`Tiled::pair_store`] as two calls of [`tile`].
+/// [`Tiled::pair_store`] as two calls of [`tile`], each out of line
+/// ([`tile_cold`]) as in the one-tile loop: inlined into the pair loop's
+/// row counts, it too would have its address arithmetic hoisted there.
 ///
 /// # Safety
 /// As [`tile`], for both tiles.
@@ -960,8 +962,8 @@ unsafe fn pair_apart<P: Tiled, const R: usize, O: Out>(
 ) {
     // SAFETY: the caller's contract.
     unsafe {
-        tile::<P, R, O>(p, isa, a, t, r0, out, gelu);
-        tile::<P, R, O>(p, isa, a, t + 1, r0, out, gelu);
+        tile_cold::<P, R, O>(p, isa, a, t, r0, out, gelu);
+        tile_cold::<P, R, O>(p, isa, a, t + 1, r0, out, gelu);
     }
 }
 
