@@ -151,6 +151,17 @@ pub enum PrefetchHint {
     Off,
 }
 
+/// Which f32 matrix product runs the products of many rows (an encoder, a
+/// prefill) on this CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum F32Gemm {
+    /// candle's (the `gemm` crate's AVX2 micro-kernels on x86-64).
+    Candle,
+    /// vl's own ([`crate::kernels::gemm_f32`]), on the best [`Isa`]: AVX-512
+    /// at full width where the CPU runs 512-bit FMAs at full rate.
+    Vl,
+}
+
 /// The choices of vl's kernels that depend on the CPU model rather than on
 /// its instruction sets, made once at detection ([`Tuning::for_cpu`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -159,6 +170,8 @@ pub struct Tuning {
     pub prefetch: PrefetchHint,
     /// How many bytes ahead of the weights being multiplied they ask.
     pub prefetch_ahead: usize,
+    /// The f32 product of many rows.
+    pub f32_gemm: F32Gemm,
 }
 
 impl Tuning {
@@ -183,17 +196,33 @@ impl Tuning {
     ///   9.1–11.3; f32: NTA 43.5–64, T0 42.8–43.3);
     /// - aarch64: no x86 prefetch exists (the hint is not used).
     ///
-    /// `VL_PREFETCH=nta|t0|off[:BYTES]` in the environment overrides it (to
-    /// measure a new CPU); a value that does not parse is ignored with a
-    /// warning on stderr.
-    pub fn for_cpu(vendor: Vendor) -> Self {
+    /// The f32 product of many rows is vl's own ([`F32Gemm::Vl`]) on Intel
+    /// CPUs with AVX-512F, whose cores run 512-bit FMAs at full rate;
+    /// candle's elsewhere (on Zen 4 AVX-512 is double-pumped, and AVX-512
+    /// GEMM kernels measured slower than AVX2 ones there).
+    ///
+    /// `VL_PREFETCH=nta|t0|off[:BYTES]` and `VL_F32_GEMM=vl|candle` in the
+    /// environment override these (to measure a new CPU); a value that does
+    /// not parse is ignored with a warning on stderr.
+    pub fn for_cpu(vendor: Vendor, avx512f: bool) -> Self {
         let prefetch = match vendor {
             Vendor::Amd => PrefetchHint::NonTemporal,
             Vendor::Intel | Vendor::Other | Vendor::Arm => PrefetchHint::T0,
         };
+        let f32_gemm = match std::env::var("VL_F32_GEMM") {
+            Ok(v) => match Self::parse_f32_gemm(&v) {
+                Some(g) => g,
+                None => {
+                    eprintln!("vl: VL_F32_GEMM={v:?} ignored: expected vl or candle");
+                    Self::f32_gemm_for(vendor, avx512f)
+                }
+            },
+            Err(_) => Self::f32_gemm_for(vendor, avx512f),
+        };
         let tuning = Self {
             prefetch,
             prefetch_ahead: Self::PREFETCH_AHEAD,
+            f32_gemm,
         };
         match std::env::var("VL_PREFETCH") {
             Ok(v) => match tuning.with_override(&v) {
@@ -206,6 +235,25 @@ impl Tuning {
                 }
             },
             Err(_) => tuning,
+        }
+    }
+
+    /// The f32 product of many rows for a CPU of `vendor` (see
+    /// [`Tuning::for_cpu`]).
+    fn f32_gemm_for(vendor: Vendor, avx512f: bool) -> F32Gemm {
+        if vendor == Vendor::Intel && avx512f {
+            F32Gemm::Vl
+        } else {
+            F32Gemm::Candle
+        }
+    }
+
+    /// `vl` or `candle`, any case; `None` otherwise.
+    fn parse_f32_gemm(spec: &str) -> Option<F32Gemm> {
+        match spec.trim().to_ascii_lowercase().as_str() {
+            "vl" => Some(F32Gemm::Vl),
+            "candle" => Some(F32Gemm::Candle),
+            _ => None,
         }
     }
 
@@ -225,6 +273,7 @@ impl Tuning {
         Some(Self {
             prefetch,
             prefetch_ahead: ahead.unwrap_or(self.prefetch_ahead),
+            ..self
         })
     }
 }
@@ -289,6 +338,7 @@ impl CpuFeatures {
             tuning: Tuning {
                 prefetch: PrefetchHint::T0,
                 prefetch_ahead: Tuning::PREFETCH_AHEAD,
+                f32_gemm: F32Gemm::Candle,
             },
             best: (Isa::portable(), Q8Isa::portable(), Bf16Isa::portable()),
         };
@@ -318,7 +368,7 @@ impl CpuFeatures {
             cpu.model_name = proc_cpuinfo_model().unwrap_or_default();
         }
         cpu.best = (cpu.isas()[0], cpu.q8_isas()[0], cpu.bf16_isas()[0]);
-        cpu.tuning = Tuning::for_cpu(cpu.vendor);
+        cpu.tuning = Tuning::for_cpu(cpu.vendor, cpu.avx512f);
         cpu
     }
 
@@ -420,7 +470,7 @@ impl CpuFeatures {
 
 impl fmt::Display for CpuFeatures {
     /// `MODEL NAME (vendor, family F model M): flags; kernels f32 X, q8_0
-    /// Y, bf16 Z; prefetch HINT N B ahead`.
+    /// Y, bf16 Z; prefetch HINT N B ahead; f32 GEMM G`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let name = if self.model_name.is_empty() {
             "unknown CPU"
@@ -429,7 +479,7 @@ impl fmt::Display for CpuFeatures {
         };
         write!(
             f,
-            "{name} ({:?}, family {} model {}): {}; kernels f32 {:?}, q8_0 {:?}, bf16 {:?}; prefetch {:?} {} B ahead",
+            "{name} ({:?}, family {} model {}): {}; kernels f32 {:?}, q8_0 {:?}, bf16 {:?}; prefetch {:?} {} B ahead; f32 GEMM {:?}",
             self.vendor,
             self.family,
             self.model,
@@ -438,7 +488,8 @@ impl fmt::Display for CpuFeatures {
             self.q8_isa().simd(),
             self.bf16_isa().simd(),
             self.tuning.prefetch,
-            self.tuning.prefetch_ahead
+            self.tuning.prefetch_ahead,
+            self.tuning.f32_gemm
         )
     }
 }
@@ -577,19 +628,37 @@ mod tests {
         let base = |prefetch| Tuning {
             prefetch,
             prefetch_ahead: Tuning::PREFETCH_AHEAD,
+            f32_gemm: F32Gemm::Candle,
         };
-        if std::env::var_os("VL_PREFETCH").is_none() {
-            assert_eq!(
-                Tuning::for_cpu(Vendor::Amd),
-                base(PrefetchHint::NonTemporal)
-            );
-            for v in [Vendor::Intel, Vendor::Other, Vendor::Arm] {
-                assert_eq!(Tuning::for_cpu(v), base(PrefetchHint::T0), "{v:?}");
+        if std::env::var_os("VL_PREFETCH").is_none() && std::env::var_os("VL_F32_GEMM").is_none() {
+            for avx512f in [false, true] {
+                assert_eq!(
+                    Tuning::for_cpu(Vendor::Amd, avx512f),
+                    base(PrefetchHint::NonTemporal)
+                );
+                for v in [Vendor::Other, Vendor::Arm] {
+                    assert_eq!(Tuning::for_cpu(v, avx512f), base(PrefetchHint::T0), "{v:?}");
+                }
             }
+            assert_eq!(
+                Tuning::for_cpu(Vendor::Intel, false),
+                base(PrefetchHint::T0)
+            );
+            assert_eq!(
+                Tuning::for_cpu(Vendor::Intel, true),
+                Tuning {
+                    f32_gemm: F32Gemm::Vl,
+                    ..base(PrefetchHint::T0)
+                }
+            );
             let cpu = CpuFeatures::get();
-            assert_eq!(cpu.tuning, Tuning::for_cpu(cpu.vendor));
+            assert_eq!(cpu.tuning, Tuning::for_cpu(cpu.vendor, cpu.avx512f));
             assert!(cpu.to_string().contains("B ahead"), "{cpu}");
+            assert!(cpu.to_string().contains("f32 GEMM"), "{cpu}");
         }
+        assert_eq!(Tuning::parse_f32_gemm(" VL "), Some(F32Gemm::Vl));
+        assert_eq!(Tuning::parse_f32_gemm("candle"), Some(F32Gemm::Candle));
+        assert_eq!(Tuning::parse_f32_gemm("avx512"), None);
         let t = base(PrefetchHint::NonTemporal);
         assert_eq!(t.with_override("t0"), Some(base(PrefetchHint::T0)));
         assert_eq!(t.with_override("OFF"), Some(base(PrefetchHint::Off)));
@@ -597,7 +666,8 @@ mod tests {
             t.with_override("nta:2048"),
             Some(Tuning {
                 prefetch: PrefetchHint::NonTemporal,
-                prefetch_ahead: 2048
+                prefetch_ahead: 2048,
+                f32_gemm: F32Gemm::Candle,
             })
         );
         for bad in ["", "t1", "t0:", "t0:4k", "nta:-1"] {

@@ -14,6 +14,7 @@
 //! | f32/f16/bf16 GEMV, 1–8 rows | [`gemv::gemv`] | AVX-512F, AVX2+FMA, portable |
 //! | q8_0 product, any rows | [`gemv_q8::PackedQ8::matmul`] | AVX-512 VNNI, AVX2+FMA, portable |
 //! | q4_K product, any rows | [`gemv_q4k::PackedQ4K::matmul`] | AVX-512 VNNI, AVX2+FMA, portable |
+//! | f32 GEMM, many rows (where [`Tuning::f32_gemm`] chooses it) | [`gemm_f32::matmul`] | AVX-512F, AVX2+FMA, portable |
 //! | bf16 GEMM (and packed bf16 GEMV; GELU in its epilogue) | [`gemm_bf16::matmul`], [`gemm_bf16::PackedBf16::matmul`], [`gemm_bf16::PackedBf16::matmul_gelu`] | AVX512_BF16, portable |
 //! | fused attention, per row and tiled | `attention::fused` (through [`crate::attention::attention`]) | AVX-512F, AVX2+FMA, portable |
 //! | LayerNorm | [`norm::layer_norm`] | AVX-512F (f32), AVX512_BF16 (bf16), portable |
@@ -37,6 +38,7 @@ pub mod dwconv;
 pub mod features;
 pub(crate) mod gelu;
 pub mod gemm_bf16;
+pub mod gemm_f32;
 pub mod gemv;
 pub mod gemv_q4k;
 pub mod gemv_q8;
@@ -48,6 +50,6 @@ pub(crate) mod q4k;
 pub(crate) mod tiled;
 
 pub use features::{
-    Bf16Isa, Bf16Simd, CpuFeatures, Isa, PrefetchHint, Q8Isa, Q8Simd, Simd, Tuning, Vendor,
+    Bf16Isa, Bf16Simd, CpuFeatures, F32Gemm, Isa, PrefetchHint, Q8Isa, Q8Simd, Simd, Tuning, Vendor,
 };
 pub use host::{on_pool, with_values, KeepAwake};

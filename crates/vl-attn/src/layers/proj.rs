@@ -570,13 +570,17 @@ fn quantize_rows(
 }
 
 /// `x W^T` on vl's CPU kernels when one takes these operands — decode
-/// shapes on [`crate::kernels::gemv`], many bf16 rows on [`crate::kernels::gemm_bf16`] —
-/// `None` when neither does (training, other devices, f32 prefill).
+/// shapes on [`crate::kernels::gemv`], many bf16 rows on [`crate::kernels::gemm_bf16`],
+/// many f32 rows on [`crate::kernels::gemm_f32`] where the CPU's tuning
+/// chose it — `None` when none does (training, other devices, f32 prefill
+/// on candle's product).
 fn vl_product(x: &Tensor, w: &Tensor) -> Option<candle_core::Result<Tensor>> {
     if crate::kernels::gemv::applies(x, w) {
         Some(crate::kernels::gemv::apply(x, w))
     } else if crate::kernels::gemm_bf16::applies(x, w) {
         Some(crate::kernels::gemm_bf16::apply(x, w))
+    } else if crate::kernels::gemm_f32::applies(x, w) {
+        Some(crate::kernels::gemm_f32::apply(x, w))
     } else {
         None
     }

@@ -1,0 +1,398 @@
+//! vl's f32 matrix product for many rows (an encoder, a prefill, a batch):
+//! `y = x W^T` with `x (m, k)` and `W (n, k)` in f32.
+//!
+//! Why vl owns it: candle's f32 product is the `gemm` crate, whose
+//! micro-kernels are AVX2 unless it is built with its `x86-v4` feature,
+//! and then it runs AVX-512 on every CPU that has it, with no switch at
+//! run time. On a CPU with full-width 512-bit FMA units (Intel's Xeons)
+//! the AVX2 kernels leave half of them idle; on AMD's Zen 4, where
+//! AVX-512 is double-pumped, gemm's AVX-512 kernels made a ViT encode 30%
+//! slower (BENCHMARKS.md, "f32 GEMM at AVX-512 width on Zen 4"). So the
+//! choice is per CPU ([`crate::kernels::Tuning::f32_gemm`]), and this
+//! kernel is what the CPUs that want AVX-512 get.
+//!
+//! # Layout
+//! The product runs transposed, `yᵀ = W xᵀ`, so that the weight is read
+//! where it lies and only `x` is packed: once per call, as panels of
+//! [`NR`] rows transposed (`k × NR` floats each; `x` is `m · k` floats
+//! against the weight's `n · k`). A task is a chunk of [`TASK_W`] weight
+//! rows × a group of panels (about [`GROUP_BYTES`] per block of `k`). It
+//! walks `k` in blocks of [`KC`]; for every [`MR`] weight rows (16 KB, in
+//! L1) and every panel of the group (in L2) the register-tile
+//! micro-kernel of the tiled attention (`micro`: 8 × 32, 16 AVX-512
+//! accumulators, a broadcast of a weight and two FMAs per weight row and
+//! step) adds a `yᵀ` tile into a scratch in L2; at the end the scratch is
+//! stored transposed into `y`. (Packing the weight per call instead cost
+//! as much as the product at a ViT's 197 rows.)
+//!
+//! One generic body compiled per instruction set (AVX-512F, AVX2+FMA, the
+//! baseline) through the micro-kernel's [`Kernel`]: the plain-Rust one is
+//! the fallback and the oracle the others are tested against.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::features::{CpuFeatures, F32Gemm, Isa};
+use crate::kernels::host::contiguous;
+use crate::kernels::micro::{micro, per_isa, Kernel, MR, NR};
+
+/// Columns of `k` per block: a weight tile's block is `MR × KC` floats
+/// (16 KB, in L1), a packed panel's `KC × NR` (64 KB).
+const KC: usize = 512;
+
+/// Whether [`crate::Proj`] should route `x W^T` here: this CPU's tuning
+/// chose vl's f32 product ([`F32Gemm::Vl`]), and [`matmul_with`] takes the
+/// operands with more rows than a decode step
+/// ([`crate::kernels::gemv::MAX_ROWS`], which the GEMV serves).
+pub fn applies(x: &Tensor, w: &Tensor) -> bool {
+    CpuFeatures::get().tuning.f32_gemm == F32Gemm::Vl
+        && takes(x, w)
+        && x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1)
+            > crate::kernels::gemv::MAX_ROWS
+}
+
+/// Whether the kernels take `x` and `w` at all, on any implementation:
+/// both f32, on the CPU and untracked, `w (n, k)` contiguous with `n, k >
+/// 0`, `x (..., k)` not empty.
+fn takes(x: &Tensor, w: &Tensor) -> bool {
+    x.device().is_cpu()
+        && w.device().is_cpu()
+        && !x.track_op()
+        && !w.track_op()
+        && x.dtype() == DType::F32
+        && w.dtype() == DType::F32
+        && w.rank() == 2
+        && w.is_contiguous()
+        && x.dims().last() == w.dims().get(1)
+        && x.elem_count() > 0
+        && w.elem_count() > 0
+}
+
+/// `x W^T` in f32 on the best instruction set of this CPU.
+///
+/// # Shapes
+/// `x: (..., k)` f32 (made contiguous), `w: (n, k)` f32 contiguous →
+/// `(..., n)` f32.
+///
+/// # Errors
+/// Operands the kernels do not take, with the reason.
+pub fn matmul(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    matmul_with(CpuFeatures::get().isa(), x, w)
+}
+
+/// [`matmul`] on a given implementation, on any CPU that runs it (the
+/// token proves it): the portable one anywhere.
+///
+/// # Errors
+/// Operands the kernels do not take, with the reason.
+pub fn matmul_with(isa: Isa, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    if !takes(x, w) {
+        candle_core::bail!(
+            "vl-gemm-f32: takes untracked non-empty f32 CPU x (..., k) and a contiguous f32 w (n, k); got x {:?} {:?}, w {:?} {:?}",
+            x.dims(),
+            x.dtype(),
+            w.dims(),
+            w.dtype()
+        );
+    }
+    x.contiguous()?.apply_op2_no_bwd(w, &GemmF32 { isa })
+}
+
+/// [`matmul`] for operands the caller has checked with [`applies`] (the op
+/// itself still refuses what it cannot compute).
+pub(crate) fn apply(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    matmul(x, w)
+}
+
+struct GemmF32 {
+    isa: Isa,
+}
+
+fn slice<'a>(s: &'a CpuStorage, l: &Layout, arg: &str) -> candle_core::Result<&'a [f32]> {
+    let CpuStorage::F32(d) = s else {
+        candle_core::bail!("vl-gemm-f32: {arg} must be f32, got {:?}", s.dtype());
+    };
+    contiguous(d, l, "vl-gemm-f32", arg)
+}
+
+impl CustomOp2 for GemmF32 {
+    fn name(&self) -> &'static str {
+        "vl-gemm-f32"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (n, k) = l2.shape().dims2()?;
+        let dims = l1.shape().dims();
+        if dims.last() != Some(&k) || n == 0 || k == 0 {
+            candle_core::bail!("vl-gemm-f32: x {dims:?}, w ({n}, {k})");
+        }
+        let m = l1.shape().elem_count() / k;
+        let y = product(self.isa, slice(s1, l1, "x")?, slice(s2, l2, "w")?, m, n, k);
+        let mut shape = dims[..dims.len() - 1].to_vec();
+        shape.push(n);
+        Ok((CpuStorage::F32(y), Shape::from(shape)))
+    }
+}
+
+/// `y (m, n)` = `x (m, k)` times `w (n, k)` transposed.
+fn product(isa: Isa, x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+    debug_assert!(x.len() == m * k && w.len() == n * k && n > 0 && k > 0);
+    let panels = m.div_ceil(NR);
+    let xp = pack_rows(x, m, k);
+    let kc = KC.min(k);
+    let group = (GROUP_BYTES / (kc * NR * 4)).clamp(1, panels);
+    let groups = panels.div_ceil(group);
+    let chunks = n.div_ceil(TASK_W);
+    // Not zeroed first: every task writes each element of its rows and
+    // columns.
+    let mut y: Vec<f32> = Vec::with_capacity(m * n);
+    let out = SyncPtr(y.as_mut_ptr());
+    (0..groups * chunks).into_par_iter().for_each(|t| {
+        // Row-group-major: the tasks that read the same packed rows are
+        // neighbours (in L3 together), each on its own weight rows.
+        let (g, c) = (t / chunks, t % chunks);
+        let panel_range = g * group..((g + 1) * group).min(panels);
+        let w_rows = c * TASK_W..((c + 1) * TASK_W).min(n);
+        task(isa, &xp, w, out, panel_range, w_rows, m, n, k);
+    });
+    // SAFETY: the tasks cover every row group × weight chunk, and each
+    // writes every element of its rows (below `m`) and columns: all `m *
+    // n` elements are initialised.
+    unsafe { y.set_len(m * n) };
+    y
+}
+
+/// Bytes of packed rows that one task multiplies per block of `k` (a share
+/// of an L2, read again for each of its weight blocks).
+const GROUP_BYTES: usize = 512 * 1024;
+/// Weight rows (output columns) per task: [`TASK_W`] / [`MR`] blocks.
+const TASK_W: usize = 8 * MR;
+
+/// `x (m, k)` as panels of [`NR`] rows transposed: panel `q` holds `x[q ·
+/// NR + l][p]` at `p · NR + l`, zero past row `m` — the micro-kernel's
+/// `b` operand, so that the weight is read where it lies.
+fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+    let panels = m.div_ceil(NR);
+    let mut xp = vec![0f32; panels * k * NR];
+    xp.par_chunks_mut(k * NR)
+        .enumerate()
+        .for_each(|(q, panel)| {
+            for l in 0..NR.min(m - q * NR) {
+                let row = &x[(q * NR + l) * k..(q * NR + l + 1) * k];
+                for (p, &v) in row.iter().enumerate() {
+                    panel[p * NR + l] = v;
+                }
+            }
+        });
+    xp
+}
+
+/// `y`'s buffer, shared by tasks that write disjoint parts of it.
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+
+// SAFETY: the tasks of `product` write disjoint elements and the buffer
+// outlives them (see there).
+unsafe impl Send for SyncPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SyncPtr {}
+
+per_isa! {
+    /// One task of [`product`]: rows `panels` (of [`NR`]) × columns
+    /// `w_rows` of `y (m, n)`.
+    #[allow(clippy::too_many_arguments)]
+    fn task(
+        xp: &[f32],
+        w: &[f32],
+        y: SyncPtr,
+        panels: std::ops::Range<usize>,
+        w_rows: std::ops::Range<usize>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) = task_on::<crate::kernels::micro::Avx512>
+}
+
+/// [`task`] for the micro-kernel `K`: the products transposed, `yᵀ` tiles
+/// of [`MR`] weight rows × [`NR`] rows of `x`, the weight rows broadcast
+/// from where they lie and the packed rows of `x` as vectors; the sums
+/// accumulate over the blocks of `k` in a scratch `yᵀ` (in L2), stored
+/// transposed into `y` at the end.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn task_on<K: Kernel>(
+    xp: &[f32],
+    w: &[f32],
+    y: SyncPtr,
+    panels: std::ops::Range<usize>,
+    w_rows: std::ops::Range<usize>,
+    m: usize,
+    n: usize,
+    k: usize,
+) {
+    let width = panels.len() * NR;
+    let height = w_rows.len().next_multiple_of(MR);
+    let mut ct = vec![0f32; height * width];
+    // The last weight rows, when fewer than MR, zero-padded to a tile.
+    let mut w_tail = vec![0f32; MR * KC.min(k)];
+    for k0 in (0..k).step_by(KC) {
+        let kc = KC.min(k - k0);
+        for j0 in w_rows.clone().step_by(MR) {
+            let rows = MR.min(w_rows.end - j0);
+            let (a, rs): (&[f32], usize) = if rows == MR {
+                (&w[j0 * k + k0..], k)
+            } else {
+                w_tail.fill(0.0);
+                for r in 0..rows {
+                    w_tail[r * kc..(r + 1) * kc]
+                        .copy_from_slice(&w[(j0 + r) * k + k0..(j0 + r) * k + k0 + kc]);
+                }
+                (&w_tail[..], kc)
+            };
+            let ct_rows = (j0 - w_rows.start) * width;
+            for (q, panel) in panels.clone().enumerate() {
+                let mut c = [[0f32; NR]; MR];
+                if k0 > 0 {
+                    for (r, c_r) in c.iter_mut().enumerate() {
+                        let at = ct_rows + r * width + q * NR;
+                        c_r.copy_from_slice(&ct[at..at + NR]);
+                    }
+                }
+                let b = &xp[panel * k * NR + k0 * NR..];
+                micro::<K>(a, rs, 1, b, NR, kc, &mut c);
+                for (r, c_r) in c.iter().enumerate() {
+                    let at = ct_rows + r * width + q * NR;
+                    ct[at..at + NR].copy_from_slice(c_r);
+                }
+            }
+        }
+    }
+    let first = panels.start * NR;
+    for i in first..(panels.end * NR).min(m) {
+        // SAFETY: row `i < m`, columns `w_rows` (≤ n) are this task's
+        // alone, and `y` outlives the parallel loop (`product`).
+        let row =
+            unsafe { std::slice::from_raw_parts_mut(y.0.add(i * n + w_rows.start), w_rows.len()) };
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = ct[j * width + (i - first)];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// `x W^T` in f64, one dot product per element.
+    fn reference(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
+        let mut y = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                y[i * n + j] = (0..k)
+                    .map(|p| x[i * k + p] as f64 * w[j * k + p] as f64)
+                    .sum();
+            }
+        }
+        y
+    }
+
+    /// Every implementation the CPU runs against the f64 oracle, on sizes
+    /// that leave partial row tiles, partial panels, partial groups and a
+    /// partial block of `k`: each element within `k · 2⁻²³ · Σ|x w|` of
+    /// the exact sum (f32 rounding of `k` additions), and the SIMD ones
+    /// within 1e-6 relative of the portable one.
+    #[test]
+    fn matches_f64_on_every_isa() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        for (m, n, k) in [
+            (9, 1, 1),
+            (9, 33, 7),
+            (17, 130, 513),
+            (64, 257, 1030),
+            (203, 96, 64),
+            (8, 32, 512),
+        ] {
+            let x = Tensor::randn(0f32, 1., (m, k), &dev)?;
+            let w = Tensor::randn(0f32, 1., (n, k), &dev)?;
+            let (xv, wv) = (
+                x.flatten_all()?.to_vec1::<f32>()?,
+                w.flatten_all()?.to_vec1::<f32>()?,
+            );
+            let exact = reference(&xv, &wv, m, n, k);
+            let abs: Vec<f64> = reference(
+                &xv.iter().map(|v| v.abs()).collect::<Vec<_>>(),
+                &wv.iter().map(|v| v.abs()).collect::<Vec<_>>(),
+                m,
+                n,
+                k,
+            );
+            let portable = matmul_with(Isa::portable(), &x, &w)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            for isa in CpuFeatures::get().isas() {
+                let y = matmul_with(isa, &x, &w)?;
+                assert_eq!(y.dims(), &[m, n]);
+                let y = y.flatten_all()?.to_vec1::<f32>()?;
+                for (i, ((&got, &want), &bound)) in y.iter().zip(&exact).zip(&abs).enumerate() {
+                    let tol = bound * k as f64 * f32::EPSILON as f64;
+                    assert!(
+                        (got as f64 - want).abs() <= tol,
+                        "{isa:?} ({m}, {n}, {k}) element {i}: {got} vs {want} (±{tol})"
+                    );
+                    let p = portable[i];
+                    assert!(
+                        (got - p).abs() <= 1e-6 * bound as f32 + f32::MIN_POSITIVE,
+                        "{isa:?} ({m}, {n}, {k}) element {i}: {got} vs portable {p}"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Leading dimensions are rows: `(2, 3, 10, k)` is 60 rows, the same
+    /// values as the flattened product.
+    #[test]
+    fn leading_dimensions_are_rows() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1., (2, 3, 10, 40), &dev)?;
+        let w = Tensor::randn(0f32, 1., (50, 40), &dev)?;
+        let y = matmul(&x, &w)?;
+        assert_eq!(y.dims(), &[2, 3, 10, 50]);
+        let flat = matmul(&x.reshape((60, 40))?, &w)?.reshape((2, 3, 10, 50))?;
+        let diff = (y - flat)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0);
+        // A transposed (non-contiguous) x is made contiguous first.
+        let xt = Tensor::randn(0f32, 1., (40, 12), &dev)?.t()?;
+        let want = xt.contiguous()?.matmul(&w.t()?)?;
+        let got = matmul(&xt, &w)?;
+        let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-4, "{diff}");
+        Ok(())
+    }
+
+    /// What the kernels do not take is an error naming the operands.
+    #[test]
+    fn refuses_what_it_does_not_take() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::zeros((9, 8), DType::F32, &dev)?;
+        for w in [
+            Tensor::zeros((4, 7), DType::F32, &dev)?,
+            Tensor::zeros((4, 8), DType::BF16, &dev)?,
+            Tensor::zeros((8, 4), DType::F32, &dev)?.t()?,
+            Tensor::zeros((0, 8), DType::F32, &dev)?,
+        ] {
+            let err = matmul(&x, &w).unwrap_err().to_string();
+            assert!(err.contains("vl-gemm-f32") && err.contains("w ["), "{err}");
+        }
+        Ok(())
+    }
+}
