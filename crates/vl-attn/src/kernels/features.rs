@@ -61,6 +61,10 @@ pub enum Q8Simd {
 /// best first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Bf16Simd {
+    /// [`Bf16Simd::Avx512Bf16`] plus AMX-BF16: the GEMM's blocks of 32 rows
+    /// on the tile unit (`tdpbf16ps`, 16 × 16 outputs × 32 products per
+    /// instruction), everything else as on AVX512_BF16.
+    Amx,
     /// x86-64 with AVX-512F and AVX512_BF16 (`vdpbf16ps`, `vcvtneps2bf16`).
     Avx512Bf16,
     /// The target's baseline: plain Rust.
@@ -133,7 +137,7 @@ impl Bf16Isa {
     /// AVX-512F).
     pub const fn f32_isa(self) -> Isa {
         Isa(match self.0 {
-            Bf16Simd::Avx512Bf16 => Simd::Avx512,
+            Bf16Simd::Amx | Bf16Simd::Avx512Bf16 => Simd::Avx512,
             Bf16Simd::Portable => Simd::Portable,
         })
     }
@@ -299,6 +303,11 @@ pub struct CpuFeatures {
     pub avx512vnni: bool,
     /// AVX512_BF16 (`vdpbf16ps`, `vcvtneps2bf16`).
     pub avx512bf16: bool,
+    /// AMX-BF16 and AMX-TILE, usable: the operating system granted this
+    /// process the tile state (Linux's `arch_prctl(ARCH_REQ_XCOMP_PERM)`,
+    /// asked at detection). `VL_AMX=off` in the environment leaves it
+    /// unused (to measure the AVX512_BF16 kernels on such a CPU).
+    pub amx_bf16: bool,
     /// AVX2.
     pub avx2: bool,
     /// FMA3.
@@ -331,6 +340,7 @@ impl CpuFeatures {
             avx512bw: false,
             avx512vnni: false,
             avx512bf16: false,
+            amx_bf16: false,
             avx2: false,
             fma: false,
             neon: false,
@@ -349,6 +359,10 @@ impl CpuFeatures {
             cpu.avx512bw = has!("avx512bw");
             cpu.avx512vnni = has!("avx512vnni");
             cpu.avx512bf16 = has!("avx512bf16");
+            cpu.amx_bf16 = !matches!(
+                std::env::var("VL_AMX").as_deref().map(str::trim),
+                Ok("off" | "0")
+            ) && x86::amx_bf16_usable();
             cpu.avx2 = has!("avx2");
             cpu.fma = has!("fma");
             let id = x86::identify();
@@ -434,7 +448,7 @@ impl CpuFeatures {
     /// Every [`Bf16Isa`] this CPU runs, best first, [`Bf16Isa::portable`]
     /// last.
     pub fn bf16_isas(&self) -> Vec<Bf16Isa> {
-        [Bf16Simd::Avx512Bf16, Bf16Simd::Portable]
+        [Bf16Simd::Amx, Bf16Simd::Avx512Bf16, Bf16Simd::Portable]
             .into_iter()
             .filter_map(|s| self.bf16_isa_for(s))
             .collect()
@@ -443,6 +457,7 @@ impl CpuFeatures {
     /// The token for `simd`, if this CPU runs it.
     pub fn bf16_isa_for(&self, simd: Bf16Simd) -> Option<Bf16Isa> {
         let ok = match simd {
+            Bf16Simd::Amx => self.avx512f && self.avx512bf16 && self.amx_bf16,
             Bf16Simd::Avx512Bf16 => self.avx512f && self.avx512bf16,
             Bf16Simd::Portable => true,
         };
@@ -459,6 +474,7 @@ impl CpuFeatures {
             (self.avx512bw, "avx512bw"),
             (self.avx512vnni, "avx512_vnni"),
             (self.avx512bf16, "avx512_bf16"),
+            (self.amx_bf16, "amx_bf16"),
             (self.neon, "neon"),
             (self.dotprod, "asimddp"),
         ]
@@ -507,9 +523,45 @@ fn proc_cpuinfo_model() -> Option<String> {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use std::arch::x86_64::{__cpuid, CpuidResult};
+    use std::arch::x86_64::{__cpuid, __cpuid_count, CpuidResult};
 
     use super::Vendor;
+
+    /// Whether the CPU has AMX-TILE and AMX-BF16 (`cpuid` leaf 7, EDX bits
+    /// 24 and 22) and the operating system lets this process use the tile
+    /// data: on Linux, `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`
+    /// succeeds (it fails where the kernel or the hypervisor does not
+    /// enable the state); elsewhere, no.
+    pub(super) fn amx_bf16_usable() -> bool {
+        if cpuid(0).eax < 7 {
+            return false;
+        }
+        // SAFETY: leaf 7 exists (checked above).
+        #[allow(unused_unsafe)]
+        let edx = unsafe { __cpuid_count(7, 0) }.edx;
+        let (tile, bf16) = (edx & (1 << 24) != 0, edx & (1 << 22) != 0);
+        tile && bf16 && request_tile_data()
+    }
+
+    #[cfg(target_os = "linux")]
+    fn request_tile_data() -> bool {
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: a request for a permission of this process; no memory
+        // is passed.
+        unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            ) == 0
+        }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn request_tile_data() -> bool {
+        false
+    }
 
     pub(super) struct Identity {
         pub vendor: Vendor,
@@ -604,6 +656,12 @@ mod tests {
         }
         for isa in cpu.bf16_isas() {
             assert!(cpu.isas().contains(&isa.f32_isa()), "{isa:?} on {cpu}");
+            let ok = match isa.simd() {
+                Bf16Simd::Amx => cpu.amx_bf16 && cpu.avx512bf16,
+                Bf16Simd::Avx512Bf16 => cpu.avx512bf16 && cpu.avx512f,
+                Bf16Simd::Portable => true,
+            };
+            assert!(ok, "{isa:?} handed out on {cpu}");
         }
         #[cfg(target_arch = "x86_64")]
         {

@@ -8,7 +8,10 @@
 //! instruction): the weight is packed into panels of 32 columns × k/2
 //! pairs, and a micro-kernel of up to 8 rows × 32 columns keeps 16
 //! accumulators in registers; blocks of rows × groups of panels are split
-//! across the rayon pool. A portable implementation in plain Rust (the
+//! across the rayon pool. Where the CPU also has AMX-BF16 (Intel's Xeons
+//! from Sapphire Rapids on) and the operating system grants the tile
+//! state, blocks of 32 rows run on the tile unit instead (`amx`), on the
+//! same packed panels. A portable implementation in plain Rust (the
 //! same panels, `x` widened pair by pair) runs anywhere and is the oracle
 //! the AVX512_BF16 one is tested against; [`crate::Proj`] routes products
 //! here only where the CPU has AVX512_BF16 ([`accelerated`]), and to
@@ -39,7 +42,7 @@ const TASK_ROWS: usize = 8 * MR;
 /// and AVX512_BF16), where they beat candle's bf16 product: what callers
 /// ask before routing products here.
 pub fn accelerated() -> bool {
-    CpuFeatures::get().bf16_isa().simd() == Bf16Simd::Avx512Bf16
+    CpuFeatures::get().bf16_isa().simd() != Bf16Simd::Portable
 }
 
 /// Whether [`matmul`] takes `x` and `w`: the kernels [`accelerated`], both
@@ -162,7 +165,7 @@ fn to_bf16(isa: Bf16Isa, x: &[f32]) -> Vec<bf16> {
         .for_each(|(y, x)| match isa.simd() {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the token proves AVX-512F and AVX512_BF16.
-            Bf16Simd::Avx512Bf16 => unsafe { avx512::round(x, y) },
+            Bf16Simd::Amx | Bf16Simd::Avx512Bf16 => unsafe { avx512::round(x, y) },
             _ => {
                 for (y, &x) in y.iter_mut().zip(x) {
                     y.write(bf16::from_f32(x));
@@ -478,7 +481,7 @@ fn gemv_packed(isa: Bf16Isa, x: &[f32], w: &PackedBf16, m: usize) -> Vec<f32> {
         // with AVX512F, all `gemv_task` needs).
         match isa.simd() {
             #[cfg(target_arch = "x86_64")]
-            Bf16Simd::Avx512Bf16 => unsafe {
+            Bf16Simd::Amx | Bf16Simd::Avx512Bf16 => unsafe {
                 avx512::gemv_task(x, range, out, m, (first, last), (n, k), bias)
             },
             _ => unsafe { portable::gemv_task(x, range, out, m, (first, last), (n, k), bias) },
@@ -579,6 +582,8 @@ fn panels_product<O: Out>(
             match isa.simd() {
                 #[cfg(target_arch = "x86_64")]
                 Bf16Simd::Avx512Bf16 => avx512::task(xt, panel_range, y, shape, epilogue),
+                #[cfg(target_arch = "x86_64")]
+                Bf16Simd::Amx => amx::task(xt, panel_range, y, shape, epilogue),
                 _ => portable::task(xt, panel_range, y, shape, epilogue),
             }
         };
@@ -636,6 +641,179 @@ pub(crate) unsafe fn store_bf16x16(p: *mut half::bf16, v: std::arch::x86_64::__m
 
 /// A task's rows, its panels `first..last` and the product's `(n, k)`.
 type TaskShape = (usize, (usize, usize), (usize, usize));
+
+/// The GEMM's rows in blocks of 32 on AMX's tile unit: for each panel of
+/// [`NR`] columns, four 16 × 16 f32 accumulator tiles (`tmm0`–`tmm3`) take
+/// `tdpbf16ps` of two 16-row tiles of `x` (`tmm4`, `tmm5`: 32 bf16 of `k`
+/// per row, loaded where the rows lie) by the panel's two halves
+/// (`tmm6`, `tmm7`: 16 pairs of `k` × 16 columns, loaded from the panel
+/// with its row stride: the pair-interleaved panel is AMX's own layout for
+/// the second operand); the sums go through a 32 × 32 buffer to the same
+/// epilogue as the AVX512_BF16 kernel's. The rows past the last whole
+/// block of 32, and any `k` that is not a multiple of 32, run on
+/// AVX512_BF16 ([`avx512::task`]).
+///
+/// Instructions by `asm!`: Rust has no stable AMX intrinsics, and LLVM's
+/// assembler takes the mnemonics whatever the target features.
+#[cfg(target_arch = "x86_64")]
+mod amx {
+    use std::arch::asm;
+
+    use half::bf16;
+
+    use super::{avx512, Out, NR};
+
+    /// Rows of an AMX tile, and of `x` per tile.
+    const TILE_ROWS: usize = 16;
+    /// Rows of `x` per block: two tiles.
+    const BLOCK: usize = 2 * TILE_ROWS;
+    /// `k` per `tdpbf16ps`: 64 bytes of bf16 per tile row.
+    const TILE_K: usize = 32;
+
+    /// `ldtilecfg`'s 64 bytes: palette 1, eight tiles of 16 rows × 64
+    /// bytes.
+    #[repr(C, align(64))]
+    struct TileConfig([u8; 64]);
+
+    impl TileConfig {
+        fn sixteen_by_64() -> Self {
+            let mut c = [0u8; 64];
+            c[0] = 1;
+            for t in 0..8 {
+                // colsb (u16 little-endian) at 16 + 2t, rows at 48 + t.
+                c[16 + 2 * t] = 64;
+                c[48 + t] = TILE_ROWS as u8;
+            }
+            Self(c)
+        }
+    }
+
+    /// [`avx512::task`] with the blocks of 32 rows on the tile unit.
+    ///
+    /// # Safety
+    /// As [`avx512::task`]'s, and the CPU runs AMX-BF16 with the tile
+    /// state granted to this process (the [`super::Bf16Simd::Amx`] token's
+    /// proof).
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn task<O: Out>(
+        x: &[bf16],
+        packed: &[u32],
+        y: *mut O,
+        (rows, (first, last), (n, k)): super::TaskShape,
+        epilogue: super::Epilogue<'_>,
+    ) {
+        let full = if k.is_multiple_of(TILE_K) {
+            rows / BLOCK * BLOCK
+        } else {
+            0
+        };
+        if full > 0 {
+            // SAFETY: the contract (AMX granted; `y`'s rows and columns).
+            unsafe { blocks(x, packed, y, (full, (first, last), (n, k)), epilogue) };
+        }
+        if rows > full {
+            // SAFETY: the contract, for the rows from `full` on.
+            unsafe {
+                avx512::task(
+                    &x[full * k..],
+                    packed,
+                    y.add(full * n),
+                    (rows - full, (first, last), (n, k)),
+                    epilogue,
+                )
+            };
+        }
+    }
+
+    /// The whole blocks of 32 rows (`rows` a multiple of 32, `k` of 32).
+    ///
+    /// # Safety
+    /// As [`task`]'s.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn blocks<O: Out>(
+        x: &[bf16],
+        packed: &[u32],
+        y: *mut O,
+        (rows, (first, last), (n, k)): super::TaskShape,
+        epilogue: super::Epilogue<'_>,
+    ) {
+        debug_assert!(rows.is_multiple_of(BLOCK) && k.is_multiple_of(TILE_K));
+        assert!(x.len() >= rows * k, "amx: x shorter than its rows");
+        let pairs = k / 2;
+        assert!(
+            packed.len() >= (last - first) * pairs * NR,
+            "amx: packed shorter than its panels"
+        );
+        let cfg = TileConfig::sixteen_by_64();
+        let x_stride = k * 2;
+        let panel_stride = NR * 4;
+        let mut sums = [[0f32; NR]; BLOCK];
+        // SAFETY: every tile load reads 16 rows of 64 bytes: of `x`, rows
+        // `r0 .. r0 + 32 <= rows` from byte `2 p0`, `p0 + 32 <= k`; of the
+        // panel, pairs `p0 / 2 .. p0 / 2 + 16 <= k / 2`, 64 bytes from the
+        // row's start or middle (`NR * 4 = 128` bytes a row) — all inside
+        // the lengths asserted above. The stores write the 32 × 32 f32
+        // buffer (rows of 128 bytes). The tiles are configured first and
+        // released last; the CPU runs AMX (the contract).
+        unsafe {
+            asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+            for (j, panel) in (first..last).zip(packed.chunks_exact(pairs * NR)) {
+                let cols = NR.min(n - j * NR);
+                let b = panel.as_ptr().cast::<u8>();
+                for r0 in (0..rows).step_by(BLOCK) {
+                    asm!(
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "tilezero tmm2",
+                        "tilezero tmm3",
+                        options(nostack, nomem)
+                    );
+                    let a = x.as_ptr().add(r0 * k).cast::<u8>();
+                    for p0 in (0..k).step_by(TILE_K) {
+                        let a0 = a.add(2 * p0);
+                        let b0 = b.add((p0 / 2) * panel_stride);
+                        asm!(
+                            "tileloadd tmm4, [{a0} + {xs}*1]",
+                            "tileloadd tmm5, [{a1} + {xs}*1]",
+                            "tileloadd tmm6, [{b0} + {bs}*1]",
+                            "tileloadd tmm7, [{b1} + {bs}*1]",
+                            "tdpbf16ps tmm0, tmm4, tmm6",
+                            "tdpbf16ps tmm1, tmm4, tmm7",
+                            "tdpbf16ps tmm2, tmm5, tmm6",
+                            "tdpbf16ps tmm3, tmm5, tmm7",
+                            a0 = in(reg) a0,
+                            a1 = in(reg) a0.add(TILE_ROWS * x_stride),
+                            b0 = in(reg) b0,
+                            b1 = in(reg) b0.add(64),
+                            xs = in(reg) x_stride,
+                            bs = in(reg) panel_stride,
+                            options(nostack, readonly)
+                        );
+                    }
+                    let c = sums.as_mut_ptr().cast::<u8>();
+                    asm!(
+                        "tilestored [{c00} + {s}*1], tmm0",
+                        "tilestored [{c01} + {s}*1], tmm1",
+                        "tilestored [{c10} + {s}*1], tmm2",
+                        "tilestored [{c11} + {s}*1], tmm3",
+                        c00 = in(reg) c,
+                        c01 = in(reg) c.add(64),
+                        c10 = in(reg) c.add(TILE_ROWS * NR * 4),
+                        c11 = in(reg) c.add(TILE_ROWS * NR * 4 + 64),
+                        s = in(reg) NR * 4,
+                        options(nostack)
+                    );
+                    for (i, row) in sums.iter().enumerate() {
+                        // SAFETY: row `r0 + i < rows`, the panel's columns
+                        // of this task (the contract).
+                        avx512::store_row(row, y.add((r0 + i) * n + j * NR), j, cols, epilogue);
+                    }
+                }
+            }
+            asm!("tilerelease", options(nostack, nomem));
+        }
+    }
+}
 
 /// The kernels in plain Rust over the same panels: the fallback and the
 /// oracle. A pair of bf16 weights is widened to f32 (the top halves of
@@ -803,52 +981,70 @@ mod avx512 {
                 for (i, row) in tile.iter().take(mr).enumerate() {
                     // SAFETY: row `r + i < rows`, columns `j * NR ..
                     // j * NR + cols` within this task's columns (the
-                    // contract); a full panel's bias has NR values there.
-                    unsafe {
-                        let dst = y.add((r + i) * n + j * NR);
-                        if cols == NR {
-                            // A full panel: two vectors (rounded to bf16 by
-                            // `store_bf16x16`).
-                            let mut v = [
-                                _mm512_loadu_ps(row.as_ptr()),
-                                _mm512_loadu_ps(row.as_ptr().add(16)),
-                            ];
-                            if let Some(b) = bias {
-                                for (h, v) in v.iter_mut().enumerate() {
-                                    let bv = _mm512_loadu_ps(b.as_ptr().add(j * NR + 16 * h));
-                                    *v = _mm512_add_ps(*v, bv);
-                                }
-                            }
-                            if let Some(exact) = gelu {
-                                // GELU's own loop over the panel's values (the
-                                // same code as its pass over a tensor).
-                                let mut wide = [0f32; NR];
-                                _mm512_storeu_ps(wide.as_mut_ptr(), v[0]);
-                                _mm512_storeu_ps(wide.as_mut_ptr().add(16), v[1]);
-                                let mut out = [0f32; NR];
-                                run_generic::<Fma>(exact, &wide, &mut out);
-                                v = [
-                                    _mm512_loadu_ps(out.as_ptr()),
-                                    _mm512_loadu_ps(out.as_ptr().add(16)),
-                                ];
-                            }
-                            for (h, v) in v.into_iter().enumerate() {
-                                if O::BF16 {
-                                    super::store_bf16x16(dst.add(16 * h).cast(), v);
-                                } else {
-                                    _mm512_storeu_ps(dst.add(16 * h) as *mut f32, v);
-                                }
-                            }
-                        } else {
-                            for (c, v) in row.iter().take(cols).enumerate() {
-                                let v = v + bias.map_or(0.0, |b| b[j * NR + c]);
-                                let v = gelu.map_or(v, |exact| gelu_one::<Fma>(exact, v));
-                                dst.add(c).write(O::from_acc(v));
-                            }
-                        }
-                    }
+                    // contract).
+                    unsafe { store_row(row, y.add((r + i) * n + j * NR), j, cols, (bias, gelu)) };
                 }
                 r += mr;
+            }
+        }
+    }
+
+    /// The sums of one row of panel `j` (`cols` of its [`NR`] columns
+    /// valid) plus the bias, through GELU if asked, stored at `dst` as
+    /// `O`: a full panel as two vectors (rounded to bf16 by
+    /// [`super::store_bf16x16`]), a partial one element by element.
+    ///
+    /// # Safety
+    /// `cols` elements writable at `dst`; `bias`, if any, has `j * NR +
+    /// cols` values; the CPU has AVX512F and AVX512_BF16.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    #[inline]
+    pub(super) unsafe fn store_row<O: Out>(
+        row: &[f32; NR],
+        dst: *mut O,
+        j: usize,
+        cols: usize,
+        (bias, gelu): super::Epilogue<'_>,
+    ) {
+        // SAFETY: the contract.
+        unsafe {
+            if cols == NR {
+                let mut v = [
+                    _mm512_loadu_ps(row.as_ptr()),
+                    _mm512_loadu_ps(row.as_ptr().add(16)),
+                ];
+                if let Some(b) = bias {
+                    for (h, v) in v.iter_mut().enumerate() {
+                        let bv = _mm512_loadu_ps(b.as_ptr().add(j * NR + 16 * h));
+                        *v = _mm512_add_ps(*v, bv);
+                    }
+                }
+                if let Some(exact) = gelu {
+                    // GELU's own loop over the panel's values (the same
+                    // code as its pass over a tensor).
+                    let mut wide = [0f32; NR];
+                    _mm512_storeu_ps(wide.as_mut_ptr(), v[0]);
+                    _mm512_storeu_ps(wide.as_mut_ptr().add(16), v[1]);
+                    let mut out = [0f32; NR];
+                    run_generic::<Fma>(exact, &wide, &mut out);
+                    v = [
+                        _mm512_loadu_ps(out.as_ptr()),
+                        _mm512_loadu_ps(out.as_ptr().add(16)),
+                    ];
+                }
+                for (h, v) in v.into_iter().enumerate() {
+                    if O::BF16 {
+                        super::store_bf16x16(dst.add(16 * h).cast(), v);
+                    } else {
+                        _mm512_storeu_ps(dst.add(16 * h) as *mut f32, v);
+                    }
+                }
+            } else {
+                for (c, v) in row.iter().take(cols).enumerate() {
+                    let v = v + bias.map_or(0.0, |b| b[j * NR + c]);
+                    let v = gelu.map_or(v, |exact| gelu_one::<Fma>(exact, v));
+                    dst.add(c).write(O::from_acc(v));
+                }
             }
         }
     }

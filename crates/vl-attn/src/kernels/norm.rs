@@ -31,7 +31,7 @@ pub fn applies(x: &Tensor, weight: &Tensor, bias: &Tensor) -> bool {
     let cpu = CpuFeatures::get();
     let supported = match x.dtype() {
         DType::F32 => cpu.isa().simd() == Simd::Avx512,
-        DType::BF16 => cpu.bf16_isa().simd() == Bf16Simd::Avx512Bf16,
+        DType::BF16 => cpu.bf16_isa().simd() != Bf16Simd::Portable,
         _ => false,
     };
     supported
@@ -158,7 +158,7 @@ impl CustomOp3 for Norm {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: the token proves AVX-512F and AVX512_BF16;
                     // rows, weight and bias are `width` long.
-                    Bf16Simd::Avx512Bf16 => {
+                    Bf16Simd::Amx | Bf16Simd::Avx512Bf16 => {
                         rows(x, width, |x, y| unsafe { row_bf16(x, w, b, eps, y) })
                     }
                     _ => rows(x, width, |x, y| portable_row(x, w, b, eps, y)),
