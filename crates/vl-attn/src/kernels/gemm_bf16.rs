@@ -650,8 +650,8 @@ type TaskShape = (usize, (usize, usize), (usize, usize));
 /// with its row stride: the pair-interleaved panel is AMX's own layout for
 /// the second operand); the sums go through a 32 × 32 buffer to the same
 /// epilogue as the AVX512_BF16 kernel's. The rows past the last whole
-/// block of 32, and any `k` that is not a multiple of 32, run on
-/// AVX512_BF16 ([`avx512::task`]).
+/// block of 32 run as a zero-padded block; a `k` that is not a multiple
+/// of 32 runs on AVX512_BF16 ([`avx512::task`]).
 ///
 /// Instructions by `asm!`: Rust has no stable AMX intrinsics, and LLVM's
 /// assembler takes the mnemonics whatever the target features.
@@ -702,36 +702,45 @@ mod amx {
         (rows, (first, last), (n, k)): super::TaskShape,
         epilogue: super::Epilogue<'_>,
     ) {
-        let full = if k.is_multiple_of(TILE_K) {
-            rows / BLOCK * BLOCK
-        } else {
-            0
-        };
+        if !k.is_multiple_of(TILE_K) {
+            // SAFETY: the contract.
+            unsafe { avx512::task(x, packed, y, (rows, (first, last), (n, k)), epilogue) };
+            return;
+        }
+        let full = rows / BLOCK * BLOCK;
         if full > 0 {
             // SAFETY: the contract (AMX granted; `y`'s rows and columns).
-            unsafe { blocks(x, packed, y, (full, (first, last), (n, k)), epilogue) };
+            unsafe { blocks(x, full, packed, y, (full, (first, last), (n, k)), epilogue) };
         }
         if rows > full {
-            // SAFETY: the contract, for the rows from `full` on.
+            // The last rows as a zero-padded block: on the tile unit, a
+            // block of 32 costs about what 4 rows cost on AVX512_BF16.
+            let mut padded = vec![bf16::ZERO; BLOCK * k];
+            padded[..(rows - full) * k].copy_from_slice(&x[full * k..rows * k]);
+            // SAFETY: the contract, for the rows from `full` on (only the
+            // first `rows - full` rows of the block are stored).
             unsafe {
-                avx512::task(
-                    &x[full * k..],
+                blocks(
+                    &padded,
+                    rows - full,
                     packed,
                     y.add(full * n),
-                    (rows - full, (first, last), (n, k)),
+                    (BLOCK, (first, last), (n, k)),
                     epilogue,
                 )
             };
         }
     }
 
-    /// The whole blocks of 32 rows (`rows` a multiple of 32, `k` of 32).
+    /// The whole blocks of 32 rows (`rows` a multiple of 32, `k` of 32),
+    /// the first `stored` rows written to `y`.
     ///
     /// # Safety
-    /// As [`task`]'s.
+    /// As [`task`]'s, for `stored` rows.
     #[target_feature(enable = "avx512f,avx512bf16")]
     unsafe fn blocks<O: Out>(
         x: &[bf16],
+        stored: usize,
         packed: &[u32],
         y: *mut O,
         (rows, (first, last), (n, k)): super::TaskShape,
@@ -803,9 +812,9 @@ mod amx {
                         s = in(reg) NR * 4,
                         options(nostack)
                     );
-                    for (i, row) in sums.iter().enumerate() {
-                        // SAFETY: row `r0 + i < rows`, the panel's columns
-                        // of this task (the contract).
+                    for (i, row) in sums.iter().enumerate().take(stored.saturating_sub(r0)) {
+                        // SAFETY: row `r0 + i < stored`, the panel's
+                        // columns of this task (the contract).
                         avx512::store_row(row, y.add((r0 + i) * n + j * NR), j, cols, epilogue);
                     }
                 }

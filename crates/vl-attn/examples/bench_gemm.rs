@@ -1,0 +1,89 @@
+//! The products of many rows alone, on a ViT-B/16's shapes (197 rows or a
+//! batch of them; the q/k/v, output, and the two feed-forward products):
+//! candle's f32 product, vl's f32 one, and vl's packed bf16 weights on
+//! every bf16 implementation the CPU runs (AMX where it has it), each the
+//! least and the median of `--repeats` runs after a warm-up.
+//!
+//! ```bash
+//! cargo run --release -p vl-attn --example bench_gemm -- --rows 197 --repeats 30
+//! ```
+//!
+//! Two threads unless `RAYON_NUM_THREADS` says otherwise (as `vl bench
+//! --threads 2`). GFLOP/s is `2 m n k` per product.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use vl_attn::kernels::gemm_bf16::PackedBf16;
+use vl_attn::kernels::{gemm_f32, on_pool, CpuFeatures};
+
+fn arg(name: &str, default: usize) -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .map(|v| {
+            v.parse()
+                .unwrap_or_else(|_| panic!("{name}: expected a count, got {v:?}"))
+        })
+        .unwrap_or(default)
+}
+
+/// (least, median) ms of `f` over `repeats` runs after one warm-up.
+fn time(repeats: usize, mut f: impl FnMut() -> candle_core::Result<Tensor>) -> (f64, f64) {
+    f().expect("warm-up");
+    let mut ms: Vec<f64> = (0..repeats)
+        .map(|_| {
+            let t = Instant::now();
+            f().expect("product");
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    ms.sort_by(f64::total_cmp);
+    (ms[0], ms[ms.len() / 2])
+}
+
+fn main() -> candle_core::Result<()> {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build_global()
+            .expect("the global pool");
+    }
+    let rows = arg("--rows", 197);
+    let repeats = arg("--repeats", 20).max(1);
+    let cpu = CpuFeatures::get();
+    println!("{cpu}");
+    println!(
+        "threads {}, rows {rows}, least / median of {repeats} runs",
+        rayon::current_num_threads()
+    );
+    let dev = Device::Cpu;
+    for (n, k) in [(2304, 768), (768, 768), (3072, 768), (768, 3072)] {
+        let x = Tensor::randn(0f32, 1., (rows, k), &dev)?;
+        let w = Tensor::randn(0f32, 1., (n, k), &dev)?;
+        let flops = 2.0 * (rows * n * k) as f64;
+        let report = |name: &str, (least, median): (f64, f64)| {
+            println!(
+                "({rows}, {k}) x ({n}, {k})ᵀ {name:<22} {least:8.3} ms {median:8.3} ms  {:7.1} GFLOP/s",
+                flops / least / 1e6
+            )
+        };
+        let wt = w.t()?;
+        report("candle f32", time(repeats, || on_pool(|| x.matmul(&wt))));
+        report(
+            "vl f32",
+            time(repeats, || on_pool(|| gemm_f32::matmul(&x, &w))),
+        );
+        let packed = Arc::new(PackedBf16::pack(&w.to_dtype(DType::BF16)?, None)?);
+        for isa in cpu.bf16_isas() {
+            let name = format!("vl bf16 weights {:?}", isa.simd());
+            report(
+                &name,
+                time(repeats, || on_pool(|| packed.matmul_with(isa, &x))),
+            );
+        }
+    }
+    Ok(())
+}
