@@ -66,7 +66,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_vs_torch import NEW_TOKENS, machine, median, run_json, timings, write_results
+from statistics import median
+
+from bench_vs_torch import NEW_TOKENS, machine, run_json, timings, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 ENCODER = "encoder_model.onnx"

@@ -200,15 +200,21 @@ impl Tuning {
     ///   9.1–11.3; f32: NTA 43.5–64, T0 42.8–43.3);
     /// - aarch64: no x86 prefetch exists (the hint is not used).
     ///
-    /// The f32 product of many rows is vl's own ([`F32Gemm::Vl`]) on Intel
-    /// CPUs with AVX-512F, whose cores run 512-bit FMAs at full rate;
-    /// candle's elsewhere (on Zen 4 AVX-512 is double-pumped, and AVX-512
-    /// GEMM kernels measured slower than AVX2 ones there).
+    /// The f32 product of many rows is vl's own AVX-512 one
+    /// ([`F32Gemm::Vl`]) on the CPUs with AVX-512F whose cores run 512-bit
+    /// FMAs at full rate: Intel's, and AMD's from Zen 5 (family 26) on.
+    /// Elsewhere candle's (gemm's AVX2 kernels): on Zen 4 (family 25)
+    /// AVX-512 is double-pumped, and gemm's AVX-512 kernels made a ViT
+    /// encode 30% slower there. On the Intel Xeon model 207 vl's product
+    /// of a ViT-B's four shapes at 197 rows took 13.0 ms against gemm's
+    /// AVX-512 kernels' 15.3 (BENCHMARKS.md, "Intel Xeon"); on Zen 5
+    /// gemm's AVX-512 kernels beat its AVX2 ones by 24% (f32 encode), and
+    /// vl's own there is yet to be measured.
     ///
     /// `VL_PREFETCH=nta|t0|off[:BYTES]` and `VL_F32_GEMM=vl|candle` in the
     /// environment override these (to measure a new CPU); a value that does
     /// not parse is ignored with a warning on stderr.
-    pub fn for_cpu(vendor: Vendor, avx512f: bool) -> Self {
+    pub fn for_cpu(vendor: Vendor, family: u32, avx512f: bool) -> Self {
         let prefetch = match vendor {
             Vendor::Amd => PrefetchHint::NonTemporal,
             Vendor::Intel | Vendor::Other | Vendor::Arm => PrefetchHint::T0,
@@ -218,10 +224,10 @@ impl Tuning {
                 Some(g) => g,
                 None => {
                     eprintln!("vl: VL_F32_GEMM={v:?} ignored: expected vl or candle");
-                    Self::f32_gemm_for(vendor, avx512f)
+                    Self::f32_gemm_for(vendor, family, avx512f)
                 }
             },
-            Err(_) => Self::f32_gemm_for(vendor, avx512f),
+            Err(_) => Self::f32_gemm_for(vendor, family, avx512f),
         };
         let tuning = Self {
             prefetch,
@@ -244,8 +250,13 @@ impl Tuning {
 
     /// The f32 product of many rows for a CPU of `vendor` (see
     /// [`Tuning::for_cpu`]).
-    fn f32_gemm_for(vendor: Vendor, avx512f: bool) -> F32Gemm {
-        if vendor == Vendor::Intel && avx512f {
+    fn f32_gemm_for(vendor: Vendor, family: u32, avx512f: bool) -> F32Gemm {
+        let full_width = match vendor {
+            Vendor::Intel => true,
+            Vendor::Amd => family >= 26,
+            Vendor::Arm | Vendor::Other => false,
+        };
+        if avx512f && full_width {
             F32Gemm::Vl
         } else {
             F32Gemm::Candle
@@ -382,7 +393,7 @@ impl CpuFeatures {
             cpu.model_name = proc_cpuinfo_model().unwrap_or_default();
         }
         cpu.best = (cpu.isas()[0], cpu.q8_isas()[0], cpu.bf16_isas()[0]);
-        cpu.tuning = Tuning::for_cpu(cpu.vendor, cpu.avx512f);
+        cpu.tuning = Tuning::for_cpu(cpu.vendor, cpu.family, cpu.avx512f);
         cpu
     }
 
@@ -690,27 +701,36 @@ mod tests {
         };
         if std::env::var_os("VL_PREFETCH").is_none() && std::env::var_os("VL_F32_GEMM").is_none() {
             for avx512f in [false, true] {
-                assert_eq!(
-                    Tuning::for_cpu(Vendor::Amd, avx512f),
-                    base(PrefetchHint::NonTemporal)
-                );
+                for family in [25, 26] {
+                    let zen = Tuning::for_cpu(Vendor::Amd, family, avx512f);
+                    assert_eq!(zen.prefetch, PrefetchHint::NonTemporal);
+                    let vl = avx512f && family == 26;
+                    assert_eq!(zen.f32_gemm == F32Gemm::Vl, vl, "family {family}");
+                }
                 for v in [Vendor::Other, Vendor::Arm] {
-                    assert_eq!(Tuning::for_cpu(v, avx512f), base(PrefetchHint::T0), "{v:?}");
+                    assert_eq!(
+                        Tuning::for_cpu(v, 0, avx512f),
+                        base(PrefetchHint::T0),
+                        "{v:?}"
+                    );
                 }
             }
             assert_eq!(
-                Tuning::for_cpu(Vendor::Intel, false),
+                Tuning::for_cpu(Vendor::Intel, 6, false),
                 base(PrefetchHint::T0)
             );
             assert_eq!(
-                Tuning::for_cpu(Vendor::Intel, true),
+                Tuning::for_cpu(Vendor::Intel, 6, true),
                 Tuning {
                     f32_gemm: F32Gemm::Vl,
                     ..base(PrefetchHint::T0)
                 }
             );
             let cpu = CpuFeatures::get();
-            assert_eq!(cpu.tuning, Tuning::for_cpu(cpu.vendor, cpu.avx512f));
+            assert_eq!(
+                cpu.tuning,
+                Tuning::for_cpu(cpu.vendor, cpu.family, cpu.avx512f)
+            );
             assert!(cpu.to_string().contains("B ahead"), "{cpu}");
             assert!(cpu.to_string().contains("f32 GEMM"), "{cpu}");
         }

@@ -1,15 +1,15 @@
 //! vl's f32 matrix product for many rows (an encoder, a prefill, a batch):
 //! `y = x W^T` with `x (m, k)` and `W (n, k)` in f32.
 //!
-//! Why vl owns it: candle's f32 product is the `gemm` crate, whose
-//! micro-kernels are AVX2 unless it is built with its `x86-v4` feature,
-//! and then it runs AVX-512 on every CPU that has it, with no switch at
-//! run time. On a CPU with full-width 512-bit FMA units (Intel's Xeons)
-//! the AVX2 kernels leave half of them idle; on AMD's Zen 4, where
-//! AVX-512 is double-pumped, gemm's AVX-512 kernels made a ViT encode 30%
-//! slower (BENCHMARKS.md, "f32 GEMM at AVX-512 width on Zen 4"). So the
-//! choice is per CPU ([`crate::kernels::Tuning::f32_gemm`]), and this
-//! kernel is what the CPUs that want AVX-512 get.
+//! Why vl owns it: candle's f32 product is the `gemm` crate, which picks
+//! its micro-kernels once for every CPU: AVX2 ones as vl builds it, or,
+//! with its `x86-v4` feature, AVX-512 ones on every CPU that has AVX-512F
+//! (no switch at run time). On AMD's Zen 4, where AVX-512 is
+//! double-pumped, those made a ViT encode 30% slower; on Intel's Xeons and
+//! on Zen 5, which run 512-bit FMAs at full rate, the AVX2 ones leave half
+//! of the machine idle. So the choice is per CPU
+//! ([`crate::kernels::Tuning::f32_gemm`]), and this product is what the
+//! CPUs that want AVX-512 get.
 //!
 //! # Layout
 //! The product runs transposed, `yᵀ = W xᵀ`, so that the weight is read
