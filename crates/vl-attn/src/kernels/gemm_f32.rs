@@ -13,21 +13,20 @@
 //!
 //! # Layout
 //! The product runs transposed, `yᵀ = W xᵀ`, so that the weight is read
-//! where it lies and only `x` is packed: once per call, as panels of
-//! [`NR`] rows transposed (`k × NR` floats each; `x` is `m · k` floats
-//! against the weight's `n · k`). A task is a chunk of [`TASK_W`] weight
-//! rows × a group of panels (about [`GROUP_BYTES`] per block of `k`). It
-//! walks `k` in blocks of [`KC`]; for every [`MR`] weight rows (16 KB, in
-//! L1) and every panel of the group (in L2) the register-tile
-//! micro-kernel of the tiled attention (`micro`: 8 × 32, 16 AVX-512
-//! accumulators, a broadcast of a weight and two FMAs per weight row and
-//! step) adds a `yᵀ` tile into a scratch in L2; at the end the scratch is
-//! stored transposed into `y`. (Packing the weight per call instead cost
-//! as much as the product at a ViT's 197 rows.)
+//! where it lies and only `x` is packed: once per call, as panels of 32
+//! rows transposed (`k × 32` floats each; `x` is `m · k` floats against
+//! the weight's `n · k`). A task is a chunk of 64 weight rows × a group of
+//! panels (about 512 KB per block of `k`). It walks `k` in blocks of 512;
+//! for every 8 weight rows (16 KB, in L1) and every panel of the group (in
+//! L2) the register-tile micro-kernel of the tiled attention (8 × 32, 16
+//! AVX-512 accumulators, a broadcast of a weight and two FMAs per weight
+//! row and step) adds a `yᵀ` tile into a scratch in L2; at the end the
+//! scratch is stored transposed into `y`. (Packing the weight per call
+//! instead cost as much as the product at a ViT's 197 rows.)
 //!
 //! One generic body compiled per instruction set (AVX-512F, AVX2+FMA, the
-//! baseline) through the micro-kernel's [`Kernel`]: the plain-Rust one is
-//! the fallback and the oracle the others are tested against.
+//! baseline) through the micro-kernel: the plain-Rust one is the fallback
+//! and the oracle the others are tested against.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
