@@ -599,12 +599,14 @@ fn panels_product<O: Out>(
 /// Bytes of packed panels per task, about (a share of an L2).
 const TASK_PANEL_BYTES: usize = 256 * 1024;
 
-/// `y`'s buffer, shared by tasks that write disjoint parts of it.
+/// An output buffer shared by the parallel tasks of a product (here and
+/// in [`crate::kernels::gemm_f32`]), each of which writes its own disjoint
+/// elements while the buffer outlives them.
 #[derive(Clone, Copy)]
-struct SyncPtr<O>(*mut O);
+pub(crate) struct SyncPtr<O>(pub(crate) *mut O);
 
-// SAFETY: the tasks of `product` write disjoint elements and the buffer
-// outlives them (see there).
+// SAFETY: the tasks that share it write disjoint elements and the buffer
+// outlives them (each product's contract, at its parallel loop).
 unsafe impl<O: Send> Send for SyncPtr<O> {}
 // SAFETY: as above.
 unsafe impl<O: Send> Sync for SyncPtr<O> {}
@@ -614,7 +616,7 @@ impl<O> SyncPtr<O> {
     ///
     /// # Safety
     /// `offset` is inside the buffer.
-    unsafe fn at(self, offset: usize) -> *mut O {
+    pub(crate) unsafe fn at(self, offset: usize) -> *mut O {
         // SAFETY: the caller's contract.
         unsafe { self.0.add(offset) }
     }

@@ -33,6 +33,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::features::{CpuFeatures, F32Gemm, Isa};
+use crate::kernels::gemm_bf16::SyncPtr;
 use crate::kernels::host::contiguous;
 use crate::kernels::micro::{micro, per_isa, Kernel, MR, NR};
 
@@ -201,16 +202,6 @@ fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<f32> {
     xp
 }
 
-/// `y`'s buffer, shared by tasks that write disjoint parts of it.
-#[derive(Clone, Copy)]
-struct SyncPtr(*mut f32);
-
-// SAFETY: the tasks of `product` write disjoint elements and the buffer
-// outlives them (see there).
-unsafe impl Send for SyncPtr {}
-// SAFETY: as above.
-unsafe impl Sync for SyncPtr {}
-
 per_isa! {
     /// One task of [`product`]: rows `panels` (of [`NR`]) × columns
     /// `w_rows` of `y (m, n)`.
@@ -218,7 +209,7 @@ per_isa! {
     fn task(
         xp: &[f32],
         w: &[f32],
-        y: SyncPtr,
+        y: SyncPtr<f32>,
         panels: std::ops::Range<usize>,
         w_rows: std::ops::Range<usize>,
         m: usize,
@@ -237,7 +228,7 @@ per_isa! {
 fn task_on<K: Kernel>(
     xp: &[f32],
     w: &[f32],
-    y: SyncPtr,
+    y: SyncPtr<f32>,
     panels: std::ops::Range<usize>,
     w_rows: std::ops::Range<usize>,
     m: usize,
