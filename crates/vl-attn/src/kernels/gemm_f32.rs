@@ -102,7 +102,8 @@ pub fn matmul_with(isa: Isa, x: &Tensor, w: &Tensor) -> candle_core::Result<Tens
 /// [`matmul`] for operands the caller has checked with [`applies`] (the op
 /// itself still refuses what it cannot compute).
 pub(crate) fn apply(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    matmul(x, w)
+    let isa = CpuFeatures::get().isa();
+    x.contiguous()?.apply_op2_no_bwd(w, &GemmF32 { isa })
 }
 
 struct GemmF32 {
@@ -238,8 +239,14 @@ fn task_on<K: Kernel>(
     let width = panels.len() * NR;
     let height = w_rows.len().next_multiple_of(MR);
     let mut ct = vec![0f32; height * width];
-    // The last weight rows, when fewer than MR, zero-padded to a tile.
-    let mut w_tail = vec![0f32; MR * KC.min(k)];
+    // The last weight rows, when fewer than MR, zero-padded to a tile
+    // (only the last chunk of the weight has them).
+    let tail_len = if w_rows.len().is_multiple_of(MR) {
+        0
+    } else {
+        MR * KC.min(k)
+    };
+    let mut w_tail = vec![0f32; tail_len];
     for k0 in (0..k).step_by(KC) {
         let kc = KC.min(k - k0);
         for j0 in w_rows.clone().step_by(MR) {
