@@ -1,12 +1,16 @@
 //! The products of many rows alone, on a ViT-B/16's shapes (197 rows or a
 //! batch of them; the q/k/v, output, and the two feed-forward products):
-//! candle's f32 product, vl's f32 one, and vl's packed bf16 weights on
-//! every bf16 implementation the CPU runs (AMX where it has it), each the
-//! least and the median of `--repeats` runs after a warm-up.
+//! candle's f32 product, vl's f32 one, vl's packed bf16 weights on every
+//! bf16 implementation the CPU runs and its q8_0 weights on every q8_0
+//! one (AMX where it has it; `x` rounded per call, as in a model), each
+//! the least and the median of `--repeats` runs after a warm-up.
 //!
 //! ```bash
 //! cargo run --release -p vl-attn --example bench_gemm -- --rows 197 --repeats 30
 //! ```
+//!
+//! `--only TEXT` times only the kernels whose name contains it (`--only
+//! Amx`: the tile unit's; to profile one kernel alone).
 //!
 //! Two threads unless `RAYON_NUM_THREADS` says otherwise (as `vl bench
 //! --threads 2`). GFLOP/s is `2 m n k` per product.
@@ -16,7 +20,15 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use vl_attn::kernels::gemm_bf16::PackedBf16;
+use vl_attn::kernels::gemv_q8::PackedQ8;
 use vl_attn::kernels::{gemm_f32, on_pool, CpuFeatures};
+
+/// The value after `name` on the command line.
+fn value(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    let i = args.iter().position(|a| a == name)?;
+    args.get(i + 1).cloned()
+}
 
 fn arg(name: &str, default: usize) -> usize {
     let args: Vec<String> = std::env::args().collect();
@@ -52,6 +64,7 @@ fn main() -> candle_core::Result<()> {
             .expect("the global pool");
     }
     let rows = arg("--rows", 197);
+    let only = value("--only").unwrap_or_default();
     let repeats = arg("--repeats", 20).max(1);
     let cpu = CpuFeatures::get();
     println!("{cpu}");
@@ -64,6 +77,7 @@ fn main() -> candle_core::Result<()> {
         let x = Tensor::randn(0f32, 1., (rows, k), &dev)?;
         let w = Tensor::randn(0f32, 1., (n, k), &dev)?;
         let flops = 2.0 * (rows * n * k) as f64;
+        let timed = |name: &str| name.contains(&only);
         let report = |name: &str, (least, median): (f64, f64)| {
             println!(
                 "({rows}, {k}) x ({n}, {k})ᵀ {name:<22} {least:8.3} ms {median:8.3} ms  {:7.1} GFLOP/s",
@@ -71,18 +85,33 @@ fn main() -> candle_core::Result<()> {
             )
         };
         let wt = w.t()?;
-        report("candle f32", time(repeats, || on_pool(|| x.matmul(&wt))));
-        report(
-            "vl f32",
-            time(repeats, || on_pool(|| gemm_f32::matmul(&x, &w))),
-        );
+        if timed("candle f32") {
+            report("candle f32", time(repeats, || on_pool(|| x.matmul(&wt))));
+        }
+        if timed("vl f32") {
+            report(
+                "vl f32",
+                time(repeats, || on_pool(|| gemm_f32::matmul(&x, &w))),
+            );
+        }
         let packed = Arc::new(PackedBf16::pack(&w.to_dtype(DType::BF16)?, None)?);
         for isa in cpu.bf16_isas() {
             let name = format!("vl bf16 weights {:?}", isa.simd());
+            if !timed(&name) {
+                continue;
+            }
             report(
                 &name,
                 time(repeats, || on_pool(|| packed.matmul_with(isa, &x))),
             );
+        }
+        let q8 = PackedQ8::quantize(&w)?;
+        for isa in cpu.q8_isas() {
+            let name = format!("vl q8_0 {:?}", isa.simd());
+            if !timed(&name) {
+                continue;
+            }
+            report(&name, time(repeats, || on_pool(|| q8.matmul_with(isa, &x))));
         }
     }
     Ok(())

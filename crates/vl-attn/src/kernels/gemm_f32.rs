@@ -16,13 +16,15 @@
 //! where it lies and only `x` is packed: once per call, as panels of 32
 //! rows transposed (`k × 32` floats each; `x` is `m · k` floats against
 //! the weight's `n · k`). A task is a chunk of 64 weight rows × a group of
-//! panels (about 512 KB per block of `k`). It walks `k` in blocks of 512;
-//! for every 8 weight rows (16 KB, in L1) and every panel of the group (in
-//! L2) the register-tile micro-kernel of the tiled attention (8 × 32, 16
-//! AVX-512 accumulators, a broadcast of a weight and two FMAs per weight
-//! row and step) adds a `yᵀ` tile into a scratch in L2; at the end the
-//! scratch is stored transposed into `y`. (Packing the weight per call
-//! instead cost as much as the product at a ViT's 197 rows.)
+//! panels (about 512 KB per block of `k`). It walks `k` in blocks of 256;
+//! for every panel of the group (32 KB per block, in L1) and every 8 of
+//! its weight rows (in L2) the register-tile micro-kernel of the tiled
+//! attention (8 × 32, 16 AVX-512 accumulators, a broadcast of a weight
+//! and two FMAs per weight row and step; `Kernel::micro_rows`, one
+//! pointer per weight row) adds a `yᵀ` tile into a scratch in L2, in
+//! place; at the end the scratch is stored transposed into `y`. (Packing
+//! the weight per call instead cost as much as the product at a ViT's 197
+//! rows.)
 //!
 //! One generic body compiled per instruction set (AVX-512F, AVX2+FMA, the
 //! baseline) through the micro-kernel: the plain-Rust one is the fallback
@@ -35,11 +37,12 @@ use rayon::prelude::*;
 use super::features::{CpuFeatures, F32Gemm, Isa};
 use crate::kernels::gemm_bf16::SyncPtr;
 use crate::kernels::host::contiguous;
-use crate::kernels::micro::{micro, per_isa, Kernel, MR, NR};
+use crate::kernels::micro::{micro_rows, per_isa, Kernel, MR, NR};
 
-/// Columns of `k` per block: a weight tile's block is `MR × KC` floats
-/// (16 KB, in L1), a packed panel's `KC × NR` (64 KB).
-const KC: usize = 512;
+/// Columns of `k` per block: a packed panel's block is `KC × NR` floats
+/// (32 KB, in L1 while the task's weight rows pass by), a weight tile's
+/// `MR × KC` (8 KB).
+const KC: usize = 256;
 
 /// Whether [`crate::Proj`] should route `x W^T` here: this CPU's tuning
 /// chose vl's f32 product ([`F32Gemm::Vl`]), and [`matmul_with`] takes the
@@ -238,6 +241,8 @@ fn task_on<K: Kernel>(
 ) {
     let width = panels.len() * NR;
     let height = w_rows.len().next_multiple_of(MR);
+    // Every tile is written at the first block of `k` (`fresh`) before
+    // it is read.
     let mut ct = vec![0f32; height * width];
     // The last weight rows, when fewer than MR, zero-padded to a tile
     // (only the last chunk of the weight has them).
@@ -249,33 +254,27 @@ fn task_on<K: Kernel>(
     let mut w_tail = vec![0f32; tail_len];
     for k0 in (0..k).step_by(KC) {
         let kc = KC.min(k - k0);
-        for j0 in w_rows.clone().step_by(MR) {
-            let rows = MR.min(w_rows.end - j0);
-            let (a, rs): (&[f32], usize) = if rows == MR {
-                (&w[j0 * k + k0..], k)
-            } else {
-                w_tail.fill(0.0);
-                for r in 0..rows {
-                    w_tail[r * kc..(r + 1) * kc]
-                        .copy_from_slice(&w[(j0 + r) * k + k0..(j0 + r) * k + k0 + kc]);
-                }
-                (&w_tail[..], kc)
-            };
-            let ct_rows = (j0 - w_rows.start) * width;
-            for (q, panel) in panels.clone().enumerate() {
-                let mut c = [[0f32; NR]; MR];
-                if k0 > 0 {
-                    for (r, c_r) in c.iter_mut().enumerate() {
-                        let at = ct_rows + r * width + q * NR;
-                        c_r.copy_from_slice(&ct[at..at + NR]);
-                    }
-                }
-                let b = &xp[panel * k * NR + k0 * NR..];
-                micro::<K>(a, rs, 1, b, NR, kc, &mut c);
-                for (r, c_r) in c.iter().enumerate() {
-                    let at = ct_rows + r * width + q * NR;
-                    ct[at..at + NR].copy_from_slice(c_r);
-                }
+        let full = w_rows.len() / MR * MR;
+        if tail_len > 0 {
+            // The last weight rows of this block of `k`, copied once.
+            w_tail.fill(0.0);
+            for r in 0..w_rows.len() - full {
+                let j = w_rows.start + full + r;
+                w_tail[r * kc..(r + 1) * kc].copy_from_slice(&w[j * k + k0..j * k + k0 + kc]);
+            }
+        }
+        // Panel-major: a panel's block (`KC × NR` floats) stays in L1
+        // while the task's weight rows (`TASK_W × KC`, in L2) pass by.
+        for (q, panel) in panels.clone().enumerate() {
+            let b = &xp[panel * k * NR + k0 * NR..];
+            for j0 in w_rows.clone().step_by(MR) {
+                let (a, rs): (&[f32], usize) = if j0 - w_rows.start < full {
+                    (&w[j0 * k + k0..], k)
+                } else {
+                    (&w_tail[..], kc)
+                };
+                let at = (j0 - w_rows.start) * width + q * NR;
+                micro_rows::<K>(a, rs, b, kc, &mut ct[at..], width, k0 == 0);
             }
         }
     }

@@ -54,6 +54,41 @@ pub(crate) trait Kernel {
         c: &mut [[f32; NR]; MR],
     );
 
+    /// [`Kernel::micro`] with `a`'s rows where they lie (`cs = 1`), `b`
+    /// packed (`ldb = NR`) and `C` in place, rows `ldc` floats apart
+    /// (zeros rather than its values when `fresh`): a matrix product's
+    /// weight rows by a packed panel of its rows, into its scratch. The
+    /// same sums in the same order.
+    ///
+    /// # Safety
+    /// As [`Kernel::micro`], and `c` is valid for reads and writes of
+    /// [`MR`] rows of [`NR`] floats, `ldc` apart.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn micro_rows(
+        a: *const f32,
+        rs: usize,
+        b: *const f32,
+        kdim: usize,
+        c: *mut f32,
+        ldc: usize,
+        fresh: bool,
+    ) {
+        let mut tile = [[0f32; NR]; MR];
+        // SAFETY: the caller's contract.
+        unsafe {
+            if !fresh {
+                for (i, row) in tile.iter_mut().enumerate() {
+                    std::ptr::copy_nonoverlapping(c.add(i * ldc), row.as_mut_ptr(), NR);
+                }
+            }
+            Self::micro(a, rs, 1, b, NR, kdim, &mut tile);
+            for (i, row) in tile.iter().enumerate() {
+                std::ptr::copy_nonoverlapping(row.as_ptr(), c.add(i * ldc), NR);
+            }
+        }
+    }
+
     /// `m[l] = if x > m[l] { x } else { m[l] }` for each row `x` of `rows`
     /// ([`NR`] floats each, lane `l`): a NaN leaves `m` as it was. The
     /// same values on every instruction set; the SIMD forms keep `m` in
@@ -123,6 +158,54 @@ impl<const F: bool> Kernel for Portable<F> {
 impl Kernel for Avx512 {
     const FMA: bool = true;
     const AVX512: bool = true;
+
+    /// One pointer per row of `a` and one index for all (the general
+    /// kernel's address arithmetic for a runtime row stride, an `lea` or
+    /// `add` per row and step, took the FMA ports' slots), and the tile
+    /// loaded and stored where it lies.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn micro_rows(
+        a: *const f32,
+        rs: usize,
+        b: *const f32,
+        kdim: usize,
+        c: *mut f32,
+        ldc: usize,
+        fresh: bool,
+    ) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract: indices in bounds, AVX-512F present.
+        unsafe {
+            // Opaque to the optimiser, which would otherwise derive each
+            // row's address from the first again at every step.
+            let rows: [*const f32; MR] =
+                std::hint::black_box(std::array::from_fn(|i| a.add(i * rs)));
+            let mut acc: [[__m512; 2]; MR] = std::array::from_fn(|i| {
+                if fresh {
+                    [_mm512_setzero_ps(); 2]
+                } else {
+                    [
+                        _mm512_loadu_ps(c.add(i * ldc)),
+                        _mm512_loadu_ps(c.add(i * ldc + 16)),
+                    ]
+                }
+            });
+            for p in 0..kdim {
+                let bp = b.add(p * NR);
+                let (b0, b1) = (_mm512_loadu_ps(bp), _mm512_loadu_ps(bp.add(16)));
+                for (row, acc_i) in rows.iter().zip(acc.iter_mut()) {
+                    let x = _mm512_set1_ps(*row.add(p));
+                    acc_i[0] = _mm512_fmadd_ps(x, b0, acc_i[0]);
+                    acc_i[1] = _mm512_fmadd_ps(x, b1, acc_i[1]);
+                }
+            }
+            for (i, acc_i) in acc.iter().enumerate() {
+                _mm512_storeu_ps(c.add(i * ldc), acc_i[0]);
+                _mm512_storeu_ps(c.add(i * ldc + 16), acc_i[1]);
+            }
+        }
+    }
 
     #[inline(always)]
     unsafe fn micro(
@@ -269,6 +352,33 @@ pub(crate) fn micro<K: Kernel>(
     // instantiated inside functions compiled for its instruction set, which
     // `task` calls only on CPUs that have it.
     unsafe { K::micro(a.as_ptr(), rs, cs, b.as_ptr(), ldb, kdim, c) }
+}
+
+/// [`Kernel::micro_rows`] over slices, every index checked once up front:
+/// the tile `c` is [`MR`] rows of [`NR`] floats from `c[0]`, `ldc` apart.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn micro_rows<K: Kernel>(
+    a: &[f32],
+    rs: usize,
+    b: &[f32],
+    kdim: usize,
+    c: &mut [f32],
+    ldc: usize,
+    fresh: bool,
+) {
+    if kdim == 0 {
+        return;
+    }
+    assert!((MR - 1) * rs + kdim <= a.len(), "micro-kernel: a too short");
+    assert!(kdim * NR <= b.len(), "micro-kernel: b too short");
+    assert!(
+        ldc >= NR && (MR - 1) * ldc + NR <= c.len(),
+        "micro-kernel: c too short"
+    );
+    // SAFETY: the largest indices are checked above; `K` is only
+    // instantiated inside functions compiled for its instruction set.
+    unsafe { K::micro_rows(a.as_ptr(), rs, b.as_ptr(), kdim, c.as_mut_ptr(), ldc, fresh) }
 }
 
 /// `fn $name(isa, args…)`: `$generic::<K>(args…)` compiled once per
