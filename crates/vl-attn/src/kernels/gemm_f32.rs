@@ -267,6 +267,8 @@ fn task_on<K: Kernel>(
         // while the task's weight rows (`TASK_W × KC`, in L2) pass by.
         for (q, panel) in panels.clone().enumerate() {
             let b = &xp[panel * k * NR + k0 * NR..];
+            // A last panel of at most 16 rows takes half the columns.
+            let half = m - panel * NR <= NR / 2;
             for j0 in w_rows.clone().step_by(MR) {
                 let (a, rs): (&[f32], usize) = if j0 - w_rows.start < full {
                     (&w[j0 * k + k0..], k)
@@ -274,7 +276,7 @@ fn task_on<K: Kernel>(
                     (&w_tail[..], kc)
                 };
                 let at = (j0 - w_rows.start) * width + q * NR;
-                micro_rows::<K>(a, rs, b, kc, &mut ct[at..], width, k0 == 0);
+                micro_rows::<K>(a, rs, b, kc, &mut ct[at..], width, k0 == 0, half);
             }
         }
     }

@@ -58,7 +58,9 @@ pub(crate) trait Kernel {
     /// packed (`ldb = NR`) and `C` in place, rows `ldc` floats apart
     /// (zeros rather than its values when `fresh`): a matrix product's
     /// weight rows by a packed panel of its rows, into its scratch. The
-    /// same sums in the same order.
+    /// same sums in the same order. With `half`, only the first `NR / 2`
+    /// columns are asked for (a last panel of at most 16 rows); the others
+    /// may then hold anything.
     ///
     /// # Safety
     /// As [`Kernel::micro`], and `c` is valid for reads and writes of
@@ -73,7 +75,9 @@ pub(crate) trait Kernel {
         c: *mut f32,
         ldc: usize,
         fresh: bool,
+        half: bool,
     ) {
+        let _ = half;
         let mut tile = [[0f32; NR]; MR];
         // SAFETY: the caller's contract.
         unsafe {
@@ -162,7 +166,8 @@ impl Kernel for Avx512 {
     /// One pointer per row of `a` and one index for all (the general
     /// kernel's address arithmetic for a runtime row stride, an `lea` or
     /// `add` per row and step, took the FMA ports' slots), and the tile
-    /// loaded and stored where it lies.
+    /// loaded and stored where it lies; one register of columns when
+    /// `half`.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     unsafe fn micro_rows(
@@ -173,36 +178,14 @@ impl Kernel for Avx512 {
         c: *mut f32,
         ldc: usize,
         fresh: bool,
+        half: bool,
     ) {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's contract: indices in bounds, AVX-512F present.
+        // SAFETY: the caller's contract.
         unsafe {
-            // Opaque to the optimiser, which would otherwise derive each
-            // row's address from the first again at every step.
-            let rows: [*const f32; MR] =
-                std::hint::black_box(std::array::from_fn(|i| a.add(i * rs)));
-            let mut acc: [[__m512; 2]; MR] = std::array::from_fn(|i| {
-                if fresh {
-                    [_mm512_setzero_ps(); 2]
-                } else {
-                    [
-                        _mm512_loadu_ps(c.add(i * ldc)),
-                        _mm512_loadu_ps(c.add(i * ldc + 16)),
-                    ]
-                }
-            });
-            for p in 0..kdim {
-                let bp = b.add(p * NR);
-                let (b0, b1) = (_mm512_loadu_ps(bp), _mm512_loadu_ps(bp.add(16)));
-                for (row, acc_i) in rows.iter().zip(acc.iter_mut()) {
-                    let x = _mm512_set1_ps(*row.add(p));
-                    acc_i[0] = _mm512_fmadd_ps(x, b0, acc_i[0]);
-                    acc_i[1] = _mm512_fmadd_ps(x, b1, acc_i[1]);
-                }
-            }
-            for (i, acc_i) in acc.iter().enumerate() {
-                _mm512_storeu_ps(c.add(i * ldc), acc_i[0]);
-                _mm512_storeu_ps(c.add(i * ldc + 16), acc_i[1]);
+            if half {
+                avx512_rows::<1>(a, rs, b, kdim, c, ldc, fresh)
+            } else {
+                avx512_rows::<2>(a, rs, b, kdim, c, ldc, fresh)
             }
         }
     }
@@ -354,6 +337,56 @@ pub(crate) fn micro<K: Kernel>(
     unsafe { K::micro(a.as_ptr(), rs, cs, b.as_ptr(), ldb, kdim, c) }
 }
 
+/// [`Avx512`]'s [`Kernel::micro_rows`] on `V` registers of columns (16
+/// each).
+///
+/// # Safety
+/// As [`Kernel::micro_rows`], for the first `16 V` columns.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn avx512_rows<const V: usize>(
+    a: *const f32,
+    rs: usize,
+    b: *const f32,
+    kdim: usize,
+    c: *mut f32,
+    ldc: usize,
+    fresh: bool,
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract: indices in bounds, AVX-512F present.
+    unsafe {
+        // Opaque to the optimiser, which would otherwise derive each
+        // row's address from the first again at every step.
+        let rows: [*const f32; MR] = std::hint::black_box(std::array::from_fn(|i| a.add(i * rs)));
+        let mut acc: [[__m512; V]; MR] = std::array::from_fn(|i| {
+            std::array::from_fn(|v| {
+                if fresh {
+                    _mm512_setzero_ps()
+                } else {
+                    _mm512_loadu_ps(c.add(i * ldc + 16 * v))
+                }
+            })
+        });
+        for p in 0..kdim {
+            let bp = b.add(p * NR);
+            let bv: [__m512; V] = std::array::from_fn(|v| _mm512_loadu_ps(bp.add(16 * v)));
+            for (row, acc_i) in rows.iter().zip(acc.iter_mut()) {
+                let x = _mm512_set1_ps(*row.add(p));
+                for (acc_v, &b_v) in acc_i.iter_mut().zip(&bv) {
+                    *acc_v = _mm512_fmadd_ps(x, b_v, *acc_v);
+                }
+            }
+        }
+        for (i, acc_i) in acc.iter().enumerate() {
+            for (v, acc_v) in acc_i.iter().enumerate() {
+                _mm512_storeu_ps(c.add(i * ldc + 16 * v), *acc_v);
+            }
+        }
+    }
+}
+
 /// [`Kernel::micro_rows`] over slices, every index checked once up front:
 /// the tile `c` is [`MR`] rows of [`NR`] floats from `c[0]`, `ldc` apart.
 #[inline(always)]
@@ -366,6 +399,7 @@ pub(crate) fn micro_rows<K: Kernel>(
     c: &mut [f32],
     ldc: usize,
     fresh: bool,
+    half: bool,
 ) {
     if kdim == 0 {
         return;
@@ -378,7 +412,18 @@ pub(crate) fn micro_rows<K: Kernel>(
     );
     // SAFETY: the largest indices are checked above; `K` is only
     // instantiated inside functions compiled for its instruction set.
-    unsafe { K::micro_rows(a.as_ptr(), rs, b.as_ptr(), kdim, c.as_mut_ptr(), ldc, fresh) }
+    unsafe {
+        K::micro_rows(
+            a.as_ptr(),
+            rs,
+            b.as_ptr(),
+            kdim,
+            c.as_mut_ptr(),
+            ldc,
+            fresh,
+            half,
+        )
+    }
 }
 
 /// `fn $name(isa, args…)`: `$generic::<K>(args…)` compiled once per
