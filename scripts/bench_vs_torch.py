@@ -344,7 +344,7 @@ def machine():
         info["lscpu"] = f"unavailable: {e}"
     flags = set(info.pop("Flags", "").split())
     info["simd"] = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni",
-                                         "avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags)
+                                         "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8") if f in flags)
     info["load average"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     return info
 

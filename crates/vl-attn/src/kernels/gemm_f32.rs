@@ -99,18 +99,62 @@ pub fn matmul_with(isa: Isa, x: &Tensor, w: &Tensor) -> candle_core::Result<Tens
             w.dtype()
         );
     }
-    x.contiguous()?.apply_op2_no_bwd(w, &GemmF32 { isa })
+    matmul_bias_with(isa, x, w, None)
 }
 
-/// [`matmul`] for operands the caller has checked with [`applies`] (the op
-/// itself still refuses what it cannot compute).
-pub(crate) fn apply(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    let isa = CpuFeatures::get().isa();
-    x.contiguous()?.apply_op2_no_bwd(w, &GemmF32 { isa })
+/// `x W^T + b` in f32 on a given implementation: the bias added as the
+/// product is stored (no second pass over the output), with the values of
+/// [`matmul_with`] then a broadcast addition, bit for bit.
+///
+/// # Shapes
+/// As [`matmul`], and `bias: (n)` (any float dtype; widened to f32).
+///
+/// # Errors
+/// As [`matmul_with`], and a bias of another shape or on another device,
+/// named.
+pub fn matmul_bias_with(
+    isa: Isa,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+) -> candle_core::Result<Tensor> {
+    if !takes(x, w) {
+        candle_core::bail!(
+            "vl-gemm-f32: takes untracked non-empty f32 CPU x (..., k) and a contiguous f32 w (n, k); got x {:?} {:?}, w {:?} {:?}",
+            x.dims(),
+            x.dtype(),
+            w.dims(),
+            w.dtype()
+        );
+    }
+    op(isa, x, w, bias)
+}
+
+/// [`matmul_bias_with`] on this CPU's best implementation, for operands
+/// the caller has checked with [`applies`] (the op itself still refuses
+/// what it cannot compute).
+pub(crate) fn apply(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    op(CpuFeatures::get().isa(), x, w, bias)
+}
+
+fn op(isa: Isa, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    let n = w.dims().first().copied().unwrap_or(0);
+    let bias = match bias {
+        Some(b) if b.dims() != [n] || !b.device().is_cpu() => candle_core::bail!(
+            "vl-gemm-f32: a bias of the weight's {n} outputs on the CPU; got {:?} on {:?}",
+            b.dims(),
+            b.device()
+        ),
+        Some(b) => Some(b.to_dtype(DType::F32)?.contiguous()?),
+        None => None,
+    };
+    x.contiguous()?.apply_op2_no_bwd(w, &GemmF32 { isa, bias })
 }
 
 struct GemmF32 {
     isa: Isa,
+    /// `(n)` f32, contiguous.
+    bias: Option<Tensor>,
 }
 
 fn slice<'a>(s: &'a CpuStorage, l: &Layout, arg: &str) -> candle_core::Result<&'a [f32]> {
@@ -138,16 +182,31 @@ impl CustomOp2 for GemmF32 {
             candle_core::bail!("vl-gemm-f32: x {dims:?}, w ({n}, {k})");
         }
         let m = l1.shape().elem_count() / k;
-        let y = product(self.isa, slice(s1, l1, "x")?, slice(s2, l2, "w")?, m, n, k);
+        let (x, w) = (slice(s1, l1, "x")?, slice(s2, l2, "w")?);
+        let y = match &self.bias {
+            Some(b) => crate::kernels::with_values(b, |b: &[f32]| {
+                product(self.isa, x, w, Some(b), m, n, k)
+            })?,
+            None => product(self.isa, x, w, None, m, n, k),
+        };
         let mut shape = dims[..dims.len() - 1].to_vec();
         shape.push(n);
         Ok((CpuStorage::F32(y), Shape::from(shape)))
     }
 }
 
-/// `y (m, n)` = `x (m, k)` times `w (n, k)` transposed.
-fn product(isa: Isa, x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+/// `y (m, n)` = `x (m, k)` times `w (n, k)` transposed, plus `bias (n)`.
+fn product(
+    isa: Isa,
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Vec<f32> {
     debug_assert!(x.len() == m * k && w.len() == n * k && n > 0 && k > 0);
+    debug_assert!(bias.is_none_or(|b| b.len() == n));
     let panels = m.div_ceil(NR);
     let xp = pack_rows(x, m, k);
     let kc = KC.min(k);
@@ -164,7 +223,8 @@ fn product(isa: Isa, x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<
         let (g, c) = (t / chunks, t % chunks);
         let panel_range = g * group..((g + 1) * group).min(panels);
         let w_rows = c * TASK_W..((c + 1) * TASK_W).min(n);
-        task(isa, &xp, w, out, panel_range, w_rows, m, n, k);
+        let bias = bias.map(|b| &b[w_rows.clone()]);
+        task(isa, &xp, w, bias, out, panel_range, w_rows, m, n, k);
     });
     // SAFETY: the tasks cover every row group × weight chunk, and each
     // writes every element of its rows (below `m`) and columns: all `m *
@@ -208,11 +268,12 @@ fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<f32> {
 
 per_isa! {
     /// One task of [`product`]: rows `panels` (of [`NR`]) × columns
-    /// `w_rows` of `y (m, n)`.
+    /// `w_rows` of `y (m, n)`, plus those columns' `bias`.
     #[allow(clippy::too_many_arguments)]
     fn task(
         xp: &[f32],
         w: &[f32],
+        bias: Option<&[f32]>,
         y: SyncPtr<f32>,
         panels: std::ops::Range<usize>,
         w_rows: std::ops::Range<usize>,
@@ -226,12 +287,13 @@ per_isa! {
 /// of [`MR`] weight rows × [`NR`] rows of `x`, the weight rows broadcast
 /// from where they lie and the packed rows of `x` as vectors; the sums
 /// accumulate over the blocks of `k` in a scratch `yᵀ` (in L2), stored
-/// transposed into `y` at the end.
+/// transposed into `y` at the end, the bias added as they are.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn task_on<K: Kernel>(
     xp: &[f32],
     w: &[f32],
+    bias: Option<&[f32]>,
     y: SyncPtr<f32>,
     panels: std::ops::Range<usize>,
     w_rows: std::ops::Range<usize>,
@@ -286,8 +348,17 @@ fn task_on<K: Kernel>(
         // alone, and `y` outlives the parallel loop (`product`).
         let row =
             unsafe { std::slice::from_raw_parts_mut(y.0.add(i * n + w_rows.start), w_rows.len()) };
-        for (j, v) in row.iter_mut().enumerate() {
-            *v = ct[j * width + (i - first)];
+        match bias {
+            Some(b) => {
+                for (j, (v, b)) in row.iter_mut().zip(b).enumerate() {
+                    *v = ct[j * width + (i - first)] + b;
+                }
+            }
+            None => {
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v = ct[j * width + (i - first)];
+                }
+            }
         }
     }
 }
@@ -385,6 +456,37 @@ mod tests {
         Ok(())
     }
 
+    /// The bias added as the product is stored: the values of the product
+    /// then a broadcast addition, bit for bit, on every instruction set,
+    /// with a partial last weight chunk and a half last panel; a bf16 bias
+    /// is widened.
+    #[test]
+    fn bias_as_it_stores_is_the_addition_after() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        for (m, n, k) in [(9, 33, 7), (203, 130, 300), (64, 70, 513)] {
+            let x = Tensor::randn(0f32, 1., (m, k), &dev)?;
+            let w = Tensor::randn(0f32, 1., (n, k), &dev)?;
+            let b = Tensor::randn(0f32, 1., n, &dev)?;
+            for isa in CpuFeatures::get().isas() {
+                let want = matmul_with(isa, &x, &w)?.broadcast_add(&b)?;
+                let got = matmul_bias_with(isa, &x, &w, Some(&b))?;
+                let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
+                    Ok(t.flatten_all()?
+                        .to_vec1::<f32>()?
+                        .into_iter()
+                        .map(f32::to_bits)
+                        .collect())
+                };
+                assert_eq!(bits(&got)?, bits(&want)?, "{isa:?} ({m}, {n}, {k})");
+                let b16 = b.to_dtype(DType::BF16)?;
+                let want = matmul_with(isa, &x, &w)?.broadcast_add(&b16.to_dtype(DType::F32)?)?;
+                let got = matmul_bias_with(isa, &x, &w, Some(&b16))?;
+                assert_eq!(bits(&got)?, bits(&want)?, "{isa:?} bf16 bias");
+            }
+        }
+        Ok(())
+    }
+
     /// What the kernels do not take is an error naming the operands.
     #[test]
     fn refuses_what_it_does_not_take() -> candle_core::Result<()> {
@@ -398,6 +500,19 @@ mod tests {
         ] {
             let err = matmul(&x, &w).unwrap_err().to_string();
             assert!(err.contains("vl-gemm-f32") && err.contains("w ["), "{err}");
+        }
+        let w = Tensor::zeros((4, 8), DType::F32, &dev)?;
+        for b in [
+            Tensor::zeros(5, DType::F32, &dev)?,
+            Tensor::zeros((1, 4), DType::F32, &dev)?,
+        ] {
+            let err = matmul_bias_with(Isa::portable(), &x, &w, Some(&b))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("vl-gemm-f32") && err.contains("bias") && err.contains("4 outputs"),
+                "{err}"
+            );
         }
         Ok(())
     }

@@ -569,18 +569,19 @@ fn quantize_rows(
     Ok(QTensor::new(storage, (padded, in_dim))?)
 }
 
-/// `x W^T` on vl's CPU kernels when one takes these operands — decode
-/// shapes on [`crate::kernels::gemv`], many bf16 rows on [`crate::kernels::gemm_bf16`],
-/// many f32 rows on [`crate::kernels::gemm_f32`] where the CPU's tuning
-/// chose it — `None` when none does (training, other devices, f32 prefill
-/// on candle's product).
-fn vl_product(x: &Tensor, w: &Tensor) -> Option<candle_core::Result<Tensor>> {
+/// `x W^T + b` on vl's CPU kernels when one takes these operands —
+/// decode shapes on [`crate::kernels::gemv`], many bf16 rows on
+/// [`crate::kernels::gemm_bf16`], many f32 rows on
+/// [`crate::kernels::gemm_f32`] where the CPU's tuning chose it (which
+/// adds the bias as it stores) — `None` when none does (training, other
+/// devices, f32 prefill on candle's product).
+fn vl_product(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Option<candle_core::Result<Tensor>> {
     if crate::kernels::gemv::applies(x, w) {
-        Some(crate::kernels::gemv::apply(x, w))
+        Some(crate::kernels::gemv::apply(x, w).and_then(|y| add_bias(y, b)))
     } else if crate::kernels::gemm_bf16::applies(x, w) {
-        Some(crate::kernels::gemm_bf16::apply(x, w))
+        Some(crate::kernels::gemm_bf16::apply(x, w).and_then(|y| add_bias(y, b)))
     } else if crate::kernels::gemm_f32::applies(x, w) {
-        Some(crate::kernels::gemm_f32::apply(x, w))
+        Some(crate::kernels::gemm_f32::apply(x, w, b))
     } else {
         None
     }
@@ -612,11 +613,9 @@ impl Proj {
             Inner::Quantized { .. } => return self.forward(&x.to_dtype(DType::F32)?),
         };
         let wide = x.to_dtype(DType::F32)?;
-        match vl_product(&wide, weight) {
-            Some(y) => add_bias(
-                y?,
-                bias.map(|b| b.to_dtype(DType::F32)).transpose()?.as_ref(),
-            ),
+        let bias = bias.map(|b| b.to_dtype(DType::F32)).transpose()?;
+        match vl_product(&wide, weight, bias.as_ref()) {
+            Some(y) => y,
             None => self
                 .forward(&x.to_dtype(self.dtype())?)?
                 .to_dtype(DType::F32),
@@ -637,21 +636,20 @@ impl Module for Proj {
     /// `x: (..., in)` → `(..., out)`, in `x`'s dtype.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match &self.inner {
-            Inner::Dense(l) => match vl_product(x, l.weight()) {
-                Some(y) => add_bias(y?, l.bias()),
+            Inner::Dense(l) => match vl_product(x, l.weight(), l.bias()) {
+                Some(y) => y,
                 None => l.forward(x),
             },
-            Inner::Half { weight, bias, .. } => {
-                let y = match vl_product(x, weight) {
-                    Some(y) => y?,
-                    // Activations cast to the weight's type and back.
-                    None => x
-                        .to_dtype(weight.dtype())?
+            Inner::Half { weight, bias, .. } => match vl_product(x, weight, bias.as_ref()) {
+                Some(y) => y,
+                // Activations cast to the weight's type and back.
+                None => add_bias(
+                    x.to_dtype(weight.dtype())?
                         .broadcast_matmul(&weight.t()?)?
                         .to_dtype(x.dtype())?,
-                };
-                add_bias(y, bias.as_ref())
-            }
+                    bias.as_ref(),
+                ),
+            },
             Inner::Packed { weight, .. } => weight.matmul(x),
             Inner::Q8 { weight, .. } => weight.matmul(x)?.to_dtype(x.dtype()),
             Inner::Q4K { weight, .. } => weight.matmul(x)?.to_dtype(x.dtype()),
