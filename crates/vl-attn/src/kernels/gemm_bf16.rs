@@ -712,35 +712,38 @@ mod amx {
         let full = rows / BLOCK * BLOCK;
         if full > 0 {
             // SAFETY: the contract (AMX granted; `y`'s rows and columns).
-            unsafe { blocks(x, full, packed, y, (full, (first, last), (n, k)), epilogue) };
+            unsafe { blocks::<2, O>(x, full, packed, y, (full, (first, last), (n, k)), epilogue) };
         }
         if rows > full {
-            // The last rows as a zero-padded block: on the tile unit, a
-            // block of 32 costs about what 4 rows cost on AVX512_BF16.
-            let mut padded = vec![bf16::ZERO; BLOCK * k];
-            padded[..(rows - full) * k].copy_from_slice(&x[full * k..rows * k]);
+            // The last rows as a zero-padded block, of one tile of rows
+            // where they fit in one: on the tile unit, a block of 32 costs
+            // about what 4 rows cost on AVX512_BF16, and half a block
+            // about half (a ViT's 197 rows: 208 computed rather than 224).
+            let tail = rows - full;
+            let height = if tail <= TILE_ROWS { TILE_ROWS } else { BLOCK };
+            let mut padded = vec![bf16::ZERO; height * k];
+            padded[..tail * k].copy_from_slice(&x[full * k..rows * k]);
+            let shape = (height, (first, last), (n, k));
             // SAFETY: the contract, for the rows from `full` on (only the
-            // first `rows - full` rows of the block are stored).
+            // first `tail` rows of the block are stored).
             unsafe {
-                blocks(
-                    &padded,
-                    rows - full,
-                    packed,
-                    y.add(full * n),
-                    (BLOCK, (first, last), (n, k)),
-                    epilogue,
-                )
+                if height == TILE_ROWS {
+                    blocks::<1, O>(&padded, tail, packed, y.add(full * n), shape, epilogue)
+                } else {
+                    blocks::<2, O>(&padded, tail, packed, y.add(full * n), shape, epilogue)
+                }
             };
         }
     }
 
-    /// The whole blocks of 32 rows (`rows` a multiple of 32, `k` of 32),
-    /// the first `stored` rows written to `y`.
+    /// The whole blocks of `16 H` rows, `H` tiles of rows each (`rows` a
+    /// multiple of `16 H`, `k` of 32), the first `stored` rows written to
+    /// `y`.
     ///
     /// # Safety
     /// As [`task`]'s, for `stored` rows.
     #[target_feature(enable = "avx512f,avx512bf16")]
-    unsafe fn blocks<O: Out>(
+    unsafe fn blocks<const H: usize, O: Out>(
         x: &[bf16],
         stored: usize,
         packed: &[u32],
@@ -748,7 +751,8 @@ mod amx {
         (rows, (first, last), (n, k)): super::TaskShape,
         epilogue: super::Epilogue<'_>,
     ) {
-        debug_assert!(rows.is_multiple_of(BLOCK) && k.is_multiple_of(TILE_K));
+        let block = H * TILE_ROWS;
+        debug_assert!((H == 1 || H == 2) && rows.is_multiple_of(block) && k.is_multiple_of(TILE_K));
         assert!(x.len() >= rows * k, "amx: x shorter than its rows");
         let pairs = k / 2;
         assert!(
@@ -760,7 +764,7 @@ mod amx {
         let panel_stride = NR * 4;
         let mut sums = [[0f32; NR]; BLOCK];
         // SAFETY: every tile load reads 16 rows of 64 bytes: of `x`, rows
-        // `r0 .. r0 + 32 <= rows` from byte `2 p0`, `p0 + 32 <= k`; of the
+        // `r0 .. r0 + 16 H <= rows` from byte `2 p0`, `p0 + 32 <= k`; of the
         // panel, pairs `p0 / 2 .. p0 / 2 + 16 <= k / 2`, 64 bytes from the
         // row's start or middle (`NR * 4 = 128` bytes a row) — all inside
         // the lengths asserted above. The stores write the 32 × 32 f32
@@ -771,7 +775,7 @@ mod amx {
             for (j, panel) in (first..last).zip(packed.chunks_exact(pairs * NR)) {
                 let cols = NR.min(n - j * NR);
                 let b = panel.as_ptr().cast::<u8>();
-                for r0 in (0..rows).step_by(BLOCK) {
+                for r0 in (0..rows).step_by(block) {
                     asm!(
                         "tilezero tmm0",
                         "tilezero tmm1",
@@ -783,6 +787,23 @@ mod amx {
                     for p0 in (0..k).step_by(TILE_K) {
                         let a0 = a.add(2 * p0);
                         let b0 = b.add((p0 / 2) * panel_stride);
+                        if H == 1 {
+                            // One tile of rows by the panel's two halves.
+                            asm!(
+                                "tileloadd tmm4, [{a0} + {xs}*1]",
+                                "tileloadd tmm6, [{b0} + {bs}*1]",
+                                "tileloadd tmm7, [{b1} + {bs}*1]",
+                                "tdpbf16ps tmm0, tmm4, tmm6",
+                                "tdpbf16ps tmm1, tmm4, tmm7",
+                                a0 = in(reg) a0,
+                                b0 = in(reg) b0,
+                                b1 = in(reg) b0.add(64),
+                                xs = in(reg) x_stride,
+                                bs = in(reg) panel_stride,
+                                options(nostack, readonly)
+                            );
+                            continue;
+                        }
                         asm!(
                             "tileloadd tmm4, [{a0} + {xs}*1]",
                             "tileloadd tmm5, [{a1} + {xs}*1]",
@@ -814,7 +835,8 @@ mod amx {
                         s = in(reg) NR * 4,
                         options(nostack)
                     );
-                    for (i, row) in sums.iter().enumerate().take(stored.saturating_sub(r0)) {
+                    let here = stored.saturating_sub(r0).min(block);
+                    for (i, row) in sums.iter().enumerate().take(here) {
                         // SAFETY: row `r0 + i < stored`, the panel's
                         // columns of this task (the contract).
                         avx512::store_row(row, y.add((r0 + i) * n + j * NR), j, cols, epilogue);
@@ -1213,8 +1235,10 @@ mod tests {
 
     /// Every implementation this CPU runs equals the f64 product of the
     /// bf16 values (relative error under 1e-2, the output being rounded to
-    /// bf16) on odd shapes: rows not a multiple of 8 or of the task size,
-    /// columns not a multiple of 32 (31, 33), 1 row and many.
+    /// bf16) on odd shapes: rows not a multiple of 8 or of the task size
+    /// (on AMX: last rows of up to 16 and of more, padded to a tile of
+    /// rows or to a block of two), columns not a multiple of 32 (31, 33), 1
+    /// row and many.
     #[test]
     fn matches_the_reference() -> candle_core::Result<()> {
         let dev = Device::Cpu;
@@ -1223,6 +1247,8 @@ mod tests {
                 (1, 1, 2),
                 (9, 33, 18),
                 (7, 31, 34),
+                (16, 40, 64),
+                (50, 40, 96),
                 (70, 100, 64),
                 (130, 65, 770),
                 (197, 300, 2048),
