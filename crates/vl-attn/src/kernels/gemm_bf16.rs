@@ -652,8 +652,10 @@ type TaskShape = (usize, (usize, usize), (usize, usize));
 /// with its row stride: the pair-interleaved panel is AMX's own layout for
 /// the second operand); the sums go through a 32 × 32 buffer to the same
 /// epilogue as the AVX512_BF16 kernel's. The rows past the last whole
-/// block of 32 run as a zero-padded block; a `k` that is not a multiple
-/// of 32 runs on AVX512_BF16 ([`avx512::task`]).
+/// block of 32 run as a zero-padded block — of one tile of rows (`tmm4`
+/// by the two halves into `tmm0`, `tmm1`) when they are 16 or fewer; a
+/// `k` that is not a multiple of 32 runs on AVX512_BF16
+/// ([`avx512::task`]).
 ///
 /// Instructions by `asm!`: Rust has no stable AMX intrinsics, and LLVM's
 /// assembler takes the mnemonics whatever the target features.
