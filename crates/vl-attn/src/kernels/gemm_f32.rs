@@ -334,21 +334,87 @@ fn task_on<K: Kernel>(
         }
     }
     let first = panels.start * NR;
-    for i in first..(panels.end * NR).min(m) {
+    let end = (panels.end * NR).min(m);
+    // Whole blocks of 16 weight rows by 16 rows of `x` transposed in
+    // registers where AVX-512F runs (element by element, the store was
+    // ~4% of the product); the rest element by element.
+    #[cfg(target_arch = "x86_64")]
+    let done = if K::AVX512 {
+        let whole = w_rows.len() / 16 * 16;
+        // SAFETY: `K::AVX512` is set by the AVX-512F kernel alone, which
+        // `per_isa` runs only where the CPU has it; the scratch holds
+        // `width` values (a multiple of 32) for each of its rows, rows
+        // `first .. end` and columns `w_rows` of `y` are this task's.
+        unsafe { store_transposed_avx512(&ct, width, first..end, whole, bias, y, n, w_rows.start) };
+        whole
+    } else {
+        0
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    for i in first..end {
         // SAFETY: row `i < m`, columns `w_rows` (≤ n) are this task's
         // alone, and `y` outlives the parallel loop (`product`).
         let row =
             unsafe { std::slice::from_raw_parts_mut(y.0.add(i * n + w_rows.start), w_rows.len()) };
-        match bias {
-            Some(b) => {
-                for (j, (v, b)) in row.iter_mut().zip(b).enumerate() {
-                    *v = ct[j * width + (i - first)] + b;
-                }
-            }
-            None => {
-                for (j, v) in row.iter_mut().enumerate() {
-                    *v = ct[j * width + (i - first)];
-                }
+        for (j, v) in row.iter_mut().enumerate().skip(done) {
+            let s = ct[j * width + (i - first)];
+            // No addition without a bias: `-0.0 + 0.0` would be `+0.0`.
+            *v = bias.map_or(s, |b| s + b[j]);
+        }
+    }
+}
+
+/// The scratch's first `whole` rows (a multiple of 16; weight rows
+/// `col0 ..` of `y`) stored transposed into rows `rows` of `y (.., n)`,
+/// plus the bias: blocks of 16 × 16 through registers
+/// ([`crate::kernels::micro::transpose16`]), the values of the scalar
+/// store.
+///
+/// # Safety
+/// The CPU has AVX-512F; `ct` holds `whole` rows of `width` values with
+/// `width >= rows.len()` rounded up to 16; `bias` (if any) has at least
+/// `whole` values; `y` is valid for writes of rows `rows`, columns `col0
+/// .. col0 + whole`, which no one else accesses meanwhile.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn store_transposed_avx512(
+    ct: &[f32],
+    width: usize,
+    rows: std::ops::Range<usize>,
+    whole: usize,
+    bias: Option<&[f32]>,
+    y: SyncPtr<f32>,
+    n: usize,
+    col0: usize,
+) {
+    use std::arch::x86_64::*;
+    let first = rows.start;
+    assert!(
+        whole.is_multiple_of(16)
+            && (rows.len().next_multiple_of(16) <= width)
+            && ct.len() >= whole * width
+            && bias.is_none_or(|b| b.len() >= whole),
+        "vl-gemm-f32: a transposed store of {whole} rows of {width} outside its scratch"
+    );
+    for i0 in rows.clone().step_by(16) {
+        let here = (rows.end - i0).min(16);
+        for j0 in (0..whole).step_by(16) {
+            // SAFETY: rows `j0 .. j0 + 16 <= whole` of the scratch, its
+            // columns `i0 - first .. + 16 <= width` (asserted above).
+            let r: [__m512; 16] = std::array::from_fn(|jj| unsafe {
+                _mm512_loadu_ps(ct.as_ptr().add((j0 + jj) * width + (i0 - first)))
+            });
+            // SAFETY: AVX-512F (the contract).
+            let cols = unsafe { crate::kernels::micro::transpose16(&r) };
+            // SAFETY: `j0 + 16 <= whole <= b.len()`.
+            let b = bias.map(|b| unsafe { _mm512_loadu_ps(b.as_ptr().add(j0)) });
+            for (ii, &col) in cols.iter().enumerate().take(here) {
+                let v = b.map_or(col, |b| _mm512_add_ps(col, b));
+                // SAFETY: row `i0 + ii < rows.end`, columns `col0 + j0 ..
+                // + 16 <= col0 + whole`: the contract.
+                unsafe { _mm512_storeu_ps(y.0.add((i0 + ii) * n + col0 + j0), v) };
             }
         }
     }

@@ -337,6 +337,51 @@ pub(crate) fn micro<K: Kernel>(
     unsafe { K::micro(a.as_ptr(), rs, cs, b.as_ptr(), ldb, kdim, c) }
 }
 
+/// The 16 × 16 transpose of `r` (16 rows of 16 lanes) in registers:
+/// lane `i` of the result's `d` is lane `d` of `r[i]`. Unpacks, then two
+/// rounds of 128-bit lane shuffles.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) unsafe fn transpose16(
+    r: &[std::arch::x86_64::__m512; 16],
+) -> [std::arch::x86_64::__m512; 16] {
+    use std::arch::x86_64::*;
+    // Pairs of rows interleaved, per 128-bit lane.
+    let t: [__m512; 16] = std::array::from_fn(|i| {
+        let (a, b) = (r[i & !1], r[i | 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_ps(a, b)
+        } else {
+            _mm512_unpackhi_ps(a, b)
+        }
+    });
+    // u[4k + c], 128-bit lane j: column 4j + c of rows 4k..4k + 4.
+    let mut u = [_mm512_setzero_ps(); 16];
+    for k in 0..4 {
+        u[4 * k] = _mm512_shuffle_ps::<0x44>(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 1] = _mm512_shuffle_ps::<0xEE>(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 2] = _mm512_shuffle_ps::<0x44>(t[4 * k + 1], t[4 * k + 3]);
+        u[4 * k + 3] = _mm512_shuffle_ps::<0xEE>(t[4 * k + 1], t[4 * k + 3]);
+    }
+    let mut out = [_mm512_setzero_ps(); 16];
+    for c in 0..4 {
+        let x0 = _mm512_shuffle_f32x4::<0x88>(u[c], u[4 + c]);
+        let x1 = _mm512_shuffle_f32x4::<0xDD>(u[c], u[4 + c]);
+        let y0 = _mm512_shuffle_f32x4::<0x88>(u[8 + c], u[12 + c]);
+        let y1 = _mm512_shuffle_f32x4::<0xDD>(u[8 + c], u[12 + c]);
+        // Column 4j + c, rows 0..16 in order, for j = 0..4.
+        out[c] = _mm512_shuffle_f32x4::<0x88>(x0, y0);
+        out[4 + c] = _mm512_shuffle_f32x4::<0x88>(x1, y1);
+        out[8 + c] = _mm512_shuffle_f32x4::<0xDD>(x0, y0);
+        out[12 + c] = _mm512_shuffle_f32x4::<0xDD>(x1, y1);
+    }
+    out
+}
+
 /// [`Avx512`]'s [`Kernel::micro_rows`] on `V` registers of columns (16
 /// each).
 ///

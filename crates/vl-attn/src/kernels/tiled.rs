@@ -420,8 +420,8 @@ fn task_generic<K: Kernel>(
 
 /// `qt (hd, BLOCK_Q)`: `qt[d][n] = scale · q[n][d]` for the `len` rows of
 /// `q (len, hd)` and zero past them, by 16 × 16 transposes in registers
-/// (unpack, then two rounds of 128-bit lane shuffles); the products are
-/// those of the scalar loop.
+/// ([`crate::kernels::micro::transpose16`]); the products are those of
+/// the scalar loop.
 ///
 /// # Safety
 /// The CPU has AVX-512F; `hd` is a multiple of 16, `len <= BLOCK_Q`,
@@ -445,46 +445,18 @@ unsafe fn pack_q_avx512(q: &[f32], hd: usize, len: usize, scale: f32, qt: &mut [
                     _mm512_setzero_ps()
                 }
             });
-            // Pairs of rows interleaved, per 128-bit lane.
-            let t: [__m512; 16] = std::array::from_fn(|i| {
-                let (a, b) = (r[i & !1], r[i | 1]);
-                if i % 2 == 0 {
-                    _mm512_unpacklo_ps(a, b)
-                } else {
-                    _mm512_unpackhi_ps(a, b)
-                }
-            });
-            // u[4k + c], 128-bit lane j: column 4j + c of rows 4k..4k + 4.
-            let mut u = [_mm512_setzero_ps(); 16];
-            for k in 0..4 {
-                u[4 * k] = _mm512_shuffle_ps::<0x44>(t[4 * k], t[4 * k + 2]);
-                u[4 * k + 1] = _mm512_shuffle_ps::<0xEE>(t[4 * k], t[4 * k + 2]);
-                u[4 * k + 2] = _mm512_shuffle_ps::<0x44>(t[4 * k + 1], t[4 * k + 3]);
-                u[4 * k + 3] = _mm512_shuffle_ps::<0xEE>(t[4 * k + 1], t[4 * k + 3]);
-            }
-            for c in 0..4 {
-                let x0 = _mm512_shuffle_f32x4::<0x88>(u[c], u[4 + c]);
-                let x1 = _mm512_shuffle_f32x4::<0xDD>(u[c], u[4 + c]);
-                let y0 = _mm512_shuffle_f32x4::<0x88>(u[8 + c], u[12 + c]);
-                let y1 = _mm512_shuffle_f32x4::<0xDD>(u[8 + c], u[12 + c]);
-                // Column 4j + c, rows n0..n0 + 16 in order, for j = 0..4.
-                let cols = [
-                    _mm512_shuffle_f32x4::<0x88>(x0, y0),
-                    _mm512_shuffle_f32x4::<0x88>(x1, y1),
-                    _mm512_shuffle_f32x4::<0xDD>(x0, y0),
-                    _mm512_shuffle_f32x4::<0xDD>(x1, y1),
-                ];
-                for (j, col) in cols.into_iter().enumerate() {
-                    let d = d0 + 4 * j + c;
-                    // SAFETY: `d < hd`, lanes `n0 .. n0 + 16 <= BLOCK_Q`:
-                    // inside `qt`.
-                    unsafe {
-                        _mm512_storeu_ps(
-                            qt.as_mut_ptr().add(d * BLOCK_Q + n0),
-                            _mm512_mul_ps(col, sv),
-                        )
-                    };
-                }
+            // SAFETY: AVX-512F (the contract).
+            let cols = unsafe { crate::kernels::micro::transpose16(&r) };
+            for (j, col) in cols.into_iter().enumerate() {
+                let d = d0 + j;
+                // SAFETY: `d < hd`, lanes `n0 .. n0 + 16 <= BLOCK_Q`:
+                // inside `qt`.
+                unsafe {
+                    _mm512_storeu_ps(
+                        qt.as_mut_ptr().add(d * BLOCK_Q + n0),
+                        _mm512_mul_ps(col, sv),
+                    )
+                };
             }
         }
     }
