@@ -29,6 +29,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::features::{Bf16Isa, Bf16Simd, CpuFeatures};
+use crate::kernels::aligned::CacheAligned;
 use crate::kernels::host::contiguous;
 
 /// Columns of a packed panel: two AVX-512 registers of f32.
@@ -156,11 +157,11 @@ impl CustomOp2 for GemmBf16 {
 /// `bf16::from_f32`, subnormals flushed to zero, as [`store_bf16x16`]
 /// rounds the outputs), else by `bf16::from_f32`. (`bf16::from_f32` one
 /// value at a time was ≈ 9% of a Swin encode's time in bf16 weights.)
-fn to_bf16(isa: Bf16Isa, x: &[f32]) -> Vec<bf16> {
+fn to_bf16(isa: Bf16Isa, x: &[f32]) -> CacheAligned<bf16> {
     const CHUNK: usize = 1 << 14;
-    let mut y: Vec<bf16> = Vec::with_capacity(x.len());
-    y.spare_capacity_mut()
-        .par_chunks_mut(CHUNK)
+    // On a cache line: the AMX kernel loads rows of `x` where they lie.
+    let mut y = CacheAligned::<bf16>::new(x.len());
+    y.par_chunks_mut(CHUNK)
         .zip(x.par_chunks(CHUNK))
         .for_each(|(y, x)| match isa.simd() {
             #[cfg(target_arch = "x86_64")]
@@ -168,22 +169,21 @@ fn to_bf16(isa: Bf16Isa, x: &[f32]) -> Vec<bf16> {
             Bf16Simd::Amx | Bf16Simd::Avx512Bf16 => unsafe { avx512::round(x, y) },
             _ => {
                 for (y, &x) in y.iter_mut().zip(x) {
-                    y.write(bf16::from_f32(x));
+                    *y = bf16::from_f32(x);
                 }
             }
         });
-    // SAFETY: the chunks cover all `x.len()` elements, each written above.
-    unsafe { y.set_len(x.len()) };
     y
 }
 
 /// `w (n, k)` as panels of [`NR`] columns: panel `j`, pair `p` holds
 /// `w[j*NR + c][2p], w[j*NR + c][2p + 1]` for `c` in `0..NR` (as one u32
 /// each), columns past `n` zero.
-fn pack(w: &[bf16], n: usize, k: usize) -> Vec<u32> {
+fn pack(w: &[bf16], n: usize, k: usize) -> CacheAligned<u32> {
     let pairs = k / 2;
     let panels = n.div_ceil(NR);
-    let mut packed = vec![0u32; panels * pairs * NR];
+    // On a cache line: every load of a panel is a whole line.
+    let mut packed = CacheAligned::<u32>::new(panels * pairs * NR);
     packed
         .par_chunks_mut(pairs * NR)
         .enumerate()
@@ -212,7 +212,7 @@ fn pack(w: &[bf16], n: usize, k: usize) -> Vec<u32> {
 /// to bf16.
 #[derive(Debug)]
 pub struct PackedBf16 {
-    panels: Vec<u32>,
+    panels: CacheAligned<u32>,
     /// Added to each output in f32 before it is stored (or rounded).
     bias: Option<Vec<f32>>,
     n: usize,
@@ -949,7 +949,7 @@ mod avx512 {
     /// # Safety
     /// The CPU has AVX512F and AVX512_BF16.
     #[target_feature(enable = "avx512f,avx512bf16")]
-    pub(super) unsafe fn round(x: &[f32], y: &mut [std::mem::MaybeUninit<bf16>]) {
+    pub(super) unsafe fn round(x: &[f32], y: &mut [bf16]) {
         assert_eq!(
             x.len(),
             y.len(),
@@ -973,9 +973,7 @@ mod avx512 {
             let mut out = [bf16::ZERO; 16];
             // SAFETY: 16 values readable in `lanes`, writable in `out`.
             unsafe { super::store_bf16x16(out.as_mut_ptr(), _mm512_loadu_ps(lanes.as_ptr())) };
-            for (y, v) in y[full..].iter_mut().zip(out) {
-                y.write(v);
-            }
+            y[full..].copy_from_slice(&out[..rest]);
         }
     }
 

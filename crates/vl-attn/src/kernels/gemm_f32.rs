@@ -35,6 +35,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::features::{CpuFeatures, F32Gemm, Isa};
+use crate::kernels::aligned::CacheAligned;
 use crate::kernels::gemm_bf16::SyncPtr;
 use crate::kernels::host::contiguous;
 use crate::kernels::micro::{micro_rows, per_isa, Kernel, MR, NR};
@@ -233,9 +234,9 @@ const TASK_W: usize = 8 * MR;
 /// `x (m, k)` as panels of [`NR`] rows transposed: panel `q` holds `x[q ·
 /// NR + l][p]` at `p · NR + l`, zero past row `m` — the micro-kernel's
 /// `b` operand, so that the weight is read where it lies.
-fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+fn pack_rows(x: &[f32], m: usize, k: usize) -> CacheAligned<f32> {
     let panels = m.div_ceil(NR);
-    let mut xp = vec![0f32; panels * k * NR];
+    let mut xp = CacheAligned::new(panels * k * NR);
     // Sixteen columns of `k` at a time: the 16 panel rows being written
     // (2 KB) and the 16 floats read from each row stay in L1 (a whole row
     // at a time wrote a `k × 128`-byte panel one float per cache line).
@@ -296,7 +297,7 @@ fn task_on<K: Kernel>(
     let height = w_rows.len().next_multiple_of(MR);
     // Every tile is written at the first block of `k` (`fresh`) before
     // it is read.
-    let mut ct = vec![0f32; height * width];
+    let mut ct = CacheAligned::<f32>::new(height * width);
     // The last weight rows, when fewer than MR, zero-padded to a tile
     // (only the last chunk of the weight has them).
     let tail_len = if w_rows.len().is_multiple_of(MR) {

@@ -43,6 +43,7 @@ use rayon::prelude::*;
 use super::features::Simd;
 use super::features::{CpuFeatures, Isa, Q8Isa, Q8Simd};
 #[cfg(target_arch = "x86_64")]
+use crate::kernels::aligned::CacheAligned;
 use crate::kernels::gemv::prefetch;
 use crate::kernels::host::{leaf_len, zeroed};
 use crate::kernels::micro::{madd, Kernel};
@@ -93,8 +94,9 @@ const _: () = assert!(VNNI_TILE_ROWS <= MOST_TILE_ROWS);
 pub struct PackedQ8 {
     n: usize,
     k: usize,
-    /// `(tiles, k / 32)` tiles of [`TILE_BYTES`]: `w + 128`.
-    qs: Vec<u8>,
+    /// `(tiles, k / 32)` tiles of [`TILE_BYTES`]: `w + 128`, from a
+    /// cache line (the kernels load them 64 bytes at a time).
+    qs: CacheAligned<u8>,
     /// `(tiles, k / 32, 16)` f16 scales, as bits.
     d: Vec<u16>,
     /// The layer's bias, added as the outputs are stored.
@@ -129,7 +131,7 @@ impl PackedQ8 {
     fn pack(values: &[f32], n: usize, k: usize) -> Self {
         let blocks = k / BLOCK_VALUES;
         let tiles = n.div_ceil(TILE_ROWS);
-        let mut qs = vec![128u8; tiles * blocks * TILE_BYTES];
+        let mut qs = CacheAligned::filled(tiles * blocks * TILE_BYTES, 128u8);
         let mut d = vec![0u16; tiles * blocks * TILE_ROWS];
         if blocks > 0 {
             qs.par_chunks_mut(blocks * TILE_BYTES)
@@ -172,7 +174,7 @@ impl PackedQ8 {
         }
         let tiles = n.div_ceil(TILE_ROWS);
         // Padding rows: weight 0 (128 unsigned), scale 0.
-        let mut qs = vec![128u8; tiles * blocks * TILE_BYTES];
+        let mut qs = CacheAligned::filled(tiles * blocks * TILE_BYTES, 128u8);
         let mut d = vec![0u16; tiles * blocks * TILE_ROWS];
         for row in 0..n {
             let (t, j) = (row / TILE_ROWS, row % TILE_ROWS);

@@ -33,6 +33,7 @@
 //! `generate` and `vl serve` do).
 
 pub mod add;
+pub(crate) mod aligned;
 pub(crate) mod attention;
 pub mod dwconv;
 pub mod features;

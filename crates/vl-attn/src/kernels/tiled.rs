@@ -41,6 +41,7 @@
 
 use rayon::prelude::*;
 
+use crate::kernels::aligned::CacheAligned;
 use crate::kernels::attention::{Dims, HostBias, HostMask};
 use crate::kernels::features::Isa;
 #[cfg(target_arch = "x86_64")]
@@ -149,19 +150,20 @@ impl OutRows {
     }
 }
 
-/// A task's buffers, reused across its thread's tasks.
+/// A task's buffers, reused across its thread's tasks, each from a cache
+/// line (the micro-kernels load and store them 64 bytes at a time).
 struct Scratch {
     /// Scaled queries transposed, `(head_dim, BLOCK_Q)`, zero past the task.
-    qt: Vec<f32>,
+    qt: CacheAligned<f32>,
     /// The last keys of a block when fewer than [`MR`] remain, zero-padded.
-    k_tail: Vec<f32>,
+    k_tail: CacheAligned<f32>,
     /// Values zero-padded to `dp` = `head_dim` rounded up to [`NR`],
     /// `(BLOCK_K, dp)`, when `head_dim` is not a multiple of [`NR`].
-    v: Vec<f32>,
+    v: CacheAligned<f32>,
     /// Scores, then weights, transposed: `(BLOCK_K, BLOCK_Q)`.
-    st: Vec<f32>,
+    st: CacheAligned<f32>,
     /// Output accumulators, `(BLOCK_Q, dp)`.
-    o: Vec<f32>,
+    o: CacheAligned<f32>,
     /// Running maximum and sum per row, and the block's rescale factors.
     m: [f32; BLOCK_Q],
     l: [f32; BLOCK_Q],
@@ -172,15 +174,11 @@ impl Scratch {
     fn new(head_dim: usize) -> Self {
         let dp = head_dim.next_multiple_of(NR);
         Self {
-            qt: vec![0.0; head_dim * BLOCK_Q],
-            k_tail: vec![0.0; MR * head_dim],
-            v: if dp == head_dim {
-                Vec::new()
-            } else {
-                vec![0.0; BLOCK_K * dp]
-            },
-            st: vec![0.0; BLOCK_K.next_multiple_of(MR) * BLOCK_Q],
-            o: vec![0.0; BLOCK_Q * dp],
+            qt: CacheAligned::new(head_dim * BLOCK_Q),
+            k_tail: CacheAligned::new(MR * head_dim),
+            v: CacheAligned::new(if dp == head_dim { 0 } else { BLOCK_K * dp }),
+            st: CacheAligned::new(BLOCK_K.next_multiple_of(MR) * BLOCK_Q),
+            o: CacheAligned::new(BLOCK_Q * dp),
             m: [0.0; BLOCK_Q],
             l: [0.0; BLOCK_Q],
             alpha: [0.0; BLOCK_Q],

@@ -1,0 +1,105 @@
+//! Buffers that start on a cache line.
+//!
+//! A `Vec` is aligned to its element only, and glibc's large allocations
+//! (`mmap`ed) start 16 bytes past a page: every 64-byte vector load of
+//! such a buffer then straddles two cache lines. For the packed operands
+//! that vl's kernels read with full-width loads, that cost the f32 GEMM
+//! 8–12% of its speed (`bench_gemm`, Xeon model 167): they live in a
+//! [`CacheAligned`] instead.
+
+use std::ops::{Deref, DerefMut};
+
+/// Bytes of a cache line: the alignment of a [`CacheAligned`]'s first
+/// element.
+pub(crate) const LINE: usize = 64;
+
+/// `len` values of `T` from a 64-byte boundary, zero-initialised (the
+/// default value): a `Vec` with room to skip to the boundary.
+#[derive(Debug)]
+pub(crate) struct CacheAligned<T> {
+    buf: Vec<T>,
+    start: usize,
+    len: usize,
+}
+
+impl<T: Copy + Default> CacheAligned<T> {
+    /// `len` default values (zeros for vl's numeric types), the first on
+    /// a cache line.
+    pub(crate) fn new(len: usize) -> Self {
+        Self::filled(len, T::default())
+    }
+
+    /// `len` copies of `value`, the first on a cache line.
+    pub(crate) fn filled(len: usize, value: T) -> Self {
+        let slack = LINE / size_of::<T>().max(1);
+        let buf = vec![value; len + slack];
+        let start = buf.as_ptr().align_offset(LINE);
+        // `align_offset` finds the boundary within a line's worth of
+        // elements for every primitive `T` (its size divides 64).
+        assert!(start <= slack, "CacheAligned: no 64-byte boundary in reach");
+        Self { buf, start, len }
+    }
+}
+
+impl<T: Copy + Default> Clone for CacheAligned<T> {
+    /// A copy on its own boundary (the `Vec`'s clone may lie elsewhere
+    /// against a line).
+    fn clone(&self) -> Self {
+        let mut c = Self::new(self.len);
+        c.copy_from_slice(self);
+        c
+    }
+}
+
+impl<T> Deref for CacheAligned<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.buf[self.start..self.start + self.len]
+    }
+}
+
+impl<T> DerefMut for CacheAligned<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
+}
+
+impl<'a, T> IntoIterator for &'a CacheAligned<T> {
+    type Item = &'a T;
+    type IntoIter = std::slice::Iter<'a, T>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn starts_on_a_line_with_its_length_zeroed() {
+        for len in [0, 1, 15, 16, 17, 1000, 1 << 20] {
+            let f = CacheAligned::<f32>::new(len);
+            assert_eq!(f.len(), len);
+            assert!(f.iter().all(|&v| v == 0.0));
+            if len > 0 {
+                assert_eq!(f.as_ptr() as usize % LINE, 0, "f32 × {len}");
+            }
+            let b = CacheAligned::<u8>::filled(len, 128);
+            assert_eq!(b.len(), len);
+            assert!(b.iter().all(|&v| v == 128));
+            if len > 0 {
+                assert_eq!(b.as_ptr() as usize % LINE, 0, "u8 × {len}");
+            }
+        }
+    }
+
+    #[test]
+    fn clones_keep_their_values() {
+        let mut a = CacheAligned::<u32>::new(100);
+        a.iter_mut().enumerate().for_each(|(i, v)| *v = i as u32);
+        let b = a.clone();
+        assert!(b.iter().enumerate().all(|(i, &v)| v == i as u32));
+        assert_eq!(b.as_ptr() as usize % LINE, 0);
+    }
+}
