@@ -16,9 +16,10 @@
 //! where it lies and only `x` is packed: once per call, as panels of 32
 //! rows transposed (`k × 32` floats each; `x` is `m · k` floats against
 //! the weight's `n · k`). A task is a chunk of 64 weight rows × a group of
-//! panels (about 512 KB per block of `k`). It walks `k` in blocks of 256;
-//! for every panel of the group (32 KB per block, in L1) and every 8 of
-//! its weight rows (in L2) the register-tile micro-kernel of the tiled
+//! panels (about 1 MB over the whole of `k`, at least 4 panels). It walks
+//! `k` in blocks of 256; for every panel of the group (32 KB per block, in
+//! L1) and every 8 of its weight rows (in L2) the register-tile
+//! micro-kernel of the tiled
 //! attention (8 × 32, 16 AVX-512 accumulators, a broadcast of a weight
 //! and two FMAs per weight row and step; `Kernel::micro_rows`, one
 //! pointer per weight row) adds a `yᵀ` tile into a scratch in L2, in
@@ -201,8 +202,7 @@ fn product(
     debug_assert!(bias.is_none_or(|b| b.len() == n));
     let panels = m.div_ceil(NR);
     let xp = pack_rows(x, m, k);
-    let kc = KC.min(k);
-    let group = (GROUP_BYTES / (kc * NR * 4)).clamp(1, panels);
+    let group = (GROUP_BYTES / (k * NR * 4)).max(MIN_GROUP).clamp(1, panels);
     let groups = panels.div_ceil(group);
     let chunks = n.div_ceil(TASK_W);
     // Not zeroed first: every task writes each element of its rows and
@@ -225,9 +225,17 @@ fn product(
     y
 }
 
-/// Bytes of packed rows that one task multiplies per block of `k` (a share
-/// of an L2, read again for each of its weight blocks).
-const GROUP_BYTES: usize = 512 * 1024;
+/// Bytes of packed rows that one task multiplies, over the whole of `k`
+/// (half of an L2, so that the next task, on the same rows and the next
+/// weight rows, finds them there), at least [`MIN_GROUP`] panels. Sized
+/// per block of `k` (512 KB a block, 1.5 MB of a ViT's rows at batch 8),
+/// the rows came from L3 in every task: at 1,576 rows 200–245 GFLOP/s;
+/// sized as now, 285–350 (`bench_gemm --rows 1576`, Xeon model 167).
+const GROUP_BYTES: usize = 1024 * 1024;
+/// The fewest panels per task where there are more: at a ViT's 197 rows
+/// and `k` = 3,072 (7 panels, 2.7 MB), two groups rather than four (each
+/// one more pass over the weight) measured faster.
+const MIN_GROUP: usize = 4;
 /// Weight rows (output columns) per task: [`TASK_W`] / [`MR`] blocks.
 const TASK_W: usize = 8 * MR;
 
@@ -454,6 +462,8 @@ mod tests {
             (64, 257, 1030),
             (203, 96, 64),
             (8, 32, 512),
+            // Three groups of panels (4, 4, 2; the last half-used).
+            (300, 70, 2100),
         ] {
             let x = Tensor::randn(0f32, 1., (m, k), &dev)?;
             let w = Tensor::randn(0f32, 1., (n, k), &dev)?;
