@@ -46,7 +46,7 @@ use crate::kernels::attention::{Dims, HostBias, HostMask};
 use crate::kernels::features::Isa;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::micro::Avx512;
-use crate::kernels::micro::{madd, micro, Kernel, MR, NR};
+use crate::kernels::micro::{madd, micro, micro_rows, Kernel, MR, NR};
 
 /// Virtual rows per task: the lanes of the score tiles.
 pub(crate) const BLOCK_Q: usize = NR;
@@ -301,15 +301,11 @@ fn task_generic<K: Kernel>(
         {
             continue;
         }
-        // Sᵀ (kb, Q): MR keys × NR = Q lanes per tile, accumulated in
-        // place (`MR` rows of `st` are one `[[f32; NR]; MR]`).
+        // Sᵀ (kb, Q): MR keys × NR = Q lanes per tile, written in place
+        // (`fresh`: no zeroing, no load), one pointer per key
+        // (`micro_rows`: the general kernel's runtime row stride cost an
+        // address computation per key and step).
         for t0 in (0..kb).step_by(MR) {
-            let c: &mut [[f32; NR]; MR] = s.st[t0 * Q..][..MR * Q]
-                .as_chunks_mut::<NR>()
-                .0
-                .try_into()
-                .expect("MR rows of Q = NR lanes");
-            *c = [[0f32; NR]; MR];
             let tile_keys = if kb - t0 >= MR {
                 &keys[(j0 + t0) * hd..]
             } else {
@@ -318,7 +314,16 @@ fn task_generic<K: Kernel>(
                 s.k_tail[rest..].fill(0.0);
                 &s.k_tail[..]
             };
-            micro::<K>(tile_keys, hd, 1, &s.qt, Q, hd, c);
+            micro_rows::<K>(
+                tile_keys,
+                hd,
+                &s.qt,
+                hd,
+                &mut s.st[t0 * Q..],
+                Q,
+                true,
+                false,
+            );
         }
         for bias in p.biases {
             for j in 0..kb {
