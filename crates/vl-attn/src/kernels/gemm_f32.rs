@@ -31,6 +31,8 @@
 //! baseline) through the micro-kernel: the plain-Rust one is the fallback
 //! and the oracle the others are tested against.
 
+use std::mem::MaybeUninit;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
@@ -251,27 +253,33 @@ const TASK_W: usize = 8 * MR;
 /// packing was ~4% of a batch-8 ViT encode, `perf`, Xeon model 167).
 fn pack_rows(isa: Isa, x: &[f32], m: usize, k: usize) -> CacheAligned<f32> {
     let panels = m.div_ceil(NR);
-    let mut xp = CacheAligned::new(panels * k * NR);
-    xp.par_chunks_mut(k * NR)
-        .enumerate()
-        .for_each(|(q, panel)| {
-            let rows = &x[q * NR * k..(q * NR + NR.min(m - q * NR)) * k];
-            #[cfg(target_arch = "x86_64")]
-            if isa.simd() == super::features::Simd::Avx512 {
-                // SAFETY: the token proves AVX-512F; `panel` holds `k · NR`
-                // values and `rows` whole rows of `k`, at most `NR`.
-                unsafe { pack_panel_avx512(rows, k, panel) };
-                return;
-            }
-            let _ = isa;
-            pack_panel(rows, k, 0, panel);
-        });
-    xp
+    let pack = |xp: &mut [MaybeUninit<f32>]| {
+        xp.par_chunks_mut(k * NR)
+            .enumerate()
+            .for_each(|(q, panel)| {
+                let rows = &x[q * NR * k..(q * NR + NR.min(m - q * NR)) * k];
+                #[cfg(target_arch = "x86_64")]
+                if isa.simd() == super::features::Simd::Avx512 {
+                    // SAFETY: the token proves AVX-512F.
+                    unsafe { pack_panel_avx512(rows, k, panel) };
+                    return;
+                }
+                let _ = isa;
+                pack_panel(rows, k, 0, panel);
+            })
+    };
+    // SAFETY: the panels cover the buffer, and each packer writes every
+    // value of its panel (zeros past row `m`). Not zeroed first: that was
+    // a one-thread `memset` of the whole of `x` per product, 2% of a
+    // Florence-2 f32 encode (`perf`, Xeon model 167).
+    unsafe { CacheAligned::written_by(panels * k * NR, pack) }
 }
 
 /// Columns `from ..` of `rows` (at most [`NR`] rows of `k`) into `panel`
-/// (`k × NR`) transposed, element by element.
-fn pack_panel(rows: &[f32], k: usize, from: usize, panel: &mut [f32]) {
+/// (`k × NR`) transposed, element by element, the lanes past the last row
+/// zero: every value of those columns written.
+fn pack_panel(rows: &[f32], k: usize, from: usize, panel: &mut [MaybeUninit<f32>]) {
+    let here = rows.len() / k;
     // Sixteen columns of `k` at a time: the 16 panel rows being written
     // (2 KB) and the 16 floats read from each row stay in L1 (a whole row
     // at a time wrote a `k × 128`-byte panel one float per cache line).
@@ -281,7 +289,12 @@ fn pack_panel(rows: &[f32], k: usize, from: usize, panel: &mut [f32]) {
         let out = &mut panel[p0 * NR..p1 * NR];
         for (l, row) in rows.chunks_exact(k).enumerate() {
             for (t, &v) in row[p0..p1].iter().enumerate() {
-                out[t * NR + l] = v;
+                out[t * NR + l].write(v);
+            }
+        }
+        for t in 0..p1 - p0 {
+            for v in &mut out[t * NR + here..(t + 1) * NR] {
+                v.write(0.0);
             }
         }
     }
@@ -289,22 +302,22 @@ fn pack_panel(rows: &[f32], k: usize, from: usize, panel: &mut [f32]) {
 
 /// [`pack_panel`] from column 0, the whole columns of 16 by
 /// [`crate::kernels::micro::transpose16`] (the rows past the last as
-/// zeros), the rest element by element.
+/// zeros), the rest element by element: every value of `panel` written.
 ///
 /// # Safety
 /// The CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn pack_panel_avx512(rows: &[f32], k: usize, panel: &mut [f32]) {
+unsafe fn pack_panel_avx512(rows: &[f32], k: usize, panel: &mut [MaybeUninit<f32>]) {
     use std::arch::x86_64::*;
     let here = rows.len() / k;
     assert!(
-        here <= NR && rows.len() == here * k && panel.len() >= k * NR,
+        here <= NR && rows.len() == here * k && panel.len() == k * NR,
         "vl-gemm-f32: packing {here} rows of {k} into a panel of {}",
         panel.len()
     );
     let whole = k / 16 * 16;
-    for h in (0..here).step_by(16) {
+    for h in (0..NR).step_by(16) {
         for p0 in (0..whole).step_by(16) {
             // SAFETY: row `h + i < here` holds `k >= p0 + 16` values.
             let r: [__m512; 16] = std::array::from_fn(|i| {
@@ -319,7 +332,7 @@ unsafe fn pack_panel_avx512(rows: &[f32], k: usize, panel: &mut [f32]) {
             for (t, col) in cols.iter().enumerate() {
                 // SAFETY: `(p0 + t) · NR + h + 16 <= k · NR` (`h + 16 <=
                 // NR`), inside `panel` (asserted above).
-                unsafe { _mm512_storeu_ps(panel.as_mut_ptr().add((p0 + t) * NR + h), *col) };
+                unsafe { _mm512_storeu_ps(panel.as_mut_ptr().add((p0 + t) * NR + h).cast(), *col) };
             }
         }
     }
