@@ -42,8 +42,8 @@ use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 use super::features::Simd;
 use super::features::{CpuFeatures, Isa, Q8Isa, Q8Simd};
-#[cfg(target_arch = "x86_64")]
 use crate::kernels::aligned::CacheAligned;
+#[cfg(target_arch = "x86_64")]
 use crate::kernels::gemv::prefetch;
 use crate::kernels::host::{leaf_len, zeroed};
 use crate::kernels::micro::{madd, Kernel};
