@@ -309,33 +309,15 @@ fn pack_panel(rows: &[f32], k: usize, from: usize, panel: &mut [MaybeUninit<f32>
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn pack_panel_avx512(rows: &[f32], k: usize, panel: &mut [MaybeUninit<f32>]) {
-    use std::arch::x86_64::*;
-    let here = rows.len() / k;
-    assert!(
-        here <= NR && rows.len() == here * k && panel.len() == k * NR,
-        "vl-gemm-f32: packing {here} rows of {k} into a panel of {}",
+    assert_eq!(
+        panel.len(),
+        k * NR,
+        "vl-gemm-f32: a panel of {} for k = {k}",
         panel.len()
     );
     let whole = k / 16 * 16;
-    for h in (0..NR).step_by(16) {
-        for p0 in (0..whole).step_by(16) {
-            // SAFETY: row `h + i < here` holds `k >= p0 + 16` values.
-            let r: [__m512; 16] = std::array::from_fn(|i| {
-                if h + i < here {
-                    unsafe { _mm512_loadu_ps(rows.as_ptr().add((h + i) * k + p0)) }
-                } else {
-                    _mm512_setzero_ps()
-                }
-            });
-            // SAFETY: AVX-512F (the contract).
-            let cols = unsafe { crate::kernels::micro::transpose16(&r) };
-            for (t, col) in cols.iter().enumerate() {
-                // SAFETY: `(p0 + t) · NR + h + 16 <= k · NR` (`h + 16 <=
-                // NR`), inside `panel` (asserted above).
-                unsafe { _mm512_storeu_ps(panel.as_mut_ptr().add((p0 + t) * NR + h).cast(), *col) };
-            }
-        }
-    }
+    // SAFETY: AVX-512F (the contract).
+    unsafe { crate::kernels::micro::transpose_rows(rows, k, whole, None, panel) };
     pack_panel(rows, k, whole, panel);
 }
 

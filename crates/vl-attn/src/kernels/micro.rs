@@ -382,6 +382,54 @@ pub(crate) unsafe fn transpose16(
     out
 }
 
+/// The first `whole` columns (a multiple of 16) of `rows` (at most [`NR`]
+/// rows of `k` values) transposed into `out` (`k × NR`: column `p` at `p ·
+/// NR`), each times `scale` if any, the lanes past the last row zero: by
+/// blocks of 16 × 16 through [`transpose16`]. The packing of gemm_f32's
+/// rows and of the tiled attention's queries. `out` may be uninitialised:
+/// every value of those columns is written.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn transpose_rows(
+    rows: &[f32],
+    k: usize,
+    whole: usize,
+    scale: Option<f32>,
+    out: &mut [std::mem::MaybeUninit<f32>],
+) {
+    use std::arch::x86_64::*;
+    let here = rows.len() / k;
+    assert!(
+        here <= NR && rows.len() == here * k && whole.is_multiple_of(16) && whole <= k,
+        "transpose_rows: {here} rows of {k}, {whole} columns"
+    );
+    assert!(out.len() >= whole * NR, "transpose_rows: out too short");
+    for h in (0..NR).step_by(16) {
+        for p0 in (0..whole).step_by(16) {
+            let r: [__m512; 16] = std::array::from_fn(|i| {
+                if h + i < here {
+                    // SAFETY: row `h + i < here`, columns `p0 .. p0 + 16
+                    // <= k` of it: inside `rows`.
+                    unsafe { _mm512_loadu_ps(rows.as_ptr().add((h + i) * k + p0)) }
+                } else {
+                    _mm512_setzero_ps()
+                }
+            });
+            // SAFETY: AVX-512F (the contract).
+            let cols = unsafe { transpose16(&r) };
+            for (t, col) in cols.into_iter().enumerate() {
+                let v = scale.map_or(col, |s| _mm512_mul_ps(col, _mm512_set1_ps(s)));
+                // SAFETY: `(p0 + t) · NR + h + 16 <= whole · NR` (`h + 16
+                // <= NR`), inside `out` (asserted above).
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr().add((p0 + t) * NR + h).cast(), v) };
+            }
+        }
+    }
+}
+
 /// [`Avx512`]'s [`Kernel::micro_rows`] on `V` registers of columns (16
 /// each).
 ///

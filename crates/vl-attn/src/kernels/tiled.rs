@@ -432,37 +432,14 @@ fn task_generic<K: Kernel>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn pack_q_avx512(q: &[f32], hd: usize, len: usize, scale: f32, qt: &mut [f32]) {
-    use std::arch::x86_64::*;
     assert!(hd.is_multiple_of(16) && len <= BLOCK_Q && q.len() == len * hd);
     assert_eq!(qt.len(), hd * BLOCK_Q);
-    let sv = _mm512_set1_ps(scale);
-    for n0 in (0..BLOCK_Q).step_by(16) {
-        for d0 in (0..hd).step_by(16) {
-            // Rows n0.. of columns d0..d0 + 16 (zero past `len`).
-            let r: [__m512; 16] = std::array::from_fn(|i| {
-                if n0 + i < len {
-                    // SAFETY: row `n0 + i < len`, columns `d0 .. d0 + 16 <=
-                    // hd` of it: inside `q`.
-                    unsafe { _mm512_loadu_ps(q.as_ptr().add((n0 + i) * hd + d0)) }
-                } else {
-                    _mm512_setzero_ps()
-                }
-            });
-            // SAFETY: AVX-512F (the contract).
-            let cols = unsafe { crate::kernels::micro::transpose16(&r) };
-            for (j, col) in cols.into_iter().enumerate() {
-                let d = d0 + j;
-                // SAFETY: `d < hd`, lanes `n0 .. n0 + 16 <= BLOCK_Q`:
-                // inside `qt`.
-                unsafe {
-                    _mm512_storeu_ps(
-                        qt.as_mut_ptr().add(d * BLOCK_Q + n0),
-                        _mm512_mul_ps(col, sv),
-                    )
-                };
-            }
-        }
-    }
+    // SAFETY: `qt`'s values seen as possibly uninitialised, into which
+    // only values are written; AVX-512F (the contract).
+    unsafe {
+        let qt = &mut *(qt as *mut [f32] as *mut [std::mem::MaybeUninit<f32>]);
+        crate::kernels::micro::transpose_rows(q, hd, hd, Some(scale), qt)
+    };
 }
 
 #[cfg(test)]
