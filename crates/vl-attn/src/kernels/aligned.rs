@@ -12,10 +12,10 @@ use std::ops::{Deref, DerefMut};
 
 /// Bytes of a cache line: the alignment of a [`CacheAligned`]'s first
 /// element.
-pub(crate) const LINE: usize = 64;
+const LINE: usize = 64;
 
-/// `len` values of `T` from a 64-byte boundary, zero-initialised (the
-/// default value): a `Vec` with room to skip to the boundary.
+/// `len` values of `T` from a 64-byte boundary: a `Vec` with room to skip
+/// to the boundary.
 #[derive(Debug)]
 pub(crate) struct CacheAligned<T> {
     buf: Vec<T>,
@@ -24,6 +24,22 @@ pub(crate) struct CacheAligned<T> {
 }
 
 impl<T: Copy + Default> CacheAligned<T> {
+    /// Elements of room to skip to the boundary: a line's worth.
+    const SLACK: usize = LINE / size_of::<T>();
+
+    /// Where the boundary lies from `buf` (a buffer of `len + SLACK`
+    /// elements).
+    fn start(buf: *const T) -> usize {
+        let start = buf.align_offset(LINE);
+        // `align_offset` finds the boundary within a line's worth of
+        // elements for every primitive `T` (its size divides 64).
+        assert!(
+            start <= Self::SLACK,
+            "CacheAligned: no 64-byte boundary in reach"
+        );
+        start
+    }
+
     /// `len` default values (zeros for vl's numeric types), the first on
     /// a cache line.
     pub(crate) fn new(len: usize) -> Self {
@@ -32,17 +48,11 @@ impl<T: Copy + Default> CacheAligned<T> {
 
     /// `len` copies of `value`, the first on a cache line.
     pub(crate) fn filled(len: usize, value: T) -> Self {
-        let slack = LINE / size_of::<T>().max(1);
-        let buf = vec![value; len + slack];
-        let start = buf.as_ptr().align_offset(LINE);
-        // `align_offset` finds the boundary within a line's worth of
-        // elements for every primitive `T` (its size divides 64).
-        assert!(start <= slack, "CacheAligned: no 64-byte boundary in reach");
+        let buf = vec![value; len + Self::SLACK];
+        let start = Self::start(buf.as_ptr());
         Self { buf, start, len }
     }
-}
 
-impl<T: Copy + Default> CacheAligned<T> {
     /// `len` values from a cache line, written by `fill` (handed them
     /// uninitialised): for a packer that writes every value of its output,
     /// which would otherwise be zeroed first for nothing.
@@ -50,31 +60,19 @@ impl<T: Copy + Default> CacheAligned<T> {
     /// # Safety
     /// `fill` initialises every element of the slice it is given.
     pub(crate) unsafe fn written_by(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Self {
-        let slack = LINE / size_of::<T>().max(1);
-        let mut buf: Vec<T> = Vec::with_capacity(len + slack);
-        let start = buf.as_ptr().align_offset(LINE);
-        assert!(start <= slack, "CacheAligned: no 64-byte boundary in reach");
-        let spare = &mut buf.spare_capacity_mut()[..len + slack];
+        let mut buf: Vec<T> = Vec::with_capacity(len + Self::SLACK);
+        let start = Self::start(buf.as_ptr());
+        let spare = &mut buf.spare_capacity_mut()[..len + Self::SLACK];
         let (before, rest) = spare.split_at_mut(start);
         let (values, after) = rest.split_at_mut(len);
         for v in before.iter_mut().chain(after) {
             v.write(T::default());
         }
         fill(values);
-        // SAFETY: the `slack` values around the `len` are written above,
-        // and the `len` by `fill` (the caller's contract).
-        unsafe { buf.set_len(len + slack) };
+        // SAFETY: the slack around the `len` values is written above, and
+        // the `len` by `fill` (the caller's contract).
+        unsafe { buf.set_len(len + Self::SLACK) };
         Self { buf, start, len }
-    }
-}
-
-impl<T: Copy + Default> Clone for CacheAligned<T> {
-    /// A copy on its own boundary (the `Vec`'s clone may lie elsewhere
-    /// against a line).
-    fn clone(&self) -> Self {
-        let mut c = Self::new(self.len);
-        c.copy_from_slice(self);
-        c
     }
 }
 
@@ -138,14 +136,5 @@ mod tests {
                 assert_eq!(a.as_ptr() as usize % LINE, 0);
             }
         }
-    }
-
-    #[test]
-    fn clones_keep_their_values() {
-        let mut a = CacheAligned::<u32>::new(100);
-        a.iter_mut().enumerate().for_each(|(i, v)| *v = i as u32);
-        let b = a.clone();
-        assert!(b.iter().enumerate().all(|(i, &v)| v == i as u32));
-        assert_eq!(b.as_ptr() as usize % LINE, 0);
     }
 }

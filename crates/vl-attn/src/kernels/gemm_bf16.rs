@@ -729,7 +729,8 @@ mod amx {
             // about half (a ViT's 197 rows: 208 computed rather than 224).
             let tail = rows - full;
             let height = if tail <= TILE_ROWS { TILE_ROWS } else { BLOCK };
-            let mut padded = vec![bf16::ZERO; height * k];
+            // On a cache line, as the rows before it (`to_bf16`).
+            let mut padded = crate::kernels::aligned::CacheAligned::<bf16>::new(height * k);
             padded[..tail * k].copy_from_slice(&x[full * k..rows * k]);
             let shape = (height, (first, last), (n, k));
             // SAFETY: the contract, for the rows from `full` on (only the

@@ -19,8 +19,7 @@
 //! panels (about 1 MB over the whole of `k`, at least 4 panels). It walks
 //! `k` in blocks of 256; for every panel of the group (32 KB per block, in
 //! L1) and every 8 of its weight rows (in L2) the register-tile
-//! micro-kernel of the tiled
-//! attention (8 × 32, 16 AVX-512 accumulators, a broadcast of a weight
+//! micro-kernel of the tiled attention (8 × 32, 16 AVX-512 accumulators, a broadcast of a weight
 //! and two FMAs per weight row and step; `Kernel::micro_rows`, one
 //! pointer per weight row) adds a `yᵀ` tile into a scratch in L2, in
 //! place; at the end the scratch is stored transposed into `y`. (Packing
@@ -258,14 +257,23 @@ fn pack_rows(isa: Isa, x: &[f32], m: usize, k: usize) -> CacheAligned<f32> {
             .enumerate()
             .for_each(|(q, panel)| {
                 let rows = &x[q * NR * k..(q * NR + NR.min(m - q * NR)) * k];
+                // The whole columns of 16 by register transposes where
+                // AVX-512F runs, the rest element by element.
                 #[cfg(target_arch = "x86_64")]
-                if isa.simd() == super::features::Simd::Avx512 {
+                let from = if isa.simd() == super::features::Simd::Avx512 {
+                    let whole = k / 16 * 16;
                     // SAFETY: the token proves AVX-512F.
-                    unsafe { pack_panel_avx512(rows, k, panel) };
-                    return;
-                }
-                let _ = isa;
-                pack_panel(rows, k, 0, panel);
+                    unsafe { crate::kernels::micro::transpose_rows(rows, k, whole, None, panel) };
+                    whole
+                } else {
+                    0
+                };
+                #[cfg(not(target_arch = "x86_64"))]
+                let from = {
+                    let _ = isa;
+                    0
+                };
+                pack_panel(rows, k, from, panel);
             })
     };
     // SAFETY: the panels cover the buffer, and each packer writes every
@@ -298,27 +306,6 @@ fn pack_panel(rows: &[f32], k: usize, from: usize, panel: &mut [MaybeUninit<f32>
             }
         }
     }
-}
-
-/// [`pack_panel`] from column 0, the whole columns of 16 by
-/// [`crate::kernels::micro::transpose16`] (the rows past the last as
-/// zeros), the rest element by element: every value of `panel` written.
-///
-/// # Safety
-/// The CPU has AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn pack_panel_avx512(rows: &[f32], k: usize, panel: &mut [MaybeUninit<f32>]) {
-    assert_eq!(
-        panel.len(),
-        k * NR,
-        "vl-gemm-f32: a panel of {} for k = {k}",
-        panel.len()
-    );
-    let whole = k / 16 * 16;
-    // SAFETY: AVX-512F (the contract).
-    unsafe { crate::kernels::micro::transpose_rows(rows, k, whole, None, panel) };
-    pack_panel(rows, k, whole, panel);
 }
 
 per_isa! {
