@@ -88,9 +88,12 @@ def load(
         dtype: the activations' and dense weights' dtype: ``"f32"``,
             ``"f16"`` or ``"bf16"``.
         text_cache: the decoder's keys and values kept in ``"bf16"`` or
-            ``"f16"`` under f32 activations (``None``: in ``dtype``): half
-            the bytes each decode step reads from them, for long outputs
-            (a Nougat page), rounded as a bf16 model rounds them.
+            ``"f16"`` under f32 activations (half the bytes each decode
+            step reads from them, for long outputs such as a Nougat page,
+            rounded as a bf16 model rounds them) or ``"f32"``. ``None``:
+            16 bits when ``quantize`` converts the weights under f32
+            activations on the CPU (as the image's keys and values: f16
+            for ``"f16"``, else bf16), otherwise in ``dtype``.
         threads: CPU threads (default: one per core). vl's thread pools
             are sized once per process, by the first ``load`` that runs
             any work; a later, different count raises

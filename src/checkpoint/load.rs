@@ -59,11 +59,15 @@ pub struct LoadOptions {
     /// hold gets the next format that fits.
     pub quantization: Quantization,
     /// The dtype of the decoder's text cache (its self-attention's keys
-    /// and values): `None`, the activations' dtype, by default; bf16 or
-    /// f16 under f32 activations halves what a decode step reads from it
-    /// — the larger part of a step past a few thousand tokens (a Nougat
-    /// page) — at the cost of rounding keys and values as transformers'
-    /// bf16 model does (see
+    /// and values). `None`, the default: the activations' dtype, except
+    /// under converted weights (`quantization`) with f32 activations on
+    /// the CPU, where it is 16 bits as the image's keys and values are —
+    /// bf16 for `q8_0`, `q4k` and bf16 weights, f16 for f16 weights (see
+    /// [`vl_attn::CausalSelfAttention::with_cache_dtype`]). A 16-bit cache
+    /// halves what a decode step reads from it — the larger part of a step
+    /// past a few thousand tokens (a Nougat page) — rounding keys and
+    /// values as transformers' bf16 model does. `Some(F32)` keeps f32
+    /// under any weights (see
     /// [`vl_decoder::VisionLanguageDecoder::set_text_cache_dtype`]).
     pub text_cache: Option<DType>,
 }
@@ -334,7 +338,10 @@ fn load_family<F: Family>(
     } else {
         decoder
     };
-    decoder.set_text_cache_dtype(options.text_cache)?;
+    // Unasked, the cache is as quantizing left it (see `text_cache`).
+    if let Some(dtype) = options.text_cache {
+        decoder.set_text_cache_dtype(Some(dtype))?;
+    }
     let text_encoder = match family
         .text_encoder(&vb, &config, &decoder)
         .map_err(weights_error(&label))?

@@ -95,7 +95,7 @@ fn exact_module() -> anyhow::Result<(CausalSelfAttention, Tensor)> {
 }
 
 /// Keys and values kept in 16 bits (under f32 activations; what
-/// `quantize` chooses on the CPU): the cache holds the f32 ones rounded
+/// `quantize` chooses on the CPU unless told otherwise): the cache holds the f32 ones rounded
 /// once, step-by-step still equals the whole sequence (which rounds them
 /// alike) within 1e-5 on every backend, and the output is the one over
 /// their f32 widening.
@@ -135,14 +135,20 @@ fn a_16_bit_cache_steps_as_the_whole_sequence() -> anyhow::Result<()> {
             assert!(max_abs_diff(&full, &wide.forward(&x, None)?) > 0.0);
         }
     }
-    // Quantization keeps the choice, and makes none of its own: the text
-    // cache stays in the activations' dtype unless asked (the rounding
-    // costs top-1 agreement on short captions, where the cache is a small
-    // part of a step's reads).
-    for format in [GgmlDType::Q8_0, GgmlDType::BF16, GgmlDType::F16] {
-        assert_eq!(wide.quantize(format)?.cache_dtype(), None, "{format:?}");
-        let kept = wide.clone().with_cache_dtype(Some(DType::F16));
-        assert_eq!(kept.quantize(format)?.cache_dtype(), Some(DType::F16));
+    // Quantization keeps a choice made; unasked, it keeps keys and values
+    // as cross-attention keeps an image's: bf16 for 8-bit and bf16
+    // weights, f16 for f16 weights; none for f32 "weights".
+    for (format, cache) in [
+        (GgmlDType::Q8_0, Some(DType::BF16)),
+        (GgmlDType::BF16, Some(DType::BF16)),
+        (GgmlDType::F16, Some(DType::F16)),
+        (GgmlDType::F32, None),
+    ] {
+        assert_eq!(wide.quantize(format)?.cache_dtype(), cache, "{format:?}");
+        for chosen in [DType::F16, DType::F32] {
+            let kept = wide.clone().with_cache_dtype(Some(chosen));
+            assert_eq!(kept.quantize(format)?.cache_dtype(), Some(chosen));
+        }
     }
     Ok(())
 }

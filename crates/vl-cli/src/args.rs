@@ -28,7 +28,7 @@ pub struct ModelArgs {
     /// Linear layers (decoder and ViT) at load: 8-bit (q8_0) or 4-bit (q4k) blocks, or dense 16-bit weights (bf16, f16) under activations in --dtype; none = as stored.
     #[arg(long, default_value = "none")]
     pub quantize: Quantization,
-    /// The decoder's text cache (its keys and values): bf16 or f16 under f32 activations halves what each decode step reads from it — for long outputs (a Nougat page); rounds them as a bf16 model does [default: --dtype].
+    /// The decoder's text cache (its keys and values): bf16 or f16 under f32 activations halves what each decode step reads from it (long outputs: a Nougat page), rounding them as a bf16 model does; f32 keeps them exact [default: 16 bits under --quantize with f32 activations on the CPU, as the image's keys and values (f16 for f16 weights, else bf16); else --dtype].
     #[arg(long, value_name = "DTYPE", value_parser = dtype)]
     pub text_cache: Option<DType>,
 }

@@ -32,7 +32,7 @@ pub struct Args {
     /// Linear layers (decoder and ViT) in 8-bit (q8_0) or 4-bit (q4k) blocks, or dense 16-bit weights (bf16, f16) under --dtype activations; none = as loaded.
     #[arg(long, default_value = "none")]
     quantize: Quantization,
-    /// The decoder's text cache: bf16 or f16 under f32 activations (long outputs) [default: --dtype].
+    /// The decoder's text cache: bf16, f16 or f32 (see `vl caption --help`) [default: 16 bits under --quantize with f32 activations on the CPU, else --dtype].
     #[arg(long, value_name = "DTYPE", value_parser = crate::args::dtype)]
     text_cache: Option<DType>,
     /// cpu, cuda, cuda:N, metal or metal:N.
@@ -331,7 +331,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         "model": args.model.display().to_string(),
         "dtype": args.dtype.as_str(),
         "quantize": args.quantize.name(),
-        "text_cache": args.text_cache.map_or(args.dtype.as_str(), |d| d.as_str()),
+        "text_cache": model.decoder.text_cache_dtype().unwrap_or(args.dtype).as_str(),
         "device": crate::args::device_name(&args.device),
         "new_tokens": args.new_tokens.get(),
         "load_ms": load_ms,
