@@ -295,7 +295,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="a checkpoint directory (scripts/hf_fixtures.py --base)")
     ap.add_argument("--quantize", default="q8_0")
-    ap.add_argument("--text-cache", help="vl serve --text-cache (bf16, f16): keys and values in 16 bits")
+    ap.add_argument("--text-cache", help="vl serve --text-cache (bf16, f16, f32); default: the server's (bf16 under --quantize)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vl", default=str(ROOT / "target/release/vl"))
     ap.add_argument("--transformers", help="a Python with torch, transformers, fastapi, uvicorn")

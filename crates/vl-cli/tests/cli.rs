@@ -439,7 +439,8 @@ fn quantize_flag() {
 }
 
 /// `--text-cache bf16|f16` keeps the decoder's keys and values in 16 bits
-/// under f32 activations: the shipped captioner (q8_0 and f32 weights)
+/// under f32 activations (under `--quantize` without the flag too, and
+/// `f32` keeps them exact): the shipped captioner (q8_0 and f32 weights)
 /// still gets every shipped sample right, and a transformers fixture's
 /// greedy ids with an f16 cache are its f32 ones (its margins are wide
 /// enough); a text cache the activations cannot read is refused naming
@@ -447,11 +448,20 @@ fn quantize_flag() {
 #[test]
 fn text_cache_flag() {
     let (files, want): (Vec<String>, Vec<String>) = common::samples().into_iter().unzip();
-    for (quantize, cache) in [("q8_0", "bf16"), ("none", "f16"), ("none", "bf16")] {
-        let mut args = vec!["--quantize", quantize, "--text-cache", cache, "--json"];
+    for (quantize, cache) in [
+        ("q8_0", Some("bf16")),
+        ("q8_0", None),
+        ("q8_0", Some("f32")),
+        ("none", Some("f16")),
+        ("none", Some("bf16")),
+    ] {
+        let mut args = vec!["--quantize", quantize, "--json"];
+        if let Some(cache) = cache {
+            args.extend(["--text-cache", cache]);
+        }
         args.extend(files.iter().map(String::as_str));
         let got = common::captions(&common::ok(&run(&args)));
-        assert_eq!(got, want, "--quantize {quantize} --text-cache {cache}");
+        assert_eq!(got, want, "--quantize {quantize} --text-cache {cache:?}");
     }
     let dir = common::repo_root().join("tests/fixtures/hf/equal");
     let image = dir.join("image.png");
@@ -496,6 +506,8 @@ fn bench(extra: &[&str]) -> std::process::Output {
 fn bench_reports_the_bandwidth_it_reaches() {
     let out = common::ok(&bench(&["--new-tokens", "2", "--agreement-tokens", "4"]));
     let json: serde_json::Value = serde_json::from_str(&out).expect("json");
+    // q8_0 keeps the text cache in bf16 unless told otherwise.
+    assert_eq!(json["text_cache"], "bf16", "{json}");
     let num = |k: &str| json[k].as_f64().unwrap_or_else(|| panic!("{k} in {json}"));
     let step = num("decode_step_mb");
     assert!(step > 0.0 && step < num("weights_mb") * 1.05, "{json}");
