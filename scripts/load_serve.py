@@ -8,7 +8,7 @@ mixed run of good and bad requests with the server's memory.
     cargo build --release -p vl-cli
     .venv/bin/python scripts/hf_fixtures.py --base /tmp/vit-gpt2-base && git checkout tests/fixtures
     .venv/bin/python scripts/load_serve.py /tmp/vit-gpt2-base --quantize q8_0 --threads 2 \\
-        [--text-cache bf16] [--transformers .venv/bin/python] [--mixed 1000] [--json out.json]
+        [--text-cache f32] [--transformers .venv/bin/python] [--mixed 1000] [--json out.json]
 
 Workloads (every answer exactly its token count: `min_tokens` =
 `max_tokens`, so random weights never end early):
