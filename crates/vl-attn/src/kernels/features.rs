@@ -327,6 +327,12 @@ pub struct CpuFeatures {
     pub neon: bool,
     /// aarch64 dot product (`sdot`, `udot`).
     pub dotprod: bool,
+    /// The L2 cache of one core, in bytes, where the CPU says (`cpuid`
+    /// 0x80000006 on x86-64, which Intel and AMD both fill; Linux's
+    /// `/sys/devices/system/cpu/cpu0/cache` elsewhere): 2 MB on Intel's
+    /// Sapphire Rapids class Xeons, 1 MB on Zen 4 and Zen 5. Blocked
+    /// products size their blocks from it.
+    pub l2_bytes: Option<usize>,
     /// The choices that depend on the CPU model (prefetch hint and
     /// distance), made once at detection.
     pub tuning: Tuning,
@@ -356,6 +362,7 @@ impl CpuFeatures {
             fma: false,
             neon: false,
             dotprod: false,
+            l2_bytes: None,
             tuning: Tuning {
                 prefetch: PrefetchHint::T0,
                 prefetch_ahead: Tuning::PREFETCH_AHEAD,
@@ -381,6 +388,7 @@ impl CpuFeatures {
             cpu.family = id.family;
             cpu.model = id.model;
             cpu.model_name = id.brand;
+            cpu.l2_bytes = x86::l2_bytes();
         }
         #[cfg(target_arch = "aarch64")]
         {
@@ -391,6 +399,9 @@ impl CpuFeatures {
         }
         if cpu.model_name.is_empty() {
             cpu.model_name = proc_cpuinfo_model().unwrap_or_default();
+        }
+        if cpu.l2_bytes.is_none() {
+            cpu.l2_bytes = sysfs_l2_bytes();
         }
         cpu.best = (cpu.isas()[0], cpu.q8_isas()[0], cpu.bf16_isas()[0]);
         cpu.tuning = Tuning::for_cpu(cpu.vendor, cpu.family, cpu.avx512f);
@@ -496,8 +507,8 @@ impl CpuFeatures {
 }
 
 impl fmt::Display for CpuFeatures {
-    /// `MODEL NAME (vendor, family F model M): flags; kernels f32 X, q8_0
-    /// Y, bf16 Z; prefetch HINT N B ahead; f32 GEMM G`.
+    /// `MODEL NAME (vendor, family F model M): flags; L2 N KB; kernels f32
+    /// X, q8_0 Y, bf16 Z; prefetch HINT N B ahead; f32 GEMM G`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let name = if self.model_name.is_empty() {
             "unknown CPU"
@@ -506,11 +517,13 @@ impl fmt::Display for CpuFeatures {
         };
         write!(
             f,
-            "{name} ({:?}, family {} model {}): {}; kernels f32 {:?}, q8_0 {:?}, bf16 {:?}; prefetch {:?} {} B ahead; f32 GEMM {:?}",
+            "{name} ({:?}, family {} model {}): {}; L2 {}; kernels f32 {:?}, q8_0 {:?}, bf16 {:?}; prefetch {:?} {} B ahead; f32 GEMM {:?}",
             self.vendor,
             self.family,
             self.model,
             self.flags().join(" "),
+            self.l2_bytes
+                .map_or("unknown".to_string(), |b| format!("{} KB", b >> 10)),
             self.isa().simd(),
             self.q8_isa().simd(),
             self.bf16_isa().simd(),
@@ -519,6 +532,42 @@ impl fmt::Display for CpuFeatures {
             self.tuning.f32_gemm
         )
     }
+}
+
+/// Plausible per-core L2 sizes: a value outside (a hypervisor's zero, a
+/// misread field) is taken as unknown.
+const L2_RANGE: std::ops::RangeInclusive<usize> = (64 << 10)..=(64 << 20);
+
+/// The L2 of CPU 0 from Linux's sysfs (`cache/indexN` whose `level` is 2
+/// and `type` Data or Unified; `size` as `2048K`), where there is one.
+fn sysfs_l2_bytes() -> Option<usize> {
+    let root = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
+    (0..8).find_map(|i| {
+        let dir = root.join(format!("index{i}"));
+        let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok();
+        let level = read("level")?;
+        let kind = read("type")?;
+        if level.trim() != "2" || kind.trim() == "Instruction" {
+            return None;
+        }
+        parse_cache_size(read("size")?.trim())
+    })
+}
+
+/// `2048K`, `1M` or a plain byte count, as sysfs writes cache sizes.
+fn parse_cache_size(s: &str) -> Option<usize> {
+    let (digits, unit) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        Some((i, _)) => s.split_at(i),
+        None => (s, ""),
+    };
+    let n: usize = digits.parse().ok()?;
+    let bytes = match unit.trim() {
+        "" => n,
+        "K" | "KB" | "k" => n.checked_mul(1 << 10)?,
+        "M" | "MB" => n.checked_mul(1 << 20)?,
+        _ => return None,
+    };
+    L2_RANGE.contains(&bytes).then_some(bytes)
 }
 
 /// The `model name` line of `/proc/cpuinfo`, where there is one.
@@ -572,6 +621,17 @@ mod x86 {
     #[cfg(not(target_os = "linux"))]
     fn request_tile_data() -> bool {
         false
+    }
+
+    /// The L2 per core, `cpuid` 0x80000006 ECX bits 31–16 (KB), where the
+    /// leaf exists and the value is plausible.
+    pub(super) fn l2_bytes() -> Option<usize> {
+        if cpuid(0x8000_0000).eax < 0x8000_0006 {
+            return None;
+        }
+        let kb = (cpuid(0x8000_0006).ecx >> 16) as usize;
+        let bytes = kb << 10;
+        super::L2_RANGE.contains(&bytes).then_some(bytes)
     }
 
     pub(super) struct Identity {
@@ -640,6 +700,21 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Cache sizes as sysfs writes them; implausible ones are unknown. The
+    /// detected L2, where there is one, is in the plausible range.
+    #[test]
+    fn l2_sizes_parse_and_detect() {
+        assert_eq!(parse_cache_size("2048K"), Some(2 << 20));
+        assert_eq!(parse_cache_size("1M"), Some(1 << 20));
+        assert_eq!(parse_cache_size("524288"), Some(512 << 10));
+        for bad in ["", "K", "0K", "12X", "32K", "1024M", "-1K"] {
+            assert_eq!(parse_cache_size(bad), None, "{bad:?}");
+        }
+        let cpu = CpuFeatures::get();
+        assert!(cpu.l2_bytes.is_none_or(|b| L2_RANGE.contains(&b)), "{cpu}");
+        assert!(cpu.to_string().contains("; L2 "), "{cpu}");
+    }
 
     /// The portable tokens are always handed out, last; every token handed
     /// out matches the flags; the best is the first.

@@ -203,7 +203,7 @@ fn product(
     debug_assert!(bias.is_none_or(|b| b.len() == n));
     let panels = m.div_ceil(NR);
     let xp = pack_rows(isa, x, m, k);
-    let group = (GROUP_BYTES / (k * NR * 4))
+    let group = (group_bytes(CpuFeatures::get().l2_bytes) / (k * NR * 4))
         .clamp(MIN_GROUP, MAX_GROUP)
         .min(panels);
     let groups = panels.div_ceil(group);
@@ -228,13 +228,17 @@ fn product(
     y
 }
 
-/// Bytes of packed rows that one task multiplies, over the whole of `k`
-/// (half of an L2, so that the next task, on the same rows and the next
-/// weight rows, finds them there), at least [`MIN_GROUP`] panels. Sized
-/// per block of `k` (512 KB a block, 1.5 MB of a ViT's rows at batch 8),
-/// the rows came from L3 in every task: at 1,576 rows 200–245 GFLOP/s;
-/// sized as now, 285–350 (`bench_gemm --rows 1576`, Xeon model 167).
-const GROUP_BYTES: usize = 1024 * 1024;
+/// Bytes of packed rows that one task multiplies, over the whole of `k`:
+/// half of the core's L2 (`l2`, [`CpuFeatures::l2_bytes`]; 2 MB where the
+/// CPU does not say), so that the next task, on the same rows and the
+/// next weight rows, finds them there; at least [`MIN_GROUP`] panels.
+/// Sized per block of `k` (512 KB a block, 1.5 MB of a ViT's rows at
+/// batch 8), the rows came from L3 in every task: at 1,576 rows 200–245
+/// GFLOP/s; at half the 2 MB L2, 285–350 (`bench_gemm --rows 1576`, Xeon
+/// model 167). Zen 5's L2 is 1 MB: half the rows per task there.
+fn group_bytes(l2: Option<usize>) -> usize {
+    l2.unwrap_or(2 << 20) / 2
+}
 /// The fewest panels per task where there are more: at a ViT's 197 rows
 /// and `k` = 3,072 (7 panels, 2.7 MB), two groups rather than four (each
 /// one more pass over the weight) measured faster.
@@ -488,6 +492,25 @@ unsafe fn store_transposed_avx512(
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// A task's rows take half the L2: 1 MB of a 2 MB one (Sapphire Rapids
+    /// class Xeons), 512 KB of Zen 5's 1 MB, 1 MB where the CPU does not
+    /// say. At `k` = 768 (a panel of 32 rows is 96 KB) that is 10 panels a
+    /// task (a ViT-B's 197 rows, 7 panels, in one group) against 5 on Zen
+    /// 5; at `k` = 3,072 both take the fewest, 4.
+    #[test]
+    fn row_groups_follow_the_l2() {
+        assert_eq!(group_bytes(Some(2 << 20)), 1 << 20);
+        assert_eq!(group_bytes(Some(1 << 20)), 512 << 10);
+        assert_eq!(group_bytes(None), 1 << 20);
+        let group = |l2: Option<usize>, k: usize| {
+            (group_bytes(l2) / (k * NR * 4)).clamp(MIN_GROUP, MAX_GROUP)
+        };
+        assert_eq!(group(Some(2 << 20), 768), 10);
+        assert_eq!(group(Some(1 << 20), 768), 5);
+        assert_eq!(group(Some(2 << 20), 3072), MIN_GROUP);
+        assert_eq!(group(Some(1 << 20), 3072), MIN_GROUP);
+    }
 
     /// `x W^T` in f64, one dot product per element.
     fn reference(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
