@@ -81,6 +81,11 @@ struct FusedCpu {
     biases: Vec<HostBias>,
     /// The instruction set of the per-row kernel (the tiled one's too).
     isa: Isa,
+    /// The per-row kernel's prefetch hint (the CPU's [`Tuning`]), read
+    /// once per call rather than per row.
+    ///
+    /// [`Tuning`]: super::features::Tuning
+    prefetch: PrefetchHint,
 }
 
 /// The fused kernel over `q (batch_q, heads, q_len, head_dim)` f32 and
@@ -112,6 +117,7 @@ pub(crate) fn fused(
             mask,
             biases,
             isa,
+            prefetch: CpuFeatures::get().tuning.prefetch,
         },
     )
 }
@@ -193,6 +199,7 @@ fn run_groups<E: Weight + candle_core::WithDType>(
             mask: g.mask,
             biases: Vec::new(),
             isa,
+            prefetch: CpuFeatures::get().tuning.prefetch,
         });
     }
     let len: usize = ops
@@ -332,8 +339,7 @@ fn row_generic<K: Kernel, E: Weight>(
         values,
         allowed,
     } = op.row_inputs(row, q, kv);
-    let hint = CpuFeatures::get().tuning.prefetch;
-    let (kp, vp) = (keys.as_ptr(), values.as_ptr());
+    let (kp, vp, hint) = (keys.as_ptr(), values.as_ptr(), op.prefetch);
     let keys = keys.chunks_exact(head_dim);
     let mut max = f32::NEG_INFINITY;
     let mut any = false;
@@ -453,9 +459,8 @@ unsafe fn row_avx512<E: Weight>(
     // spans `j * head_dim .. (j + 1) * head_dim`, chunks `c < chunks`.
     unsafe {
         let qp = q_row.as_ptr();
-        let hint = CpuFeatures::get().tuning.prefetch;
         for (j, s) in scores.iter_mut().enumerate() {
-            prefetch_key_value(keys.as_ptr(), values.as_ptr(), j, head_dim, hint);
+            prefetch_key_value(keys.as_ptr(), values.as_ptr(), j, head_dim, op.prefetch);
             if allowed.is_some_and(|a| a[j] == 0) {
                 *s = f32::NEG_INFINITY;
                 continue;

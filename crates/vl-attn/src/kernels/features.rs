@@ -556,17 +556,12 @@ fn sysfs_l2_bytes() -> Option<usize> {
 
 /// `2048K`, `1M` or a plain byte count, as sysfs writes cache sizes.
 fn parse_cache_size(s: &str) -> Option<usize> {
-    let (digits, unit) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
-        Some((i, _)) => s.split_at(i),
-        None => (s, ""),
+    let (digits, shift) = match s.strip_suffix('K') {
+        Some(d) => (d, 10),
+        None => s.strip_suffix('M').map_or((s, 0), |d| (d, 20)),
     };
     let n: usize = digits.parse().ok()?;
-    let bytes = match unit.trim() {
-        "" => n,
-        "K" | "KB" | "k" => n.checked_mul(1 << 10)?,
-        "M" | "MB" => n.checked_mul(1 << 20)?,
-        _ => return None,
-    };
+    let bytes = n.checked_mul(1 << shift)?;
     L2_RANGE.contains(&bytes).then_some(bytes)
 }
 

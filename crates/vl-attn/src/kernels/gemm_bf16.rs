@@ -23,10 +23,10 @@
 //! weight quantized to bf16 ([`crate::Proj::quantize`]) is packed once, at
 //! load time, as a [`PackedBf16`], which also runs the decode steps.
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use std::mem::MaybeUninit;
 
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use half::bf16;
 use rayon::prelude::*;
 

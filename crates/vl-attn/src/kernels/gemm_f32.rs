@@ -16,12 +16,12 @@
 //! where it lies and only `x` is packed: once per call, as panels of 32
 //! rows transposed (`k × 32` floats each; `x` is `m · k` floats against
 //! the weight's `n · k`). A task is a chunk of 64 weight rows × a group of
-//! panels (about 1 MB over the whole of `k`, at least 4 panels). It walks
-//! `k` in blocks of 256; for every panel of the group (32 KB per block, in
-//! L1) and every 8 of its weight rows (in L2) the register-tile
-//! micro-kernel of the tiled attention (8 × 32, 16 AVX-512 accumulators, a broadcast of a weight
-//! and two FMAs per weight row and step; `Kernel::micro_rows`, one
-//! pointer per weight row) adds a `yᵀ` tile into a scratch in L2, in
+//! panels (half the core's L2 over the whole of `k`, at least 4 panels).
+//! It walks `k` in blocks of 256; for every panel of the group (32 KB per
+//! block, in L1) and every 8 of its weight rows (in L2) the register-tile
+//! micro-kernel of the tiled attention (8 × 32, 16 AVX-512 accumulators,
+//! a broadcast of a weight and two FMAs per weight row and step;
+//! `Kernel::micro_rows`, one pointer per weight row) adds a `yᵀ` tile into a scratch in L2, in
 //! place; at the end the scratch is stored transposed into `y`. (Packing
 //! the weight per call instead cost as much as the product at a ViT's 197
 //! rows.)
@@ -203,9 +203,7 @@ fn product(
     debug_assert!(bias.is_none_or(|b| b.len() == n));
     let panels = m.div_ceil(NR);
     let xp = pack_rows(isa, x, m, k);
-    let group = (group_bytes(CpuFeatures::get().l2_bytes) / (k * NR * 4))
-        .clamp(MIN_GROUP, MAX_GROUP)
-        .min(panels);
+    let group = group_panels(CpuFeatures::get().l2_bytes, k).min(panels);
     let groups = panels.div_ceil(group);
     let chunks = n.div_ceil(TASK_W);
     // Not zeroed first: every task writes each element of its rows and
@@ -238,6 +236,12 @@ fn product(
 /// model 167). Zen 5's L2 is 1 MB: half the rows per task there.
 fn group_bytes(l2: Option<usize>) -> usize {
     l2.unwrap_or(2 << 20) / 2
+}
+
+/// Panels of packed rows per task for an L2 of `l2` bytes at width `k`:
+/// [`group_bytes`] of them, within [`MIN_GROUP`]..=[`MAX_GROUP`].
+fn group_panels(l2: Option<usize>, k: usize) -> usize {
+    (group_bytes(l2) / (k * NR * 4)).clamp(MIN_GROUP, MAX_GROUP)
 }
 /// The fewest panels per task where there are more: at a ViT's 197 rows
 /// and `k` = 3,072 (7 panels, 2.7 MB), two groups rather than four (each
@@ -503,13 +507,10 @@ mod tests {
         assert_eq!(group_bytes(Some(2 << 20)), 1 << 20);
         assert_eq!(group_bytes(Some(1 << 20)), 512 << 10);
         assert_eq!(group_bytes(None), 1 << 20);
-        let group = |l2: Option<usize>, k: usize| {
-            (group_bytes(l2) / (k * NR * 4)).clamp(MIN_GROUP, MAX_GROUP)
-        };
-        assert_eq!(group(Some(2 << 20), 768), 10);
-        assert_eq!(group(Some(1 << 20), 768), 5);
-        assert_eq!(group(Some(2 << 20), 3072), MIN_GROUP);
-        assert_eq!(group(Some(1 << 20), 3072), MIN_GROUP);
+        assert_eq!(group_panels(Some(2 << 20), 768), 10);
+        assert_eq!(group_panels(Some(1 << 20), 768), 5);
+        assert_eq!(group_panels(Some(2 << 20), 3072), MIN_GROUP);
+        assert_eq!(group_panels(Some(1 << 20), 3072), MIN_GROUP);
     }
 
     /// `x W^T` in f64, one dot product per element.
