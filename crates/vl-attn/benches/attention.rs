@@ -1,6 +1,8 @@
 //! Attention kernels side by side: the reference path, the fused path and
 //! candle-nn's CPU flash attention, at width 768 with 12 heads; and the
-//! cost of self- vs cross-attention modules at Nt=64, Nv=576.
+//! cost of self- vs cross-attention modules at Nt=64, Nv=576; and an
+//! image's keys and values through q8_0 projections (vit-gpt2's 197
+//! tokens, twelve layers): what a server pays for each request it admits.
 //!
 //! `cargo bench -p vl-attn --bench attention`
 
@@ -164,10 +166,46 @@ fn window_attention(c: &mut Criterion) {
     group.finish();
 }
 
+/// Twelve layers' image keys and values for 1 and 16 images of 197
+/// tokens (a ViT-B/16's), through q8_0 projections into the bf16 memory a
+/// quantized decoder keeps: layer by layer, and stacked
+/// ([`CrossAttention::project_memories`]).
+fn image_kv_q8(c: &mut Criterion) {
+    let dev = Device::Cpu;
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev);
+    let width = HEADS * HEAD_DIM;
+    let ca = CrossAttention::load(
+        vb.pp("cross"),
+        &CrossAttentionConfig::new(width, width, HEADS),
+    )
+    .expect("cross")
+    .quantize(candle_core::quantized::GgmlDType::Q8_0)
+    .expect("q8_0");
+    let layers = vec![&ca; 12];
+    let mut group = c.benchmark_group("image_kv_q8_0_197");
+    group.sample_size(20);
+    for images in [1usize, 16] {
+        let image = Tensor::randn(0f32, 1., (images, 197, width), &dev).expect("image");
+        group.bench_function(BenchmarkId::new("12_layers_one_by_one", images), |b| {
+            b.iter(|| {
+                for l in &layers {
+                    l.project_memory(&image).expect("kv");
+                }
+            })
+        });
+        group.bench_function(BenchmarkId::new("12_layers_stacked", images), |b| {
+            b.iter(|| CrossAttention::project_memories(&layers, &image).expect("kvs"))
+        });
+    }
+    group.finish();
+}
+
 criterion_group!(
     benches,
     kernels,
     self_vs_cross,
+    image_kv_q8,
     decode_step_from_memory,
     window_attention
 );

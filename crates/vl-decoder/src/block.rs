@@ -406,6 +406,11 @@ impl DecoderBlock {
         }
     }
 
+    /// The block's cross-attention, `None` for a block without one.
+    pub fn cross_attention(&self) -> Option<&CrossAttention> {
+        self.cross.as_ref().map(|c| &c.cross_attn)
+    }
+
     /// Runs the block; with `cache`, the new tokens' keys and values are
     /// appended to it and attend to the cached ones.
     ///

@@ -16,7 +16,7 @@ use vl_attn::Quantizer;
 
 use vl_attn::mask::{self, MediaAttention, MediaSpan};
 use vl_attn::LayerNorm;
-use vl_attn::{Dropout, DropoutRng, KvCache, Mask, Mode, Proj};
+use vl_attn::{CrossAttention, Dropout, DropoutRng, KvCache, Mask, Mode, Proj};
 
 use crate::context::{ImageContext, Media};
 use crate::state::{
@@ -739,11 +739,19 @@ impl VisionLanguageDecoder {
                 );
             }
         }
+        // Every cross-attention's keys and values at once (as one product
+        // where their projections allow), handed back to their blocks.
+        let crosses: Vec<&CrossAttention> = self
+            .blocks
+            .iter()
+            .filter_map(|b| b.cross_attention())
+            .collect();
+        let mut kvs = CrossAttention::project_memories(&crosses, memory)?.into_iter();
         let layers = self
             .blocks
             .iter()
-            .map(|b| b.project_image(memory))
-            .collect::<Result<Vec<_>>>()?;
+            .map(|b| b.cross_attention().and_then(|_| kvs.next()))
+            .collect();
         Ok(ImageContext {
             layers,
             mask,

@@ -691,7 +691,15 @@ unsafe fn product_into<P: Tiled, O: Out>(
     // cores do) then leaves the other waiting for at most a small task
     // (with 4 column tasks per thread, a seventh of a Florence-2 encode's
     // single-core time was the last tasks of its products).
-    let per_task = tiles.div_ceil(threads * 4).max(1);
+    let mut per_task = tiles.div_ceil(threads * 4).max(1);
+    if a.rows > ROW_BLOCK {
+        // A task reads its tiles once per block of rows: keep them within
+        // half a core's L2, so that the blocks after the first read them
+        // from there (a stacked product of every layer's keys and values
+        // had 144 tiles, 1.7 MB, a task).
+        let l2 = CpuFeatures::get().l2_bytes.unwrap_or(1 << 20);
+        per_task = per_task.min((l2 / 2 / (TILE_ROWS * a.k).max(1)).max(1));
+    }
     let col_tasks = tiles.div_ceil(per_task);
     let row_chunk = if a.rows <= 4 * ROW_BLOCK {
         a.rows.max(1)
@@ -1090,6 +1098,156 @@ impl Out for Placed<'_> {
         // SAFETY: the caller's contract; the places are within the buffer
         // (`matmul_tiled_placed`'s).
         unsafe { self.ptr.add(self.rows[r] + self.tiles[t]) }
+    }
+}
+
+/// Several weights of one width `k` as one [`Tiled`] product: their tiles
+/// one after the other (part `w`'s tile `t` is tile `first[w] + t` of the
+/// whole), each part with its own bias and kernels. One rounding of `x`
+/// and one split of the work across the pool then serve them all — every
+/// decoder layer's image keys and values from the same image tokens were
+/// 24 products of a millisecond, each rounding the tokens again and
+/// ending with a core idle while the other finished the last tiles.
+pub(crate) struct Stacked<'a, P> {
+    parts: &'a [&'a P],
+    /// Each part's first tile; the whole's tiles at the end.
+    first: Vec<usize>,
+    k: usize,
+}
+
+impl<'a, P: Tiled> Stacked<'a, P> {
+    /// The parts stacked, where they share a width and each has whole
+    /// tiles (`n` a multiple of 16, so that the whole's tiles are all
+    /// full); else `None`.
+    pub(crate) fn new(parts: &'a [&'a P]) -> Option<Self> {
+        let k = parts.first()?.dims().1;
+        let mut first = vec![0];
+        for p in parts {
+            let (n, pk) = p.dims();
+            if pk != k || !n.is_multiple_of(TILE_ROWS) {
+                return None;
+            }
+            first.push(first.last()? + n / TILE_ROWS);
+        }
+        Some(Self { parts, first, k })
+    }
+
+    /// The part of whole tile `t` and the tile within it.
+    #[inline(always)]
+    fn locate(&self, t: usize) -> (usize, usize) {
+        let w = self.first.partition_point(|&f| f <= t) - 1;
+        (w, t - self.first[w])
+    }
+
+    /// [`Shifted`] for part `w`.
+    #[inline(always)]
+    fn shifted<'o, O>(&self, out: &'o O, w: usize) -> Shifted<'o, O> {
+        Shifted {
+            out,
+            tile0: self.first[w],
+            n: self.dims().0,
+        }
+    }
+}
+
+impl<P: Tiled> Tiled for Stacked<'_, P> {
+    const NAME: &'static str = P::NAME;
+    type Input = P::Input;
+
+    fn dims(&self) -> (usize, usize) {
+        (self.first.last().copied().unwrap_or(0) * TILE_ROWS, self.k)
+    }
+
+    /// None for the whole: each part adds its own as it stores.
+    fn bias_values(&self) -> Option<&[f32]> {
+        None
+    }
+
+    #[inline(always)]
+    fn accumulate<const R: usize>(
+        &self,
+        isa: Q8Isa,
+        a: &Self::Input,
+        t: usize,
+        r0: usize,
+        acc: &mut [[f32; TILE_ROWS]; R],
+    ) {
+        let (w, t) = self.locate(t);
+        self.parts[w].accumulate::<R>(isa, a, t, r0, acc);
+    }
+
+    fn tile_rows(&self, isa: Q8Isa) -> usize {
+        self.parts
+            .iter()
+            .map(|p| p.tile_rows(isa))
+            .min()
+            .unwrap_or(8)
+    }
+
+    fn pair_rows(&self, isa: Q8Isa) -> usize {
+        let rows = self.parts.iter().map(|p| p.pair_rows(isa));
+        if rows.clone().all(|r| r > 0) {
+            rows.min().unwrap_or(0)
+        } else {
+            0
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn pair_store<const R: usize, O: Out>(
+        &self,
+        isa: Q8Isa,
+        a: &Self::Input,
+        t: usize,
+        r0: usize,
+        out: &O,
+        gelu: Option<bool>,
+    ) {
+        let (w, local) = self.locate(t);
+        let part = self.parts[w];
+        let here = self.shifted(out, w);
+        // SAFETY: the caller's contract, in the part's own tiles.
+        unsafe {
+            if t + 1 < self.first[w + 1] {
+                part.pair_store::<R, _>(isa, a, local, r0, &here, gelu);
+            } else {
+                // The pair straddles two parts: a tile of each.
+                part.tile_store::<R, _>(isa, a, local, r0, &here, gelu);
+                let next = self.shifted(out, w + 1);
+                self.parts[w + 1].tile_store::<R, _>(isa, a, 0, r0, &next, gelu);
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn tile_store<const R: usize, O: Out>(
+        &self,
+        isa: Q8Isa,
+        a: &Self::Input,
+        t: usize,
+        r0: usize,
+        out: &O,
+        gelu: Option<bool>,
+    ) {
+        let (w, local) = self.locate(t);
+        // SAFETY: the caller's contract, in the part's own tiles.
+        unsafe { self.parts[w].tile_store::<R, _>(isa, a, local, r0, &self.shifted(out, w), gelu) }
+    }
+}
+
+/// A part's view of a [`Stacked`] product's output: its tile `t` is the
+/// whole's `tile0 + t`, of the whole's `n` outputs.
+pub(crate) struct Shifted<'a, O> {
+    out: &'a O,
+    tile0: usize,
+    n: usize,
+}
+
+impl<O: Out> Out for Shifted<'_, O> {
+    #[inline(always)]
+    unsafe fn at(&self, r: usize, t: usize, _n: usize) -> *mut f32 {
+        // SAFETY: the caller's contract, in the whole's tiles.
+        unsafe { self.out.at(r, self.tile0 + t, self.n) }
     }
 }
 
@@ -1899,6 +2057,59 @@ mod tests {
             unsafe { tile_avx2::<5>(&p, &a, t, 0, &mut got) };
             assert_eq!(got, want, "tile {t}");
         }
+        Ok(())
+    }
+
+    /// A stacked product writes each part's own product, bit for bit, on
+    /// every instruction set: parts of odd tile counts (so that the
+    /// two-tile kernel's pairs straddle parts), with and without biases,
+    /// for a decode step's rows and an encoder's (the two-tile kernel,
+    /// several blocks of rows); parts of another width or of a partial
+    /// tile are refused.
+    #[test]
+    fn stacked_parts_are_their_own_products() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let k = 96;
+        let bias = |n: usize| Tensor::randn(0f32, 1., n, &dev);
+        let parts = [
+            PackedQ8::quantize(&Tensor::randn(0f32, 1., (48, k), &dev)?)?
+                .with_bias(Some(&bias(48)?))?,
+            PackedQ8::quantize(&Tensor::randn(0f32, 1., (16, k), &dev)?)?,
+            PackedQ8::quantize(&Tensor::randn(0f32, 1., (80, k), &dev)?)?
+                .with_bias(Some(&bias(80)?))?,
+        ];
+        let refs: Vec<&PackedQ8> = parts.iter().collect();
+        let whole = Stacked::new(&refs).expect("stackable");
+        assert_eq!(whole.dims(), (144, k));
+        for rows in [1, 5, 150] {
+            let x = Tensor::randn(0f32, 1., (rows, k), &dev)?;
+            // Row-major `(rows, 144)`: each part's columns after the last's.
+            let places: Vec<usize> = (0..rows).map(|r| r * 144).collect();
+            let tiles: Vec<usize> = (0..9).map(|t| t * TILE_ROWS).collect();
+            for isa in isas() {
+                // SAFETY: every (row, tile) has its own 16 of the
+                // `rows · 144` values.
+                let got =
+                    unsafe { matmul_tiled_placed(&whole, isa, &x, &places, &tiles, rows * 144) }?;
+                let mut first = 0;
+                for p in &parts {
+                    let n = p.dims().0;
+                    let want: Vec<f32> = p.matmul_with(isa, &x)?.flatten_all()?.to_vec1()?;
+                    for r in 0..rows {
+                        let (g, w) = (&got[r * 144 + first..][..n], &want[r * n..][..n]);
+                        assert!(
+                            g == w,
+                            "{isa:?}, {rows} rows: part at column {first}, row {r}"
+                        );
+                    }
+                    first += n;
+                }
+            }
+        }
+        let other_width = PackedQ8::quantize(&Tensor::randn(0f32, 1., (16, 64), &dev)?)?;
+        assert!(Stacked::new(&[&parts[0], &other_width]).is_none());
+        let partial = PackedQ8::quantize(&Tensor::randn(0f32, 1., (20, k), &dev)?)?;
+        assert!(Stacked::new(&[&parts[0], &partial]).is_none());
         Ok(())
     }
 

@@ -238,6 +238,11 @@ impl AttnCore {
         Ok(bt)
     }
 
+    /// The key and value projections.
+    pub fn kv_projs(&self) -> [&Proj; 2] {
+        [&self.k_proj, &self.v_proj]
+    }
+
     /// Queries `(b, heads, t, head_dim)` of a checked input `(b, t, query_dim)`.
     pub fn queries(&self, x: &Tensor, b: usize, t: usize) -> Result<Tensor> {
         let hl = &self.heads;

@@ -192,6 +192,66 @@ impl Proj {
         }
     }
 
+    /// [`Proj::matmul_placed`] of several layers at once over the same
+    /// `x`, as one product ([`crate::kernels::gemv_q8::Stacked`]: `x`
+    /// rounded once, the tiles of all split across the pool): tile `t` of
+    /// the whole is layer `w`'s tile `t - Σ tiles before w`. Where every
+    /// layer holds vl's q8_0 tiles (or every one q4k tiles) of one width
+    /// and whole tiles; `None` otherwise.
+    ///
+    /// # Safety
+    /// As [`Proj::matmul_placed`], for the whole's tiles.
+    pub(crate) unsafe fn matmul_placed_stacked(
+        projs: &[&Proj],
+        x: &Tensor,
+        rows: &[usize],
+        tiles: &[usize],
+        len: usize,
+    ) -> Option<candle_core::Result<Vec<f32>>> {
+        use crate::kernels::gemv_q8::{matmul_tiled_placed, Stacked};
+        let isa = crate::kernels::CpuFeatures::get().q8_isa();
+        let q8: Option<Vec<&PackedQ8>> = projs.iter().map(|p| p.packed_q8()).collect();
+        let q4k: Option<Vec<&PackedQ4K>> = projs.iter().map(|p| p.packed_q4k()).collect();
+        // SAFETY: the caller's contract.
+        unsafe {
+            match (q8, q4k) {
+                (Some(q8), _) => Some(matmul_tiled_placed(
+                    &Stacked::new(&q8)?,
+                    isa,
+                    x,
+                    rows,
+                    tiles,
+                    len,
+                )),
+                (_, Some(q4k)) => Some(matmul_tiled_placed(
+                    &Stacked::new(&q4k)?,
+                    isa,
+                    x,
+                    rows,
+                    tiles,
+                    len,
+                )),
+                _ => None,
+            }
+        }
+    }
+
+    /// The packed q8_0 weight, if the layer holds one.
+    fn packed_q8(&self) -> Option<&PackedQ8> {
+        match &self.inner {
+            Inner::Q8 { weight, .. } => Some(weight),
+            _ => None,
+        }
+    }
+
+    /// The packed q4_K weight, if the layer holds one.
+    fn packed_q4k(&self) -> Option<&PackedQ4K> {
+        match &self.inner {
+            Inner::Q4K { weight, .. } => Some(weight),
+            _ => None,
+        }
+    }
+
     /// The weight's shape `(out, in)`.
     pub fn dims(&self) -> (usize, usize) {
         match &self.inner {
