@@ -344,9 +344,9 @@ impl CrossAttention {
     /// by heads as the product writes them, then turned into the layers'
     /// memory dtype on the pool — rather than, per layer, two products, a
     /// copy by heads and a conversion on one thread (one 197-token image
-    /// through a vit-gpt2 base checkpoint's 12 q8_0 layers: 8.3–8.9
-    /// against 12.2 ms, `vl bench`, Intel Xeon model 167). Otherwise layer
-    /// by layer.
+    /// through a vit-gpt2 base checkpoint's 12 q8_0 layers: 7.7–8.2
+    /// against 11.4–11.7 ms, `vl bench`, Intel Xeon model 167). Otherwise
+    /// layer by layer.
     ///
     /// # Shapes
     /// `memory: (batch, mem_len, memory_dim)` → per layer, keys and
@@ -556,7 +556,7 @@ impl CrossAttention {
 
 /// Columns per tile of vl's packed products: a head of the stacked
 /// projection must hold whole tiles.
-const STACK_TILE: usize = 16;
+const STACK_TILE: usize = crate::kernels::gemv_q8::TILE_ROWS;
 
 /// The most bytes of f32 keys and values one stacked product of
 /// [`CrossAttention::project_memories`] writes before they are converted:
