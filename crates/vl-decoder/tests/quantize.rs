@@ -210,6 +210,58 @@ fn cached_steps_equal_full_forward() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A quantized decoder's image context (every block's keys and values
+/// projected as one product) holds each block's own projection, bit for
+/// bit, in the block's place: cross-attention in every block and in every
+/// other one, with grouped key heads, q8_0 and q4k (all stacked: heads of
+/// whole tiles).
+#[test]
+fn image_context_is_each_blocks_own_projection() -> anyhow::Result<()> {
+    let q8 = DecoderConfig {
+        hidden_size: 64,
+        intermediate_size: 128,
+        num_hidden_layers: 4,
+        num_key_value_heads: Some(2),
+        ..DecoderConfig::tiny(VOCAB, 64)
+    };
+    for (format, base) in [(GgmlDType::Q8_0, q8), (GgmlDType::Q4K, q4k_config())] {
+        for every in [1, 2] {
+            let cfg = DecoderConfig {
+                num_hidden_layers: 4,
+                cross_attention_every: every,
+                ..base.clone()
+            };
+            let quant = build(&cfg, DType::F32)?.quantize(format)?;
+            let (_, mem) = inputs(&cfg, 2, 1)?;
+            let ctx = quant.image_context(&mem, None)?;
+            let mut crosses = 0;
+            for (i, block) in quant.blocks().iter().enumerate() {
+                let at = format!("{format:?}, cross every {every}, block {i}");
+                match (ctx.layer(i), block.project_image(&mem)?) {
+                    (None, None) => assert!(!cfg.has_cross_attention(i), "{at}"),
+                    (Some(got), Some(want)) => {
+                        // Stacked: cross layer `j`'s keys are part `2 j`
+                        // of one product's output.
+                        let part = got.k().elem_count();
+                        assert_eq!(got.k().layout().start_offset(), 2 * crosses * part, "{at}");
+                        crosses += 1;
+                        for (g, w) in [(got.k(), want.k()), (got.v(), want.v())] {
+                            assert_eq!((g.dtype(), g.dims()), (w.dtype(), w.dims()), "{at}");
+                            let bits = |t: &Tensor| -> anyhow::Result<Vec<u32>> {
+                                let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                                Ok(v.iter().map(|x| x.to_bits()).collect())
+                            };
+                            assert!(bits(g)? == bits(w)?, "{at}: keys or values differ");
+                        }
+                    }
+                    (got, want) => panic!("{at}: {:?} against {:?}", got.is_some(), want.is_some()),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The tied head is quantized as a copy: the embedding table, and so the
 /// first block's input, stay exactly dense.
 #[test]
