@@ -397,24 +397,26 @@ impl CrossAttention {
             .map(|r| (r / t) * kv_heads * t * head_dim + (r % t) * head_dim)
             .collect();
         let tiles_per = kv_heads * head_dim / STACK_TILE;
+        // Tile `c` (part `c / tiles_per`: layer, then keys or values): its
+        // head and first column within the part — the same for every
+        // chunk, a shorter chunk taking the first of them.
+        let all_tiles: Vec<usize> = (0..2 * per_chunk.min(layers.len()) * tiles_per)
+            .map(|c| {
+                let within = (c % tiles_per) * STACK_TILE;
+                (c / tiles_per) * part + (within / head_dim) * t * head_dim + within % head_dim
+            })
+            .collect();
         let mut kvs = Vec::with_capacity(layers.len());
         for chunk in layers.chunks(per_chunk) {
             let projs: Vec<&Proj> = chunk.iter().flat_map(|l| l.core.kv_projs()).collect();
-            // Tile `c` (part `c / tiles_per`: layer, then keys or values):
-            // its head and first column within the part.
-            let tiles: Vec<usize> = (0..projs.len() * tiles_per)
-                .map(|c| {
-                    let within = (c % tiles_per) * STACK_TILE;
-                    (c / tiles_per) * part + (within / head_dim) * t * head_dim + within % head_dim
-                })
-                .collect();
+            let tiles = &all_tiles[..projs.len() * tiles_per];
             // SAFETY: `rows` are the (sample, position) pairs times
             // `head_dim`, `tiles` the (part, head, 16-column block)
             // triples, at offsets (multiples of `t · head_dim` and of 16
             // within `head_dim`) apart from the rows': every value of the
             // parts is one row's one tile's, once.
             let y = unsafe {
-                Proj::matmul_placed_stacked(&projs, &x, &rows, &tiles, projs.len() * part)
+                Proj::matmul_placed_stacked(&projs, &x, &rows, tiles, projs.len() * part)
             };
             let Some(y) = y else {
                 // Projections vl's tiles do not hold: layer by layer.
