@@ -8,7 +8,7 @@ mixed run of good and bad requests with the server's memory.
     cargo build --release -p vl-cli
     .venv/bin/python scripts/hf_fixtures.py --base /tmp/vit-gpt2-base && git checkout tests/fixtures
     .venv/bin/python scripts/load_serve.py /tmp/vit-gpt2-base --quantize q8_0 --threads 2 \\
-        [--text-cache f32] [--transformers .venv/bin/python] [--mixed 1000] [--json out.json]
+        [--text-cache f32] [--image-cache q8] [--transformers .venv/bin/python] [--mixed 1000] [--json out.json]
 
 Workloads (every answer exactly its token count: `min_tokens` =
 `max_tokens`, so random weights never end early):
@@ -296,6 +296,7 @@ def main() -> None:
     ap.add_argument("model", help="a checkpoint directory (scripts/hf_fixtures.py --base)")
     ap.add_argument("--quantize", default="q8_0")
     ap.add_argument("--text-cache", help="vl serve --text-cache (bf16, f16, f32); default: the server's (bf16 under --quantize)")
+    ap.add_argument("--image-cache", help="vl serve --image-cache (bf16, f16, f32, q8); default: the server's (bf16 under --quantize)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vl", default=str(ROOT / "target/release/vl"))
     ap.add_argument("--transformers", help="a Python with torch, transformers, fastapi, uvicorn")
@@ -317,6 +318,8 @@ def main() -> None:
         cmd += ["--quantize", args.quantize]
     if args.text_cache:
         cmd += ["--text-cache", args.text_cache]
+    if args.image_cache:
+        cmd += ["--image-cache", args.image_cache]
     vl = Server(cmd, port)
     try:
         if not args.skip_workloads:

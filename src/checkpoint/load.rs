@@ -70,6 +70,15 @@ pub struct LoadOptions {
     /// under any weights (see
     /// [`vl_decoder::VisionLanguageDecoder::set_text_cache_dtype`]).
     pub text_cache: Option<DType>,
+    /// The dtype of the image's keys and values (each cross-attention's,
+    /// projected once per image). `None`, the default: as the blocks are
+    /// built or quantized (16 bits under converted weights with f32
+    /// activations on the CPU). `Some(U8)`: q8 rows ([`vl_attn::quantize_kv`],
+    /// 8-bit values with an f16 scale per 32), about half of bf16's bytes —
+    /// what a decode step of many requests reads most of after the
+    /// weights (see
+    /// [`vl_decoder::VisionLanguageDecoder::set_image_cache_dtype`]).
+    pub image_cache: Option<DType>,
 }
 
 impl Default for LoadOptions {
@@ -87,6 +96,7 @@ impl LoadOptions {
             device: device.clone(),
             quantization: Quantization::None,
             text_cache: None,
+            image_cache: None,
         }
     }
 
@@ -95,6 +105,16 @@ impl LoadOptions {
     pub fn quantized(self, q: Quantization) -> Self {
         Self {
             quantization: q,
+            ..self
+        }
+    }
+
+    /// The same, the image's keys and values kept in `dtype` (see
+    /// [`LoadOptions::image_cache`]).
+    #[must_use]
+    pub fn with_image_cache(self, dtype: Option<DType>) -> Self {
+        Self {
+            image_cache: dtype,
             ..self
         }
     }
@@ -341,6 +361,9 @@ fn load_family<F: Family>(
     // Unasked, the cache is as quantizing left it (see `text_cache`).
     if let Some(dtype) = options.text_cache {
         decoder.set_text_cache_dtype(Some(dtype))?;
+    }
+    if let Some(dtype) = options.image_cache {
+        decoder.set_image_cache_dtype(Some(dtype))?;
     }
     let text_encoder = match family
         .text_encoder(&vb, &config, &decoder)

@@ -91,7 +91,7 @@ pub use layers::{
     proj, quantize, resampler, self_attn, windows,
 };
 
-pub use attention::{AttnOutput, Backend, GroupedOutput, Weights};
+pub use attention::{quantize_kv, widen_kv, AttnOutput, Backend, GroupedOutput, Weights};
 pub use cache::KvCache;
 pub use co_attn::{CoAttention, CoAttentionConfig, CoAttentionOutput};
 pub use co_block::{CoAttentionBlock, CoAttentionBlockConfig, CoAttentionBlockOutput};

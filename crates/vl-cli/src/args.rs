@@ -31,6 +31,9 @@ pub struct ModelArgs {
     /// The decoder's text cache (its keys and values): bf16 or f16 under f32 activations halves what each decode step reads from it (long outputs: a Nougat page), rounding them as a bf16 model does; f32 keeps them exact [default: 16 bits under --quantize with f32 activations on the CPU, as the image's keys and values (f16 for f16 weights, else bf16); else --dtype].
     #[arg(long, value_name = "DTYPE", value_parser = dtype)]
     pub text_cache: Option<DType>,
+    /// The image's keys and values (projected once per image, read at every step): bf16, f16, f32, or q8 (8-bit values with an f16 scale per 32: about half of bf16's bytes, what a step of many requests reads most of after the weights) [default: 16 bits under --quantize with f32 activations on the CPU, else --dtype].
+    #[arg(long, value_name = "FORMAT", value_parser = image_cache)]
+    pub image_cache: Option<DType>,
 }
 
 /// What is wrong with a flag's value, without the argument name (clap
@@ -50,6 +53,25 @@ pub(crate) fn device(name: &str) -> Result<Device, String> {
 /// clap's parser of `--dtype`.
 pub(crate) fn dtype(name: &str) -> Result<DType, String> {
     parse_dtype(name).map_err(reason)
+}
+
+/// clap's parser of `--image-cache`: a dtype, or `q8` (q8 rows, kept as
+/// u8; see `vl_attn::quantize_kv`).
+pub(crate) fn image_cache(name: &str) -> Result<DType, String> {
+    match name {
+        "q8" => Ok(DType::U8),
+        other => parse_dtype(other)
+            .map_err(reason)
+            .map_err(|e| format!("{e} (or q8)")),
+    }
+}
+
+/// `--image-cache`'s spelling of `dtype`.
+pub(crate) fn image_cache_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::U8 => "q8",
+        other => other.as_str(),
+    }
 }
 
 /// clap's parser of counts that must be positive (`--batch-size`,
@@ -86,7 +108,8 @@ impl ModelArgs {
     fn load_model(&self) -> anyhow::Result<VlModel> {
         let options = LoadOptions::new(self.dtype, &self.device)
             .quantized(self.quantize)
-            .with_text_cache(self.text_cache);
+            .with_text_cache(self.text_cache)
+            .with_image_cache(self.image_cache);
         let (source, name) = match &self.model {
             Some(dir) => (Source::Dir(dir), format!("the model {}", dir.display())),
             None => (
@@ -104,6 +127,9 @@ impl ModelArgs {
             }
             if let Some(d) = self.text_cache {
                 flags += &format!(" --text-cache {}", d.as_str());
+            }
+            if let Some(d) = self.image_cache {
+                flags += &format!(" --image-cache {}", image_cache_name(d));
             }
             match flags.is_empty() {
                 true => format!("cannot load {name}"),

@@ -35,6 +35,9 @@ pub struct Args {
     /// The decoder's text cache: bf16, f16 or f32 (see `vl caption --help`) [default: 16 bits under --quantize with f32 activations on the CPU, else --dtype].
     #[arg(long, value_name = "DTYPE", value_parser = crate::args::dtype)]
     text_cache: Option<DType>,
+    /// The image's keys and values: bf16, f16, f32 or q8 (see `vl caption --help`) [default: 16 bits under --quantize with f32 activations on the CPU, else --dtype].
+    #[arg(long, value_name = "FORMAT", value_parser = crate::args::image_cache)]
+    image_cache: Option<DType>,
     /// cpu, cuda, cuda:N, metal or metal:N.
     #[arg(long, default_value = "cpu", value_parser = crate::args::device)]
     device: Device,
@@ -273,7 +276,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             &args.model,
             &LoadOptions::new(dtype, device)
                 .quantized(args.quantize)
-                .with_text_cache(args.text_cache),
+                .with_text_cache(args.text_cache)
+                .with_image_cache(args.image_cache),
         )
         .with_context(|| {
             format!(
@@ -332,6 +336,9 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         "dtype": args.dtype.as_str(),
         "quantize": args.quantize.name(),
         "text_cache": model.decoder.text_cache_dtype().unwrap_or(args.dtype).as_str(),
+        "image_cache": crate::args::image_cache_name(
+            model.decoder.image_cache_dtype().unwrap_or(args.dtype)
+        ),
         "device": crate::args::device_name(&args.device),
         "new_tokens": args.new_tokens.get(),
         "load_ms": load_ms,

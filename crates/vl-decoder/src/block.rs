@@ -388,6 +388,15 @@ impl DecoderBlock {
         self.self_attn = self.self_attn.clone().with_cache_dtype(dtype);
     }
 
+    /// Keeps the image's keys and values in `dtype` (see
+    /// [`vl_attn::CrossAttention::with_memory_dtype`]); nothing for a
+    /// block without cross-attention.
+    pub fn set_image_cache_dtype(&mut self, dtype: Option<DType>) {
+        if let Some(c) = &mut self.cross {
+            c.cross_attn = c.cross_attn.clone().with_memory_dtype(dtype);
+        }
+    }
+
     /// The dtype the self-attention's keys and values are kept in, `None`
     /// for the activations'.
     pub fn text_cache_dtype(&self) -> Option<DType> {

@@ -487,6 +487,63 @@ impl VisionLanguageDecoder {
         Ok(())
     }
 
+    /// Keeps every block's image keys and values (what
+    /// [`Self::image_context`] projects once per image) in `dtype`: `None`,
+    /// as the blocks were built or quantized (16 bits under converted
+    /// weights with f32 activations on the CPU, see
+    /// [`vl_attn::CrossAttention::quantize`]); the activations' dtype;
+    /// under f32 activations bf16 or f16, or `U8` for q8 rows
+    /// ([`vl_attn::quantize_kv`]: 8-bit values with an f16 scale per 32,
+    /// about half of bf16's bytes, for head widths that are a multiple of
+    /// 32). A batch of images' keys and values is what a decode step of
+    /// many requests reads most of after the weights.
+    ///
+    /// # Errors
+    /// [`DecoderError::Argument`] naming `image_cache_dtype` when `dtype`
+    /// is none of those, or is `U8` over a head width that is not a
+    /// multiple of 32.
+    pub fn set_image_cache_dtype(&mut self, dtype: Option<DType>) -> Result<()> {
+        let activations = self.dtype();
+        if let Some(d) = dtype {
+            let small = matches!(d, DType::BF16 | DType::F16 | DType::U8);
+            if d != activations && !(activations == DType::F32 && small) {
+                return arg_err(
+                    "image_cache_dtype",
+                    format!(
+                        "expected {activations:?} (the activations') or, under f32 \
+                         activations, bf16, f16 or u8 (q8 rows); got {d:?}"
+                    ),
+                );
+            }
+            let widths = self
+                .blocks
+                .iter()
+                .filter_map(|b| b.cross_attention())
+                .map(|c| c.config().inner_dim / c.config().num_heads);
+            if d == DType::U8 {
+                if let Some(w) = widths.into_iter().find(|w| w % 32 != 0) {
+                    return arg_err(
+                        "image_cache_dtype",
+                        format!("q8 rows need a head width that is a multiple of 32, got {w}"),
+                    );
+                }
+            }
+        }
+        for b in &mut self.blocks {
+            b.set_image_cache_dtype(dtype);
+        }
+        Ok(())
+    }
+
+    /// The dtype the image's keys and values are kept in (`U8`: q8 rows),
+    /// `None` for the activations'.
+    pub fn image_cache_dtype(&self) -> Option<DType> {
+        self.blocks
+            .iter()
+            .find_map(|b| b.cross_attention())
+            .and_then(|c| c.memory_dtype())
+    }
+
     /// Whether a text cache in `cache` serves activations in
     /// `activations`: the same dtype, or bf16/f16 under f32.
     pub fn text_cache_fits(activations: DType, cache: DType) -> bool {

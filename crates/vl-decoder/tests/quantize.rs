@@ -262,6 +262,85 @@ fn image_context_is_each_blocks_own_projection() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The image's keys and values as q8 rows (`set_image_cache_dtype(U8)`)
+/// under q8_0 weights: the image context holds u8 rows of whole blocks;
+/// cached steps equal the full forward (which projects the image the same
+/// way); a batch of two images steps as each image alone, bit for bit;
+/// the logits stay within 2% of a bf16 image cache's, with the same
+/// greedy choices at 90% of positions at least. Head widths off the
+/// blocks and 16-bit activations are refused, named.
+#[test]
+fn q8_image_cache_steps() -> anyhow::Result<()> {
+    let cfg = DecoderConfig {
+        hidden_size: 64,
+        intermediate_size: 128,
+        num_attention_heads: 2,
+        ..DecoderConfig::tiny(VOCAB, 64)
+    };
+    let bf16 = build(&cfg, DType::F32)?.quantize(GgmlDType::Q8_0)?;
+    assert_eq!(bf16.image_cache_dtype(), Some(DType::BF16));
+    let mut quant = bf16.clone();
+    quant.set_image_cache_dtype(Some(DType::U8))?;
+    assert_eq!(quant.image_cache_dtype(), Some(DType::U8));
+    assert_eq!(
+        bf16.image_cache_dtype(),
+        Some(DType::BF16),
+        "the clone's own"
+    );
+    let (toks, mem) = inputs(&cfg, 2, 6)?;
+    let ctx = quant.image_context(&mem, None)?;
+    let kv = ctx.layer(0).expect("cross-attention in block 0");
+    assert_eq!(
+        (kv.k().dtype(), kv.k().dims()),
+        (DType::U8, &[2, 2, 9, 34][..])
+    );
+    assert_eq!(kv.head_dim(), 32);
+    let steps = |dec: &VisionLanguageDecoder, mem: &Tensor| -> anyhow::Result<Tensor> {
+        let ctx = dec.image_context(mem, None)?;
+        let mut state = dec.start(&ctx, 1)?;
+        let b = mem.dims()[0];
+        let toks = toks.narrow(0, 0, b)?;
+        let mut out = vec![
+            dec.step(&mut state, &toks.narrow(1, 0, 2)?, StepOptions::all())?
+                .values,
+        ];
+        for t in 2..6 {
+            out.push(
+                dec.step(&mut state, &toks.narrow(1, t, 1)?, StepOptions::all())?
+                    .values,
+            );
+        }
+        Ok(Tensor::cat(&out, 1)?)
+    };
+    let got = steps(&quant, &mem)?;
+    let full = quant.forward(&toks, Some(&mem), ForwardMasks::default())?;
+    let diff = max_abs_diff(&got, &full)?;
+    assert!(diff < 1e-4, "cached vs full {diff}");
+    let first = steps(&quant, &mem.narrow(0, 0, 1)?)?;
+    assert_eq!(
+        max_abs_diff(&got.narrow(0, 0, 1)?, &first)?,
+        0.0,
+        "batch vs alone"
+    );
+    let want = steps(&bf16, &mem)?;
+    let err = rel_err(&got, &want)?;
+    assert!(err > 0.0 && err < 0.02, "q8 vs bf16 image cache: {err}");
+    let agree = argmax_agreement(&got, &want)?;
+    assert!(agree >= 0.9, "greedy choices: {agree}");
+
+    let narrow = build(&q8_config(), DType::F32)?.quantize(GgmlDType::Q8_0)?;
+    let mut narrow_q8 = narrow.clone();
+    let err = narrow_q8
+        .set_image_cache_dtype(Some(DType::U8))
+        .unwrap_err();
+    assert!(err.to_string().contains("image_cache_dtype"), "{err}");
+    assert!(err.to_string().contains("multiple of 32"), "{err}");
+    let mut half = build(&cfg, DType::BF16)?;
+    let err = half.set_image_cache_dtype(Some(DType::U8)).unwrap_err();
+    assert!(err.to_string().contains("image_cache_dtype"), "{err}");
+    Ok(())
+}
+
 /// The tied head is quantized as a copy: the embedding table, and so the
 /// first block's input, stay exactly dense.
 #[test]

@@ -163,6 +163,7 @@ pub(crate) fn fused_groups(
         DType::F32 => run_groups::<f32>(q_data, groups, scale, isa)?,
         DType::BF16 => run_groups::<half::bf16>(q_data, groups, scale, isa)?,
         DType::F16 => run_groups::<half::f16>(q_data, groups, scale, isa)?,
+        DType::U8 => run_groups::<u8>(q_data, groups, scale, isa)?,
         other => candle_core::bail!("grouped attention: keys and values of {other:?}"),
     };
     drop(q_storage);
@@ -170,7 +171,7 @@ pub(crate) fn fused_groups(
 }
 
 /// [`fused_groups`] for keys and values of element type `E`.
-fn run_groups<E: Weight + candle_core::WithDType>(
+fn run_groups<E: RowKv + candle_core::WithDType>(
     q: &[f32],
     groups: Vec<RowGroup<'_>>,
     scale: f32,
@@ -338,7 +339,7 @@ fn row_generic<K: Kernel, E: Weight>(
         keys,
         values,
         allowed,
-    } = op.row_inputs(row, q, kv);
+    } = op.row_inputs(row, q, kv, op.dims.head_dim);
     let (kp, vp, hint) = (keys.as_ptr(), values.as_ptr(), op.prefetch);
     let keys = keys.chunks_exact(head_dim);
     let mut max = f32::NEG_INFINITY;
@@ -399,6 +400,298 @@ super::micro::per_isa! {
     ) = row_generic::<Fma>
 }
 
+/// Keys and values as the per-row kernel reads them: floats (f32, or
+/// 16-bit ones widened as they are read), or q8 rows (bytes of
+/// [`super::kv_q8`] blocks).
+trait RowKv: Copy + Send + Sync {
+    /// Elements of one key or value row of `head_dim` values.
+    fn width(head_dim: usize) -> usize;
+
+    /// One query row of `op` (see [`row`]).
+    fn row(
+        op: &FusedCpu,
+        row: usize,
+        q: &[f32],
+        kv: KeysValues<'_, Self>,
+        scores: &mut [f32],
+        out: &mut [f32],
+    );
+}
+
+macro_rules! float_row_kv {
+    ($($t:ty),*) => {$(
+        impl RowKv for $t {
+            fn width(head_dim: usize) -> usize {
+                head_dim
+            }
+
+            fn row(
+                op: &FusedCpu,
+                r: usize,
+                q: &[f32],
+                kv: KeysValues<'_, Self>,
+                scores: &mut [f32],
+                out: &mut [f32],
+            ) {
+                row(op, r, q, kv, scores, out)
+            }
+        }
+    )*};
+}
+float_row_kv!(f32, half::bf16, half::f16);
+
+impl RowKv for u8 {
+    fn width(head_dim: usize) -> usize {
+        super::kv_q8::row_bytes(head_dim)
+    }
+
+    fn row(
+        op: &FusedCpu,
+        r: usize,
+        q: &[f32],
+        kv: KeysValues<'_, Self>,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if op.isa.simd() == Simd::Avx512 {
+            // SAFETY: the token proves AVX-512F.
+            unsafe { row_q8_avx512(op, r, q, kv, scores, out) };
+            return;
+        }
+        row_q8_compiled(op.isa, op, r, q, kv, scores, out)
+    }
+}
+
+/// One query row over q8 keys and values ([`super::kv_q8`]): a key's
+/// score is the sum over its blocks of `d · Σ q_i k_i`, a value row
+/// enters the output as `p_j d · v`; the softmax as [`row_generic`]'s.
+#[inline(always)]
+fn row_q8_generic<K: Kernel>(
+    op: &FusedCpu,
+    row: usize,
+    q: &[f32],
+    kv: KeysValues<'_, u8>,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    use super::kv_q8::{scale, BLOCK_BYTES, BLOCK_VALUES};
+    let Dims { head_dim, .. } = op.dims;
+    let width = u8::width(head_dim);
+    let RowInputs {
+        q: q_row,
+        keys,
+        values,
+        allowed,
+    } = op.row_inputs(row, q, kv, width);
+    let mut max = f32::NEG_INFINITY;
+    for (j, (s, k_row)) in scores.iter_mut().zip(keys.chunks_exact(width)).enumerate() {
+        *s = if allowed.is_some_and(|a| a[j] == 0) {
+            f32::NEG_INFINITY
+        } else {
+            let mut acc = 0f32;
+            for (qb, kb) in q_row
+                .chunks_exact(BLOCK_VALUES)
+                .zip(k_row.chunks_exact(BLOCK_BYTES))
+            {
+                let mut sum = [0f32; 8];
+                for (i, (&x, &k)) in qb.iter().zip(&kb[2..]).enumerate() {
+                    sum[i % 8] = madd(K::FMA, x, f32::from(k as i8), sum[i % 8]);
+                }
+                acc = madd(K::FMA, sum.iter().sum::<f32>(), scale(kb), acc);
+            }
+            acc * op.scale
+        };
+        max = max.max(*s);
+    }
+    out.fill(0.0);
+    if max == f32::NEG_INFINITY {
+        return;
+    }
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = exp_neg::<K>(*s - max);
+        sum += *s;
+    }
+    let inv = 1.0 / sum;
+    for (&p, v_row) in scores.iter().zip(values.chunks_exact(width)) {
+        if p == 0.0 {
+            continue;
+        }
+        for (ob, vb) in out
+            .chunks_exact_mut(BLOCK_VALUES)
+            .zip(v_row.chunks_exact(BLOCK_BYTES))
+        {
+            let c = p * scale(vb);
+            for (o, &x) in ob.iter_mut().zip(&vb[2..]) {
+                *o = madd(K::FMA, c, f32::from(x as i8), *o);
+            }
+        }
+    }
+    for o in out.iter_mut() {
+        *o *= inv;
+    }
+}
+
+super::micro::per_isa! {
+    /// [`row_q8_generic`] compiled for the op's instruction set.
+    fn row_q8_compiled(
+        op: &FusedCpu,
+        row: usize,
+        q: &[f32],
+        kv: KeysValues<'_, u8>,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) = row_q8_generic::<Fma>
+}
+
+/// [`row_q8_generic`] with AVX-512F intrinsics. Scores: per key, each
+/// block's 32 products in two registers, scaled into one accumulator,
+/// then a reduction; the softmax of [`softmax_avx512`]; values: the
+/// output in registers, 2 blocks (64 columns) a pass, two sets of
+/// accumulators over alternate keys. The same results as the generic
+/// kernel up to summation order.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn row_q8_avx512(
+    op: &FusedCpu,
+    row: usize,
+    q: &[f32],
+    kv: KeysValues<'_, u8>,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    use super::kv_q8::{BLOCK_BYTES, BLOCK_VALUES};
+    use std::arch::x86_64::*;
+    let Dims {
+        head_dim, k_len, ..
+    } = op.dims;
+    let width = u8::width(head_dim);
+    let RowInputs {
+        q: q_row,
+        keys,
+        values,
+        allowed,
+    } = op.row_inputs(row, q, kv, width);
+    let scores = &mut scores[..k_len];
+    let out = &mut out[..head_dim];
+    let blocks = head_dim / BLOCK_VALUES;
+    // SAFETY: key and value `j < k_len` span `j * width .. (j + 1) *
+    // width` of `keys` and `values` (sliced to `k_len * width` above),
+    // block `b < blocks` its bytes `b * 34 .. (b + 1) * 34`; the query's
+    // and the output's `head_dim` values are `blocks * 32`.
+    unsafe {
+        let qp = q_row.as_ptr();
+        let (kp0, vp0) = (keys.as_ptr(), values.as_ptr());
+        for (j, s) in scores.iter_mut().enumerate() {
+            let (kj, vj) = (kp0.add(j * width), vp0.add(j * width));
+            let mut line = 0;
+            while line < width {
+                prefetch(kj.add(line), KV_AHEAD, op.prefetch);
+                prefetch(vj.add(line), 0, op.prefetch);
+                line += 64;
+            }
+            if allowed.is_some_and(|a| a[j] == 0) {
+                *s = f32::NEG_INFINITY;
+                continue;
+            }
+            let mut acc = _mm512_setzero_ps();
+            for b in 0..blocks {
+                let blk = kj.add(b * BLOCK_BYTES);
+                let (k0, k1) = (q8_load16(blk.add(2)), q8_load16(blk.add(18)));
+                let t = _mm512_mul_ps(_mm512_loadu_ps(qp.add(32 * b)), k0);
+                let t = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(32 * b + 16)), k1, t);
+                acc = _mm512_fmadd_ps(t, _mm512_set1_ps(q8_scale(blk)), acc);
+            }
+            *s = _mm512_reduce_add_ps(acc) * op.scale;
+        }
+        let Some(inv) = softmax_avx512(scores) else {
+            out.fill(0.0);
+            return;
+        };
+        let inv = _mm512_set1_ps(inv);
+        let mut b = 0;
+        while b < blocks {
+            let n = (blocks - b).min(2);
+            let (vp, o) = (vp0.add(b * BLOCK_BYTES), out.as_mut_ptr().add(32 * b));
+            match n {
+                2 => q8_values_pass::<2>(scores, vp, width, inv, o),
+                _ => q8_values_pass::<1>(scores, vp, width, inv, o),
+            }
+            b += n;
+        }
+    }
+}
+
+/// The 16 signed bytes at `p` as f32 lanes.
+///
+/// # Safety
+/// 16 bytes readable at `p`; the CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn q8_load16(p: *const u8) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()))) }
+}
+
+/// The f16 scale of the block at `p`, as f32.
+///
+/// # Safety
+/// 2 bytes readable at `p`.
+#[inline(always)]
+unsafe fn q8_scale(p: *const u8) -> f32 {
+    // SAFETY: the caller's contract.
+    unsafe { half::f16::from_bits(u16::from_le_bytes([*p, *p.add(1)])).to_f32() }
+}
+
+/// `out[..32 N] = inv × Σ_j p_j d_j · v_j[..32 N]` over `N` blocks of each
+/// value row (the row at `v + j * stride` bytes) for the keys whose
+/// weight `p_j` is not 0; two sets of `2 N` accumulators over alternate
+/// keys.
+///
+/// # Safety
+/// `N` blocks readable at `v + j * stride` for every `j < p.len()`, `32 N`
+/// floats writable at `out`; the CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn q8_values_pass<const N: usize>(
+    p: &[f32],
+    v: *const u8,
+    stride: usize,
+    inv: std::arch::x86_64::__m512,
+    out: *mut f32,
+) {
+    use super::kv_q8::BLOCK_BYTES;
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut acc = [[[_mm512_setzero_ps(); 2]; N]; 2];
+        for (j, &pj) in p.iter().enumerate() {
+            if pj == 0.0 {
+                continue;
+            }
+            let row = v.add(j * stride);
+            for (b, a) in acc[j % 2].iter_mut().enumerate() {
+                let blk = row.add(b * BLOCK_BYTES);
+                let c = _mm512_set1_ps(pj * q8_scale(blk));
+                a[0] = _mm512_fmadd_ps(c, q8_load16(blk.add(2)), a[0]);
+                a[1] = _mm512_fmadd_ps(c, q8_load16(blk.add(18)), a[1]);
+            }
+        }
+        let [even, odd] = acc;
+        for (b, (a, o)) in even.into_iter().zip(odd).enumerate() {
+            for h in 0..2 {
+                let sum = _mm512_add_ps(a[h], o[h]);
+                _mm512_storeu_ps(out.add(32 * b + 16 * h), _mm512_mul_ps(sum, inv));
+            }
+        }
+    }
+}
+
 /// One query row on the instruction set the op's token names:
 /// [`row_avx512`] for AVX-512 and head widths that are a multiple of 16,
 /// [`row_generic`] compiled for it otherwise.
@@ -450,7 +743,7 @@ unsafe fn row_avx512<E: Weight>(
         keys,
         values,
         allowed,
-    } = op.row_inputs(row, q, kv);
+    } = op.row_inputs(row, q, kv, op.dims.head_dim);
     let scores = &mut scores[..k_len];
     let out = &mut out[..head_dim];
     let chunks = head_dim / 16;
@@ -486,34 +779,12 @@ unsafe fn row_avx512<E: Weight>(
             }
             *s = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * op.scale;
         }
-        // The largest score, NaNs ignored (`max_ps` returns its second
-        // operand when either is NaN).
-        let sp = scores.as_mut_ptr();
-        let full = k_len / 16 * 16;
-        let mut vmax = _mm512_set1_ps(f32::NEG_INFINITY);
-        for j in (0..full).step_by(16) {
-            vmax = _mm512_max_ps(_mm512_loadu_ps(sp.add(j)), vmax);
-        }
-        let max = scores[full..]
-            .iter()
-            .fold(_mm512_reduce_max_ps(vmax), |m, &x| m.max(x));
-        if max == f32::NEG_INFINITY {
+        let Some(inv) = softmax_avx512(scores) else {
             // No key open (or none scored above -inf): a row of zeros.
             out.fill(0.0);
             return;
-        }
-        // Closed keys (-inf) get exactly 0.
-        for s in scores.iter_mut() {
-            *s = exp_neg::<crate::kernels::micro::Avx512>(*s - max);
-        }
-        let mut vsum = _mm512_setzero_ps();
-        for j in (0..full).step_by(16) {
-            vsum = _mm512_add_ps(_mm512_loadu_ps(sp.add(j)), vsum);
-        }
-        let sum = scores[full..]
-            .iter()
-            .fold(_mm512_reduce_add_ps(vsum), |a, &x| a + x);
-        let inv = _mm512_set1_ps(1.0 / sum);
+        };
+        let inv = _mm512_set1_ps(inv);
         let mut c = 0;
         while c < chunks {
             let n = (chunks - c).min(4);
@@ -526,6 +797,48 @@ unsafe fn row_avx512<E: Weight>(
             }
             c += n;
         }
+    }
+}
+
+/// The scores' softmax without its division, in place: `exp(s - max)`
+/// (closed keys, -inf, exactly 0), 16 at a time; returns `1 / Σ`, or
+/// `None` when no key is open (no score above -inf).
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn softmax_avx512(scores: &mut [f32]) -> Option<f32> {
+    use std::arch::x86_64::*;
+    let k_len = scores.len();
+    // SAFETY: every access is below `full <= k_len`.
+    unsafe {
+        // The largest score, NaNs ignored (`max_ps` returns its second
+        // operand when either is NaN).
+        let sp = scores.as_mut_ptr();
+        let full = k_len / 16 * 16;
+        let mut vmax = _mm512_set1_ps(f32::NEG_INFINITY);
+        for j in (0..full).step_by(16) {
+            vmax = _mm512_max_ps(_mm512_loadu_ps(sp.add(j)), vmax);
+        }
+        let max = scores[full..]
+            .iter()
+            .fold(_mm512_reduce_max_ps(vmax), |m, &x| m.max(x));
+        if max == f32::NEG_INFINITY {
+            return None;
+        }
+        // Closed keys (-inf) get exactly 0.
+        for s in scores.iter_mut() {
+            *s = exp_neg::<crate::kernels::micro::Avx512>(*s - max);
+        }
+        let mut vsum = _mm512_setzero_ps();
+        for j in (0..full).step_by(16) {
+            vsum = _mm512_add_ps(_mm512_loadu_ps(sp.add(j)), vsum);
+        }
+        let sum = scores[full..]
+            .iter()
+            .fold(_mm512_reduce_add_ps(vsum), |a, &x| a + x);
+        Some(1.0 / sum)
     }
 }
 
@@ -613,7 +926,7 @@ fn head_stride(l: &Layout, dims: &[usize]) -> Option<usize> {
 
 /// The elements of `k` or `v` and their head stride (see
 /// [`is_head_strided`]), or an error naming the argument.
-fn head_strided<'a, E>(
+fn head_strided<'a, E: RowKv>(
     data: &'a [E],
     l: &Layout,
     d: Dims,
@@ -626,7 +939,7 @@ fn head_strided<'a, E>(
     let heads = d.batch_k * d.kv_heads;
     let len = match heads {
         0 => 0,
-        n => (n - 1) * stride + d.k_len * d.head_dim,
+        n => (n - 1) * stride + d.k_len * E::width(d.head_dim),
     };
     match data.get(l.start_offset()..l.start_offset() + len) {
         Some(slice) => Ok((slice, stride)),
@@ -635,7 +948,7 @@ fn head_strided<'a, E>(
 }
 
 /// Keys and values of one element type, with their common head stride.
-fn keys_values<'a, E>(
+fn keys_values<'a, E: RowKv>(
     (k, lk): (&'a [E], &Layout),
     (v, lv): (&'a [E], &Layout),
     d: Dims,
@@ -659,8 +972,8 @@ struct RowInputs<'a, E> {
 }
 
 impl FusedCpu {
-    /// The inputs of query row `row = (b * heads + h) * q_len + i`: its
-    /// sample's keys for `b` (beams share a sample's keys: `b / r`), the
+    /// The inputs of query row `row = (b * heads + h) * q_len + i` (key
+    /// and value rows of `width` elements): its sample's keys for `b` (beams share a sample's keys: `b / r`), the
     /// key head of `h`'s group (`h / g`).
     #[inline(always)]
     fn row_inputs<'a, E>(
@@ -668,6 +981,7 @@ impl FusedCpu {
         row: usize,
         q: &'a [f32],
         (k, v, kv_stride): KeysValues<'a, E>,
+        width: usize,
     ) -> RowInputs<'a, E> {
         let Dims {
             heads,
@@ -684,8 +998,8 @@ impl FusedCpu {
         let kv_base = ((b / r) * kv_heads + h / g) * kv_stride;
         RowInputs {
             q: &q[row * head_dim..][..head_dim],
-            keys: &k[kv_base..][..k_len * head_dim],
-            values: &v[kv_base..][..k_len * head_dim],
+            keys: &k[kv_base..][..k_len * width],
+            values: &v[kv_base..][..k_len * width],
             allowed: self.mask.as_ref().map(|m| m.row(b, i, k_len)),
         }
     }
@@ -694,7 +1008,7 @@ impl FusedCpu {
 /// The per-row kernel over every query row of `groups` (each an op and its
 /// keys and values; their queries consecutive in `q`, their outputs in
 /// `out`), on the pool in one pass.
-fn rows<E: Weight>(groups: &[(&FusedCpu, KeysValues<'_, E>)], q: &[f32], out: &mut [f32]) {
+fn rows<E: RowKv>(groups: &[(&FusedCpu, KeysValues<'_, E>)], q: &[f32], out: &mut [f32]) {
     // Each group's first query element, and the end of the last.
     let mut starts = Vec::with_capacity(groups.len() + 1);
     let mut at = 0;
@@ -729,7 +1043,7 @@ fn rows<E: Weight>(groups: &[(&FusedCpu, KeysValues<'_, E>)], q: &[f32], out: &m
                 let ((op, kv), base) = (groups[gi], starts[gi]);
                 let q_group = &q[base..starts[gi + 1]];
                 let scores = &mut scores[..op.dims.k_len];
-                row(op, (e - base) / head_dim, q_group, kv, scores, o);
+                E::row(op, (e - base) / head_dim, q_group, kv, scores, o);
             },
         );
 }
@@ -799,8 +1113,11 @@ impl CustomOp3 for FusedCpu {
             (CpuStorage::F16(k), CpuStorage::F16(v)) => {
                 rows(&[(self, keys_values((k, l2), (v, l3), d)?)], q, &mut out)
             }
+            (CpuStorage::U8(k), CpuStorage::U8(v)) => {
+                rows(&[(self, keys_values((k, l2), (v, l3), d)?)], q, &mut out)
+            }
             _ => candle_core::bail!(
-                "fused attention: k and v must be f32, bf16 or f16 alike, got {:?} and {:?}",
+                "fused attention: k and v must be f32, bf16, f16 or q8 rows alike, got {:?} and {:?}",
                 s2.dtype(),
                 s3.dtype()
             ),

@@ -17,6 +17,7 @@
 //! | f32 GEMM, many rows (where [`Tuning::f32_gemm`] chooses it) | [`gemm_f32::matmul`] | AVX-512F, AVX2+FMA, portable |
 //! | bf16 GEMM (and packed bf16 GEMV; GELU in its epilogue) | [`gemm_bf16::matmul`], [`gemm_bf16::PackedBf16::matmul`], [`gemm_bf16::PackedBf16::matmul_gelu`] | AMX-BF16 (blocks of 32 rows), AVX512_BF16, portable |
 //! | fused attention, per row and tiled | `attention::fused` (through [`crate::attention::attention`]) | AVX-512F, AVX2+FMA, portable |
+//! | keys and values in 8 bits (q8_0 blocks) | [`kv_q8::quantize`], [`kv_q8::widen`] | AVX-512F, portable (quantize); portable (widen) |
 //! | LayerNorm | [`norm::layer_norm`] | AVX-512F (f32), AVX512_BF16 (bf16), portable |
 //! | bf16 and f32 addition | [`add::add`] | AVX512_BF16 (bf16), portable |
 //! | GELU (erf and tanh) | `gelu::forward` (through [`crate::FeedForward`]) | AVX-512F, AVX2+FMA, portable |
@@ -45,6 +46,7 @@ pub mod gemv_q4k;
 pub mod gemv_q8;
 pub(crate) mod host;
 pub mod im2col;
+pub mod kv_q8;
 pub(crate) mod micro;
 pub mod norm;
 pub(crate) mod q4k;

@@ -109,6 +109,11 @@ fn check_dims(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Mask>) -> Result
     let (batch_k, kv_heads, k_len, k_dim) = k
         .dims4()
         .map_err(|_| shape_err("k", "(batch, kv_heads, k_len, head_dim)".into(), k))?;
+    // q8 rows (`quantize_kv`): whole blocks of the queries' head width.
+    let k_dim = match k.dtype() {
+        DType::U8 => crate::kernels::kv_q8::row_values(k_dim).unwrap_or(usize::MAX),
+        _ => k_dim,
+    };
     if k_dim != head_dim
         || batch_k == 0
         || kv_heads == 0
@@ -127,8 +132,9 @@ fn check_dims(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Mask>) -> Result
     // Keys and values have the queries' dtype, or one 16-bit float
     // dtype under f32 queries (a quantized model's image cache: half
     // the bytes, read in place by the per-row kernel).
+    // q8 rows likewise, under f32 queries.
     let kv_dtype = match (q.dtype(), k.dtype()) {
-        (DType::F32, half @ (DType::BF16 | DType::F16)) => half,
+        (DType::F32, small @ (DType::BF16 | DType::F16 | DType::U8)) => small,
         (dtype, _) => dtype,
     };
     crate::error::check_dtype_device("k", k, "q", kv_dtype, q.device())?;
@@ -362,8 +368,7 @@ pub fn attention_with_bias(
     }
     let fused = backend != Backend::Reference && q.device().is_cpu();
     if fused && dims.head_dim > 0 && dims.k_len > 0 {
-        let f32_contiguous =
-            |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?.contiguous()?) };
+        let f32_contiguous = |t: &Tensor| -> Result<Tensor> { widened(t, DType::F32) };
         let host = biases
             .iter()
             .map(|b| -> Result<crate::kernels::attention::HostBias> {
@@ -499,8 +504,8 @@ fn reference(
         k_len,
         ..
     } = dims;
-    // 16-bit keys and values under f32 queries: widened here.
-    let (k, v) = (&k.to_dtype(q.dtype())?, &v.to_dtype(q.dtype())?);
+    // 16-bit keys and values (or q8 rows) under f32 queries: widened here.
+    let (k, v) = (&widened(k, q.dtype())?, &widened(v, q.dtype())?);
     let (r, g) = (dims.r(), dims.g());
     // f16 queries and keys are widened first: their logits may pass f16's
     // largest value (65504) and turn into Inf, then NaN in the softmax,
@@ -561,13 +566,13 @@ fn softmax(scores: &Tensor, differentiable: bool) -> Result<Tensor> {
 }
 
 /// Whether the CPU kernels read `k` and `v` where they lie: contiguous
-/// heads with one head stride (a KV cache's prefix), f32, or 16-bit for
-/// the per-row kernel (which widens them as it reads). Otherwise they are
-/// copied to f32.
+/// heads with one head stride (a KV cache's prefix), f32, or 16-bit or
+/// q8 rows for the per-row kernel (which widens them as it reads).
+/// Otherwise they are copied to f32.
 fn readable_in_place(k: &Tensor, v: &Tensor, dims: Dims) -> bool {
     let element = match k.dtype() {
         DType::F32 => true,
-        DType::BF16 | DType::F16 => !dims.tiled(),
+        DType::BF16 | DType::F16 | DType::U8 => !dims.tiled(),
         _ => false,
     };
     element
@@ -575,6 +580,75 @@ fn readable_in_place(k: &Tensor, v: &Tensor, dims: Dims) -> bool {
         && is_head_strided(k)
         && is_head_strided(v)
         && k.stride() == v.stride()
+}
+
+/// Keys or values `(batch, kv_heads, len, head_dim)` of f32 as q8 rows:
+/// `(batch, kv_heads, len, head_dim / 32 · 34)` u8, each head's row of
+/// `head_dim` values as blocks of GGML's `block_q8_0` (an f16 scale and
+/// 32 signed bytes; see [`crate::kernels::kv_q8`] for the rounding). Half
+/// the bytes of bf16; every attention path takes them under f32 queries
+/// (the CPU's per-row kernel reads them in place, the others widen them
+/// first, [`widen_kv`]).
+///
+/// # Errors
+/// [`AttnError::Shape`] naming `kv` when it is not 4-d with a head width
+/// that is a multiple of 32; [`AttnError::DType`] when it is not f32.
+pub fn quantize_kv(kv: &Tensor) -> Result<Tensor> {
+    use crate::kernels::kv_q8;
+    let (b, h, len, hd) = kv.dims4().map_err(|_| AttnError::Shape {
+        arg: "kv",
+        expected: "(batch, kv_heads, len, head_dim)".into(),
+        actual: kv.dims().to_vec(),
+    })?;
+    if !hd.is_multiple_of(kv_q8::BLOCK_VALUES) {
+        return Err(AttnError::Shape {
+            arg: "kv",
+            expected: format!("a head width that is a multiple of {}", kv_q8::BLOCK_VALUES),
+            actual: kv.dims().to_vec(),
+        });
+    }
+    crate::error::check_dtype_device("kv", kv, "f32 keys or values", DType::F32, kv.device())?;
+    let values = kv.flatten_all()?.to_vec1::<f32>()?;
+    let blocks = kv_q8::quantize(&values, CpuFeatures::get().isa());
+    Ok(Tensor::from_vec(
+        blocks,
+        (b, h, len, kv_q8::row_bytes(hd)),
+        kv.device(),
+    )?)
+}
+
+/// The values of q8 rows ([`quantize_kv`]) as `(batch, kv_heads, len,
+/// head_dim)` of `dtype`.
+///
+/// # Errors
+/// [`AttnError::Shape`] naming `kv` when it is not 4-d u8 rows of whole
+/// blocks.
+pub fn widen_kv(kv: &Tensor, dtype: DType) -> Result<Tensor> {
+    use crate::kernels::kv_q8;
+    let bad = || AttnError::Shape {
+        arg: "kv",
+        expected: format!(
+            "q8 rows (batch, kv_heads, len, a multiple of {} bytes) of u8",
+            kv_q8::BLOCK_BYTES
+        ),
+        actual: kv.dims().to_vec(),
+    };
+    let (b, h, len, bytes) = kv.dims4().map_err(|_| bad())?;
+    let hd = kv_q8::row_values(bytes).ok_or_else(bad)?;
+    if kv.dtype() != DType::U8 {
+        return Err(bad());
+    }
+    let values = kv_q8::widen(&kv.flatten_all()?.to_vec1::<u8>()?);
+    Ok(Tensor::from_vec(values, (b, h, len, hd), kv.device())?.to_dtype(dtype)?)
+}
+
+/// `t` in `dtype`, contiguous: q8 rows widened ([`widen_kv`]), other
+/// dtypes cast.
+fn widened(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    match t.dtype() {
+        DType::U8 => widen_kv(t, dtype),
+        _ => Ok(t.to_dtype(dtype)?.contiguous()?),
+    }
 }
 
 /// A mask's bytes on the host, as the CPU kernels read them.
@@ -599,8 +673,7 @@ fn fused(
         return blocked_reference(q, k, v, mask, scale, dims);
     }
     let dtype = q.dtype();
-    let f32_contiguous =
-        |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?.contiguous()?) };
+    let f32_contiguous = |t: &Tensor| -> Result<Tensor> { widened(t, DType::F32) };
     let mask = host_mask(mask)?;
     let (k, v) = if readable_in_place(k, v, dims) {
         (k.clone(), v.clone())
@@ -749,7 +822,7 @@ mod tests {
     /// The per-row kernel (fewer than [`TILED_MIN_ROWS`] rows per key
     /// head: decode steps) on every instruction set this CPU has against
     /// the reference: key counts past and off the vector width, head
-    /// widths 7, 16, 32, 64, 80 (the AVX-512 kernel's passes of 64 columns
+    /// widths 7, 16, 32, 64, 80, 96 (the AVX-512 kernel's passes of 64 columns
     /// and their tails), beams sharing keys, grouped key heads, a mask with closed keys and a
     /// closed row (exactly 0). Max abs error 1e-5.
     #[test]
@@ -762,6 +835,7 @@ mod tests {
             (4, 2, 2, 2, 1, 40, 16, true),
             (2, 1, 2, 2, 1, 17, 32, true),
             (2, 2, 4, 2, 1, 50, 80, true),
+            (2, 2, 2, 1, 1, 23, 96, true),
         ];
         for (bq, bk, heads, kvh, ql, kl, hd, masked) in shapes {
             let q = Tensor::randn(0f32, 1., (bq, heads, ql, hd), &dev)?;
@@ -832,8 +906,100 @@ mod tests {
                     let err = (&got - &widened)?.abs()?.max_all()?.to_scalar::<f32>()?;
                     assert!(err < 1e-5, "{isa:?} {half:?}: {err}");
                 }
+                // q8 rows (whole blocks of 32), read in place, likewise.
+                if hd % 32 == 0 {
+                    let (kq, vq) = (quantize_kv(&k)?, quantize_kv(&v)?);
+                    let widened = run(&widen_kv(&kq, DType::F32)?, &widen_kv(&vq, DType::F32)?)?;
+                    let got = run(&kq, &vq)?;
+                    let err = (&got - &widened)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                    assert!(
+                        err < 1e-5,
+                        "{isa:?} q8 {:?}: {err}",
+                        (bq, heads, ql, kl, hd)
+                    );
+                    if masked {
+                        let closed = got.get(1)?.narrow(1, 0, 1)?.abs()?.max_all()?;
+                        assert_eq!(closed.to_scalar::<f32>()?, 0.0, "{isa:?} q8");
+                    }
+                }
             }
         }
+        Ok(())
+    }
+
+    /// q8 rows ([`quantize_kv`]) on every path give what their widening
+    /// ([`widen_kv`]) gives: the per-row kernel in place (one row, beams
+    /// under `TILED_MIN_ROWS`, grouped passes of several groups), the tiled
+    /// kernel, the reference path with its weights, and a cache's strided
+    /// prefix; a head width off the blocks and the wrong dtype are refused,
+    /// named. Max abs error 1e-5.
+    #[test]
+    fn q8_rows_attend_as_their_widening() -> Result<()> {
+        let dev = Device::Cpu;
+        let (heads, hd) = (4, 64);
+        let close = |a: &Tensor, b: &Tensor, what: &str| -> Result<()> {
+            let err = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(err < 1e-5, "{what}: {err}");
+            Ok(())
+        };
+        for (bq, bk, q_len, k_len) in [(1, 1, 1, 197), (3, 1, 1, 50), (2, 2, 9, 70)] {
+            let q = Tensor::randn(0f32, 1., (bq, heads, q_len, hd), &dev)?;
+            let k = Tensor::randn(0f32, 1., (bk, heads, k_len, hd), &dev)?;
+            let v = Tensor::randn(0f32, 1., (bk, heads, k_len, hd), &dev)?;
+            let (kq, vq) = (quantize_kv(&k)?, quantize_kv(&v)?);
+            assert_eq!(kq.dims(), &[bk, heads, k_len, 68]);
+            let (kw, vw) = (widen_kv(&kq, DType::F32)?, widen_kv(&vq, DType::F32)?);
+            let at = format!("{:?}", (bq, bk, q_len, k_len));
+            for backend in [Backend::Auto, Backend::Fused, Backend::Reference] {
+                let want = attention(&q, &kw, &vw, None, 0.125, backend, Weights::Skip)?.output;
+                let got = attention(&q, &kq, &vq, None, 0.125, backend, Weights::Skip)?.output;
+                close(&got, &want, &format!("{at} {backend:?}"))?;
+            }
+            let want = attention(&q, &kw, &vw, None, 0.125, Backend::Auto, Weights::Return)?;
+            let got = attention(&q, &kq, &vq, None, 0.125, Backend::Auto, Weights::Return)?;
+            close(&got.output, &want.output, &format!("{at} weights"))?;
+            close(
+                got.weights.as_ref().expect("weights"),
+                want.weights.as_ref().expect("weights"),
+                &format!("{at} weights"),
+            )?;
+        }
+        // Groups side by side, each over its own q8 rows, one a cache's
+        // strided prefix: the same rows as each group alone.
+        let q = Tensor::randn(0f32, 1., (3, heads, 1, hd), &dev)?;
+        let k1 = quantize_kv(&Tensor::randn(0f32, 1., (1, heads, 30, hd), &dev)?)?;
+        let v1 = quantize_kv(&Tensor::randn(0f32, 1., (1, heads, 30, hd), &dev)?)?;
+        let kbuf = quantize_kv(&Tensor::randn(0f32, 1., (2, heads, 40, hd), &dev)?)?;
+        let vbuf = quantize_kv(&Tensor::randn(0f32, 1., (2, heads, 40, hd), &dev)?)?;
+        let (k2, v2) = (kbuf.narrow(2, 0, 25)?, vbuf.narrow(2, 0, 25)?);
+        assert!(!k2.is_contiguous() && is_head_strided(&k2));
+        let parts = [(1, &k1, &v1, None), (2, &k2, &v2, None)];
+        let got = fused_row_groups(&q, &parts, 0.125, Backend::Auto)?.expect("one pass");
+        let mut start = 0;
+        for (rows, k, v, _) in parts {
+            let (kw, vw) = (widen_kv(k, DType::F32)?, widen_kv(v, DType::F32)?);
+            let qg = q.narrow(0, start, rows)?;
+            let want = attention(
+                &qg,
+                &kw,
+                &vw,
+                None,
+                0.125,
+                Backend::Reference,
+                Weights::Skip,
+            )?;
+            close(&got.narrow(0, start, rows)?, &want.output, "groups")?;
+            start += rows;
+        }
+        // Refused, named.
+        let odd = Tensor::randn(0f32, 1., (1, 2, 5, 48), &dev)?;
+        assert!(quantize_kv(&odd).unwrap_err().to_string().contains("kv"));
+        assert!(quantize_kv(&odd.to_dtype(DType::BF16)?.narrow(3, 0, 32)?).is_err());
+        assert!(widen_kv(&Tensor::zeros((1, 2, 5, 64), DType::U8, &dev)?, DType::F32).is_err());
+        let q16 = Tensor::randn(0f32, 1., (1, 2, 1, 64), &dev)?.to_dtype(DType::BF16)?;
+        let k = quantize_kv(&Tensor::randn(0f32, 1., (1, 2, 5, 64), &dev)?)?;
+        let err = attention(&q16, &k, &k, None, 0.1, Backend::Auto, Weights::Skip).unwrap_err();
+        assert!(err.to_string().contains('k'), "{err}");
         Ok(())
     }
 

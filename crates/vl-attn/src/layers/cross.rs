@@ -121,6 +121,16 @@ impl CrossKv {
         &self.v
     }
 
+    /// The width of a head's key or value: the last dimension, or for q8
+    /// rows ([`crate::quantize_kv`]) the values its blocks hold.
+    pub fn head_dim(&self) -> usize {
+        let last = self.k.dims()[3];
+        match self.k.dtype() {
+            DType::U8 => crate::kernels::kv_q8::row_values(last).unwrap_or(0),
+            _ => last,
+        }
+    }
+
     /// The number of memory samples.
     pub fn batch(&self) -> usize {
         self.k.dims()[0]
@@ -247,8 +257,11 @@ impl CrossAttention {
     /// Keeps the keys and values of [`CrossAttention::project_memory`] in
     /// `dtype` (a 16-bit float under f32 activations; `None`: the
     /// activations' dtype, the default): half the bytes of an image cache.
-    /// Attention widens them as it reads them (vl's CPU kernel in place,
-    /// other paths by a cast).
+    /// `U8` keeps them as q8 rows ([`crate::quantize_kv`]; f32 activations,
+    /// a head width that is a multiple of 32), a quarter of f32's bytes
+    /// and about half of bf16's. Attention widens them as it reads them
+    /// (vl's CPU kernel in place, other paths by a cast or
+    /// [`crate::widen_kv`]).
     pub fn with_memory_dtype(mut self, dtype: Option<DType>) -> Self {
         self.memory_dtype = dtype;
         self
@@ -328,6 +341,7 @@ impl CrossAttention {
         // (b, t, kv_inner) -> (b, kv_heads, t, head_dim)
         let (k, v) = self.core.keys_values(memory, b, t)?;
         let (k, v) = match self.memory_dtype {
+            Some(DType::U8) => (crate::quantize_kv(&k)?, crate::quantize_kv(&v)?),
             Some(dtype) if dtype != k.dtype() => (k.to_dtype(dtype)?, v.to_dtype(dtype)?),
             _ => (k, v),
         };
@@ -509,8 +523,8 @@ impl CrossAttention {
                     actual: vec![g.rows, t, self.cfg.query_dim],
                 });
             }
-            let (_, kv_heads, _, head_dim) = kv.k().dims4()?;
-            if kv_heads != hl.num_kv_heads || head_dim != hl.head_dim {
+            let (_, kv_heads, _, _) = kv.k().dims4()?;
+            if kv_heads != hl.num_kv_heads || kv.head_dim() != hl.head_dim {
                 return Err(AttnError::Shape {
                     arg: "cross kv",
                     expected: format!("(batch, {}, len, {})", hl.num_kv_heads, hl.head_dim),
@@ -568,7 +582,8 @@ const STACK_BYTES: usize = 16 << 20;
 
 /// `values` of `shape` as a tensor of `dtype` (`None`: f32): 16-bit floats
 /// converted on the pool as candle's `to_dtype` converts them
-/// (`from_f32`, ties to even), rather than in a pass on one thread.
+/// (`from_f32`, ties to even), rather than in a pass on one thread; `U8`:
+/// q8 rows ([`crate::quantize_kv`]'s blocks), quantized on the pool.
 fn in_dtype(
     values: Vec<f32>,
     shape: (usize, usize, usize, usize, usize),
@@ -587,6 +602,19 @@ fn in_dtype(
             Tensor::from_vec(v, shape, device)?
         }
         Some(DType::F32) | None => Tensor::from_vec(values, shape, device)?,
+        Some(DType::U8) => {
+            use crate::kernels::kv_q8;
+            let (p, b, h, t, hd) = shape;
+            if !hd.is_multiple_of(kv_q8::BLOCK_VALUES) {
+                return Err(crate::AttnError::Shape {
+                    arg: "kv",
+                    expected: format!("a head width that is a multiple of {}", kv_q8::BLOCK_VALUES),
+                    actual: vec![p, b, h, t, hd],
+                });
+            }
+            let blocks = kv_q8::quantize(&values, crate::kernels::CpuFeatures::get().isa());
+            Tensor::from_vec(blocks, (p, b, h, t, kv_q8::row_bytes(hd)), device)?
+        }
         Some(other) => Tensor::from_vec(values, shape, device)?.to_dtype(other)?,
     })
 }
@@ -641,9 +669,9 @@ mod tests {
 
     /// `project_memories` gives every layer what its own `project_memory`
     /// gives, bit for bit, and counts one projection per layer: stacked
-    /// (q8_0 and q4k tiles, memories kept in bf16, f16 or f32, one image
+    /// (q8_0 and q4k tiles, memories kept in bf16, f16, f32 or q8 rows, one image
     /// or three, every layer in one product or a chunk of them at a time)
-    /// and layer by layer (dense layers, formats mixed); a memory of the
+    /// and layer by layer (dense layers, in f32 or q8 rows, formats mixed); a memory of the
     /// wrong width is refused, named, and nothing is counted.
     #[test]
     fn stacked_memories_are_each_layers_own() -> Result<()> {
@@ -674,7 +702,20 @@ mod tests {
                     .map(|l| l.clone().with_memory_dtype(Some(DType::F16)))
                     .collect(),
             ),
+            (
+                "q8_0 q8",
+                q8.iter()
+                    .map(|l| l.clone().with_memory_dtype(Some(DType::U8)))
+                    .collect(),
+            ),
             ("dense", dense.clone()),
+            (
+                "dense q8",
+                dense
+                    .iter()
+                    .map(|l| l.clone().with_memory_dtype(Some(DType::U8)))
+                    .collect(),
+            ),
             (
                 "mixed",
                 vec![q8[0].clone(), dense[1].clone(), q8[2].clone()],
@@ -701,8 +742,11 @@ mod tests {
                         assert_eq!(refs[i].memory_projections(), before[i] + 1, "{at}");
                         // Stacked where the layers allow: layer `i`'s keys
                         // are part `2 i` of the one product's output.
-                        if bytes == STACK_BYTES && !matches!(*name, "dense" | "mixed") {
-                            let part = images * 7 * 256;
+                        if bytes == STACK_BYTES && !matches!(*name, "dense" | "dense q8" | "mixed")
+                        {
+                            // q8 rows: 34 bytes per 32 values.
+                            let row = if g.k().dtype() == DType::U8 { 272 } else { 256 };
+                            let part = images * 7 * row;
                             assert_eq!(g.k().layout().start_offset(), 2 * i * part, "{at}");
                         }
                     }
