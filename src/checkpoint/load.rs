@@ -61,10 +61,11 @@ pub struct LoadOptions {
     /// The dtype of the decoder's text cache (its self-attention's keys
     /// and values). `None`, the default: the activations' dtype, except
     /// under converted weights (`quantization`) with f32 activations on
-    /// the CPU, where it is 16 bits as the image's keys and values are —
-    /// bf16 for `q8_0`, `q4k` and bf16 weights, f16 for f16 weights (see
-    /// [`vl_attn::CausalSelfAttention::with_cache_dtype`]). A 16-bit cache
-    /// halves what a decode step reads from it — the larger part of a step
+    /// the CPU, where it follows the weights as the image's keys and
+    /// values do — q8 rows ([`vl_attn::quantize_kv`]) for `q8_0` and `q4k`
+    /// where the head width is a multiple of 32 (else bf16), bf16 for bf16
+    /// weights, f16 for f16 weights (see [`vl_attn::Quantizer::kv_dtype`]).
+    /// A 16-bit cache halves what a decode step reads from it — the larger part of a step
     /// past a few thousand tokens (a Nougat page) — rounding keys and
     /// values as transformers' bf16 model does. `Some(F32)` keeps f32
     /// under any weights (see
@@ -72,8 +73,9 @@ pub struct LoadOptions {
     pub text_cache: Option<DType>,
     /// The dtype of the image's keys and values (each cross-attention's,
     /// projected once per image). `None`, the default: as the blocks are
-    /// built or quantized (16 bits under converted weights with f32
-    /// activations on the CPU). `Some(U8)`: q8 rows ([`vl_attn::quantize_kv`],
+    /// built or quantized (under converted weights with f32 activations on
+    /// the CPU, as the text cache: see [`LoadOptions::text_cache`]).
+    /// `Some(U8)`: q8 rows ([`vl_attn::quantize_kv`],
     /// 8-bit values with an f16 scale per 32), about half of bf16's bytes —
     /// what a decode step of many requests reads most of after the
     /// weights (see

@@ -135,6 +135,31 @@ fn decode_step_from_memory(c: &mut Criterion) {
             }
         })
     });
+    // Both caches in bf16 (`vl serve --quantize q8_0`'s default: 116 +
+    // 75 MB), then both as q8 rows (`--image-cache q8 --text-cache q8`:
+    // 62 + 40 MB).
+    let recast =
+        |layers: &[(Tensor, Tensor)], f: &dyn Fn(&Tensor) -> Tensor| -> Vec<(Tensor, Tensor)> {
+            layers.iter().map(|(k, v)| (f(k), f(v))).collect()
+        };
+    let bf16 = |t: &Tensor| t.to_dtype(DType::BF16).expect("bf16");
+    let q8 = |t: &Tensor| vl_attn::quantize_kv(&t.to_dtype(DType::F32).expect("f32")).expect("q8");
+    for (name, f) in [
+        ("bf16_caches", &bf16 as &dyn Fn(&Tensor) -> Tensor),
+        ("q8_caches", &q8),
+    ] {
+        let (text, cross) = (recast(&text, f), recast(&cross, f));
+        group.bench_function(format!("16_rows_12_layers_{name}"), |b| {
+            b.iter(|| {
+                for ((tk, tv), (ck, cv)) in text.iter().zip(&cross) {
+                    attention(&q, tk, tv, None, scale, Backend::Fused, Weights::Skip)
+                        .expect("self");
+                    attention(&q, ck, cv, None, scale, Backend::Fused, Weights::Skip)
+                        .expect("cross");
+                }
+            })
+        });
+    }
     group.finish();
 }
 

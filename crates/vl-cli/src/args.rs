@@ -28,11 +28,11 @@ pub struct ModelArgs {
     /// Linear layers (decoder and ViT) at load: 8-bit (q8_0) or 4-bit (q4k) blocks, or dense 16-bit weights (bf16, f16) under activations in --dtype; none = as stored.
     #[arg(long, default_value = "none")]
     pub quantize: Quantization,
-    /// The decoder's text cache (its keys and values): bf16 or f16 under f32 activations halves what each decode step reads from it (long outputs: a Nougat page), rounding them as a bf16 model does; f32 keeps them exact [default: 16 bits under --quantize with f32 activations on the CPU, as the image's keys and values (f16 for f16 weights, else bf16); else --dtype].
-    #[arg(long, value_name = "DTYPE", value_parser = dtype)]
+    /// The decoder's text cache (its keys and values): bf16 or f16 under f32 activations halves what each decode step reads from it (long outputs: a Nougat page), rounding them as a bf16 model does; q8 (8-bit values with an f16 scale per 32) about halves it again; f32 keeps them exact [default: under --quantize with f32 activations on the CPU, q8 for q8_0 and q4k (bf16 where heads are not a multiple of 32), bf16 or f16 for 16-bit weights; else --dtype].
+    #[arg(long, value_name = "FORMAT", value_parser = cache_format)]
     pub text_cache: Option<DType>,
-    /// The image's keys and values (projected once per image, read at every step): bf16, f16, f32, or q8 (8-bit values with an f16 scale per 32: about half of bf16's bytes, what a step of many requests reads most of after the weights) [default: 16 bits under --quantize with f32 activations on the CPU, else --dtype].
-    #[arg(long, value_name = "FORMAT", value_parser = image_cache)]
+    /// The image's keys and values (projected once per image, read at every step): bf16, f16, f32, or q8 (8-bit values with an f16 scale per 32: about half of bf16's bytes, what a step of many requests reads most of after the weights) [default: under --quantize with f32 activations on the CPU, q8 for q8_0 and q4k (bf16 where heads are not a multiple of 32), bf16 or f16 for 16-bit weights; else --dtype].
+    #[arg(long, value_name = "FORMAT", value_parser = cache_format)]
     pub image_cache: Option<DType>,
 }
 
@@ -55,9 +55,9 @@ pub(crate) fn dtype(name: &str) -> Result<DType, String> {
     parse_dtype(name).map_err(reason)
 }
 
-/// clap's parser of `--image-cache`: a dtype, or `q8` (q8 rows, kept as
+/// clap's parser of `--image-cache` and `--text-cache`: a dtype, or `q8` (q8 rows, kept as
 /// u8; see `vl_attn::quantize_kv`).
-pub(crate) fn image_cache(name: &str) -> Result<DType, String> {
+pub(crate) fn cache_format(name: &str) -> Result<DType, String> {
     match name {
         "q8" => Ok(DType::U8),
         other => parse_dtype(other)
@@ -66,8 +66,8 @@ pub(crate) fn image_cache(name: &str) -> Result<DType, String> {
     }
 }
 
-/// `--image-cache`'s spelling of `dtype`.
-pub(crate) fn image_cache_name(dtype: DType) -> &'static str {
+/// `--image-cache`'s and `--text-cache`'s spelling of `dtype`.
+pub(crate) fn cache_format_name(dtype: DType) -> &'static str {
     match dtype {
         DType::U8 => "q8",
         other => other.as_str(),
@@ -126,10 +126,10 @@ impl ModelArgs {
                 flags += &format!(" --quantize {}", self.quantize);
             }
             if let Some(d) = self.text_cache {
-                flags += &format!(" --text-cache {}", d.as_str());
+                flags += &format!(" --text-cache {}", cache_format_name(d));
             }
             if let Some(d) = self.image_cache {
-                flags += &format!(" --image-cache {}", image_cache_name(d));
+                flags += &format!(" --image-cache {}", cache_format_name(d));
             }
             match flags.is_empty() {
                 true => format!("cannot load {name}"),

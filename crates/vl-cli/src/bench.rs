@@ -32,11 +32,11 @@ pub struct Args {
     /// Linear layers (decoder and ViT) in 8-bit (q8_0) or 4-bit (q4k) blocks, or dense 16-bit weights (bf16, f16) under --dtype activations; none = as loaded.
     #[arg(long, default_value = "none")]
     quantize: Quantization,
-    /// The decoder's text cache: bf16, f16 or f32 (see `vl caption --help`) [default: 16 bits under --quantize with f32 activations on the CPU, else --dtype].
-    #[arg(long, value_name = "DTYPE", value_parser = crate::args::dtype)]
+    /// The decoder's text cache: bf16, f16, f32 or q8 (see `vl caption --help`) [default: under --quantize with f32 activations on the CPU, q8 for q8_0 and q4k (bf16 where heads are not a multiple of 32), bf16 or f16 for 16-bit weights; else --dtype].
+    #[arg(long, value_name = "FORMAT", value_parser = crate::args::cache_format)]
     text_cache: Option<DType>,
-    /// The image's keys and values: bf16, f16, f32 or q8 (see `vl caption --help`) [default: 16 bits under --quantize with f32 activations on the CPU, else --dtype].
-    #[arg(long, value_name = "FORMAT", value_parser = crate::args::image_cache)]
+    /// The image's keys and values: bf16, f16, f32 or q8 (see `vl caption --help`) [default: under --quantize with f32 activations on the CPU, q8 for q8_0 and q4k (bf16 where heads are not a multiple of 32), bf16 or f16 for 16-bit weights; else --dtype].
+    #[arg(long, value_name = "FORMAT", value_parser = crate::args::cache_format)]
     image_cache: Option<DType>,
     /// cpu, cuda, cuda:N, metal or metal:N.
     #[arg(long, default_value = "cpu", value_parser = crate::args::device)]
@@ -335,8 +335,10 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         "model": args.model.display().to_string(),
         "dtype": args.dtype.as_str(),
         "quantize": args.quantize.name(),
-        "text_cache": model.decoder.text_cache_dtype().unwrap_or(args.dtype).as_str(),
-        "image_cache": crate::args::image_cache_name(
+        "text_cache": crate::args::cache_format_name(
+            model.decoder.text_cache_dtype().unwrap_or(args.dtype)
+        ),
+        "image_cache": crate::args::cache_format_name(
             model.decoder.image_cache_dtype().unwrap_or(args.dtype)
         ),
         "device": crate::args::device_name(&args.device),

@@ -462,12 +462,14 @@ impl VisionLanguageDecoder {
     /// a 16-bit float under f32 activations halves the bytes a decode step
     /// reads from it — what long outputs (a 3,000-token page) are bound
     /// by — at the cost of rounding keys and values as transformers' bf16
-    /// model does.
+    /// model does; `U8` (q8 rows, [`vl_attn::quantize_kv`]: 8-bit values
+    /// with an f16 scale per 32, for head widths that are a multiple of
+    /// 32) about halves bf16's bytes again.
     ///
     /// # Errors
     /// [`DecoderError::Argument`] naming `text_cache_dtype` when `dtype` is
-    /// neither the activations' dtype nor, under f32 activations, bf16 or
-    /// f16.
+    /// neither the activations' dtype nor, under f32 activations, bf16,
+    /// f16 or u8, or is u8 over a head width that is not a multiple of 32.
     pub fn set_text_cache_dtype(&mut self, dtype: Option<DType>) -> Result<()> {
         let activations = self.dtype();
         if let Some(d) = dtype {
@@ -476,8 +478,15 @@ impl VisionLanguageDecoder {
                     "text_cache_dtype",
                     format!(
                         "expected {activations:?} (the activations') or, under f32 \
-                         activations, bf16 or f16; got {d:?}"
+                         activations, bf16, f16 or u8 (q8 rows); got {d:?}"
                     ),
+                );
+            }
+            let width = self.cfg.hidden_size / self.cfg.num_attention_heads.max(1);
+            if d == DType::U8 && !width.is_multiple_of(32) {
+                return arg_err(
+                    "text_cache_dtype",
+                    format!("q8 rows need a head width that is a multiple of 32, got {width}"),
                 );
             }
         }
@@ -489,9 +498,8 @@ impl VisionLanguageDecoder {
 
     /// Keeps every block's image keys and values (what
     /// [`Self::image_context`] projects once per image) in `dtype`: `None`,
-    /// as the blocks were built or quantized (16 bits under converted
-    /// weights with f32 activations on the CPU, see
-    /// [`vl_attn::CrossAttention::quantize`]); the activations' dtype;
+    /// as the blocks were built or quantized (under converted weights with
+    /// f32 activations on the CPU, see [`vl_attn::Quantizer::kv_dtype`]); the activations' dtype;
     /// under f32 activations bf16 or f16, or `U8` for q8 rows
     /// ([`vl_attn::quantize_kv`]: 8-bit values with an f16 scale per 32,
     /// about half of bf16's bytes, for head widths that are a multiple of
@@ -521,7 +529,7 @@ impl VisionLanguageDecoder {
                 .filter_map(|b| b.cross_attention())
                 .map(|c| c.config().inner_dim / c.config().num_heads);
             if d == DType::U8 {
-                if let Some(w) = widths.into_iter().find(|w| w % 32 != 0) {
+                if let Some(w) = widths.into_iter().find(|w| !w.is_multiple_of(32)) {
                     return arg_err(
                         "image_cache_dtype",
                         format!("q8 rows need a head width that is a multiple of 32, got {w}"),
@@ -545,10 +553,10 @@ impl VisionLanguageDecoder {
     }
 
     /// Whether a text cache in `cache` serves activations in
-    /// `activations`: the same dtype, or bf16/f16 under f32.
+    /// `activations`: the same dtype, or bf16/f16/u8 (q8 rows) under f32.
     pub fn text_cache_fits(activations: DType, cache: DType) -> bool {
         cache == activations
-            || (activations == DType::F32 && matches!(cache, DType::BF16 | DType::F16))
+            || (activations == DType::F32 && matches!(cache, DType::BF16 | DType::F16 | DType::U8))
     }
 
     /// The dtype of the text cache, `None` for the activations'.

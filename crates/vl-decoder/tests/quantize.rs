@@ -262,8 +262,8 @@ fn image_context_is_each_blocks_own_projection() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The image's keys and values as q8 rows (`set_image_cache_dtype(U8)`)
-/// under q8_0 weights: the image context holds u8 rows of whole blocks;
+/// The image's keys and values as q8 rows (q8_0's default where heads are
+/// 32 wide, as the text cache) under q8_0 weights: the image context holds u8 rows of whole blocks;
 /// cached steps equal the full forward (which projects the image the same
 /// way); a batch of two images steps as each image alone, bit for bit;
 /// the logits stay within 2% of a bf16 image cache's, with the same
@@ -277,14 +277,16 @@ fn q8_image_cache_steps() -> anyhow::Result<()> {
         num_attention_heads: 2,
         ..DecoderConfig::tiny(VOCAB, 64)
     };
-    let bf16 = build(&cfg, DType::F32)?.quantize(GgmlDType::Q8_0)?;
-    assert_eq!(bf16.image_cache_dtype(), Some(DType::BF16));
-    let mut quant = bf16.clone();
-    quant.set_image_cache_dtype(Some(DType::U8))?;
+    // q8 rows are q8_0's default (heads 32 wide), as the text cache's.
+    let quant = build(&cfg, DType::F32)?.quantize(GgmlDType::Q8_0)?;
     assert_eq!(quant.image_cache_dtype(), Some(DType::U8));
+    assert_eq!(quant.text_cache_dtype(), Some(DType::U8));
+    let mut bf16 = quant.clone();
+    bf16.set_image_cache_dtype(Some(DType::BF16))?;
+    assert_eq!(bf16.image_cache_dtype(), Some(DType::BF16));
     assert_eq!(
-        bf16.image_cache_dtype(),
-        Some(DType::BF16),
+        quant.image_cache_dtype(),
+        Some(DType::U8),
         "the clone's own"
     );
     let (toks, mem) = inputs(&cfg, 2, 6)?;
@@ -328,7 +330,10 @@ fn q8_image_cache_steps() -> anyhow::Result<()> {
     let agree = argmax_agreement(&got, &want)?;
     assert!(agree >= 0.9, "greedy choices: {agree}");
 
+    // Heads 8 wide: bf16 by default, q8 rows refused.
     let narrow = build(&q8_config(), DType::F32)?.quantize(GgmlDType::Q8_0)?;
+    assert_eq!(narrow.image_cache_dtype(), Some(DType::BF16));
+    assert_eq!(narrow.text_cache_dtype(), Some(DType::BF16));
     let mut narrow_q8 = narrow.clone();
     let err = narrow_q8
         .set_image_cache_dtype(Some(DType::U8))

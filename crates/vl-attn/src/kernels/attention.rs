@@ -547,7 +547,7 @@ super::micro::per_isa! {
 
 /// [`row_q8_generic`] with AVX-512F intrinsics. Scores: per key, each
 /// block's 32 products in two registers, scaled into one accumulator,
-/// then a reduction; the softmax of [`softmax_avx512`]; values: the
+/// then a reduction of four keys' accumulators at once; the softmax of [`softmax_avx512`]; values: the
 /// output in registers, 2 blocks (64 columns) a pass, two sets of
 /// accumulators over alternate keys. The same results as the generic
 /// kernel up to summation order.
@@ -586,27 +586,32 @@ unsafe fn row_q8_avx512(
     unsafe {
         let qp = q_row.as_ptr();
         let (kp0, vp0) = (keys.as_ptr(), values.as_ptr());
-        for (j, s) in scores.iter_mut().enumerate() {
-            let (kj, vj) = (kp0.add(j * width), vp0.add(j * width));
-            let mut line = 0;
-            while line < width {
-                prefetch(kj.add(line), KV_AHEAD, op.prefetch);
-                prefetch(vj.add(line), 0, op.prefetch);
-                line += 64;
+        // Four keys' sums reduced together (a reduction per key was a
+        // third of the work).
+        let scale4 = _mm_set1_ps(op.scale);
+        let sp = scores.as_mut_ptr();
+        let mut j = 0;
+        while j + 4 <= k_len {
+            let hint = op.prefetch;
+            let sums = sum4([
+                q8_key(qp, kp0, vp0, j, width, blocks, hint),
+                q8_key(qp, kp0, vp0, j + 1, width, blocks, hint),
+                q8_key(qp, kp0, vp0, j + 2, width, blocks, hint),
+                q8_key(qp, kp0, vp0, j + 3, width, blocks, hint),
+            ]);
+            _mm_storeu_ps(sp.add(j), _mm_mul_ps(sums, scale4));
+            j += 4;
+        }
+        for j in j..k_len {
+            let acc = q8_key(qp, kp0, vp0, j, width, blocks, op.prefetch);
+            *sp.add(j) = _mm512_reduce_add_ps(acc) * op.scale;
+        }
+        if let Some(allowed) = allowed {
+            for (s, &open) in scores.iter_mut().zip(allowed) {
+                if open == 0 {
+                    *s = f32::NEG_INFINITY;
+                }
             }
-            if allowed.is_some_and(|a| a[j] == 0) {
-                *s = f32::NEG_INFINITY;
-                continue;
-            }
-            let mut acc = _mm512_setzero_ps();
-            for b in 0..blocks {
-                let blk = kj.add(b * BLOCK_BYTES);
-                let (k0, k1) = (q8_load16(blk.add(2)), q8_load16(blk.add(18)));
-                let t = _mm512_mul_ps(_mm512_loadu_ps(qp.add(32 * b)), k0);
-                let t = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(32 * b + 16)), k1, t);
-                acc = _mm512_fmadd_ps(t, _mm512_set1_ps(q8_scale(blk)), acc);
-            }
-            *s = _mm512_reduce_add_ps(acc) * op.scale;
         }
         let Some(inv) = softmax_avx512(scores) else {
             out.fill(0.0);
@@ -626,6 +631,106 @@ unsafe fn row_q8_avx512(
     }
 }
 
+/// Key `j`'s products with the query at `q`, block by block, each block's
+/// sum scaled, in one register (its lanes' sum is the score); asks for
+/// the key [`KV_AHEAD`] bytes on and for value `j`.
+///
+/// # Safety
+/// Rows of `width` bytes (`blocks` blocks) at `k + j * width` and `v + j
+/// * width`, `32 · blocks` floats at `q`; the CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn q8_key(
+    q: *const f32,
+    k: *const u8,
+    v: *const u8,
+    j: usize,
+    width: usize,
+    blocks: usize,
+    hint: PrefetchHint,
+) -> std::arch::x86_64::__m512 {
+    use super::kv_q8::BLOCK_BYTES;
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let (kj, vj) = (k.add(j * width), v.add(j * width));
+        // One line of each stream per 64 bytes of it, from the row's end
+        // (a 68-byte row, two blocks: one; asking for both of its lines,
+        // mostly the same as the last row's, cost 0.5 of 4.5 ms in
+        // `decode_step_from_memory`): the hardware fills the odd line
+        // left out.
+        for i in 0..(width / 64).max(1) {
+            prefetch(kj.add(width - 1 - 64 * i), KV_AHEAD, hint);
+            prefetch(vj.add(width - 1 - 64 * i), 0, hint);
+        }
+        let mut acc = _mm512_setzero_ps();
+        for b in 0..blocks {
+            let blk = kj.add(b * BLOCK_BYTES);
+            let (k0, k1) = (q8_load16(blk.add(2)), q8_load16(blk.add(18)));
+            let t = _mm512_mul_ps(_mm512_loadu_ps(q.add(32 * b)), k0);
+            let t = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(32 * b + 16)), k1, t);
+            acc = _mm512_fmadd_ps(t, q8_scale16(blk), acc);
+        }
+        acc
+    }
+}
+
+/// Value `j` (the row at `v + j * stride` bytes, `N` blocks) times its
+/// weight `p[j]` into `acc`, the weight and each block's scale as one
+/// factor; nothing for a weight of 0.
+///
+/// # Safety
+/// `j < p.len()`, `N` blocks readable at `v + j * stride`; the CPU has
+/// AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn q8_add_value<const N: usize>(
+    acc: &mut [[std::arch::x86_64::__m512; 2]; N],
+    p: &[f32],
+    v: *const u8,
+    stride: usize,
+    j: usize,
+) {
+    use super::kv_q8::BLOCK_BYTES;
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let pj = *p.get_unchecked(j);
+        if pj == 0.0 {
+            return;
+        }
+        let (pv, row) = (_mm512_set1_ps(pj), v.add(j * stride));
+        for (b, a) in acc.iter_mut().enumerate() {
+            let blk = row.add(b * BLOCK_BYTES);
+            let c = _mm512_mul_ps(pv, q8_scale16(blk));
+            a[0] = _mm512_fmadd_ps(c, q8_load16(blk.add(2)), a[0]);
+            a[1] = _mm512_fmadd_ps(c, q8_load16(blk.add(18)), a[1]);
+        }
+    }
+}
+
+/// The sums of four registers' lanes, `[Σ a0, Σ a1, Σ a2, Σ a3]`: halves
+/// added, then three horizontal adds for all four at once.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn sum4(a: [std::arch::x86_64::__m512; 4]) -> std::arch::x86_64::__m128 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut h = [_mm256_setzero_ps(); 4];
+        for (h, v) in h.iter_mut().zip(a) {
+            let hi = _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v));
+            *h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(hi));
+        }
+        let [a0, a1, a2, a3] = h;
+        let h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h))
+    }
+}
+
 /// The 16 signed bytes at `p` as f32 lanes.
 ///
 /// # Safety
@@ -638,14 +743,20 @@ unsafe fn q8_load16(p: *const u8) -> std::arch::x86_64::__m512 {
     unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()))) }
 }
 
-/// The f16 scale of the block at `p`, as f32.
+/// The f16 scale of the block at `p`, as f32 in every lane (the
+/// conversion in hardware: `half`'s, compiled without F16C, is a call).
 ///
 /// # Safety
-/// 2 bytes readable at `p`.
+/// 2 bytes readable at `p`; the CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn q8_scale(p: *const u8) -> f32 {
+unsafe fn q8_scale16(p: *const u8) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
     // SAFETY: the caller's contract.
-    unsafe { half::f16::from_bits(u16::from_le_bytes([*p, *p.add(1)])).to_f32() }
+    unsafe {
+        let bits = p.cast::<i16>().read_unaligned();
+        _mm512_cvtph_ps(_mm256_set1_epi16(bits))
+    }
 }
 
 /// `out[..32 N] = inv × Σ_j p_j d_j · v_j[..32 N]` over `N` blocks of each
@@ -665,24 +776,18 @@ unsafe fn q8_values_pass<const N: usize>(
     inv: std::arch::x86_64::__m512,
     out: *mut f32,
 ) {
-    use super::kv_q8::BLOCK_BYTES;
     use std::arch::x86_64::*;
     // SAFETY: the caller's contract.
     unsafe {
-        let mut acc = [[[_mm512_setzero_ps(); 2]; N]; 2];
-        for (j, &pj) in p.iter().enumerate() {
-            if pj == 0.0 {
-                continue;
-            }
-            let row = v.add(j * stride);
-            for (b, a) in acc[j % 2].iter_mut().enumerate() {
-                let blk = row.add(b * BLOCK_BYTES);
-                let c = _mm512_set1_ps(pj * q8_scale(blk));
-                a[0] = _mm512_fmadd_ps(c, q8_load16(blk.add(2)), a[0]);
-                a[1] = _mm512_fmadd_ps(c, q8_load16(blk.add(18)), a[1]);
-            }
+        let (mut even, mut odd) = ([[_mm512_setzero_ps(); 2]; N], [[_mm512_setzero_ps(); 2]; N]);
+        let pairs = p.len() / 2;
+        for n in 0..pairs {
+            q8_add_value(&mut even, p, v, stride, 2 * n);
+            q8_add_value(&mut odd, p, v, stride, 2 * n + 1);
         }
-        let [even, odd] = acc;
+        if p.len() % 2 == 1 {
+            q8_add_value(&mut even, p, v, stride, p.len() - 1);
+        }
         for (b, (a, o)) in even.into_iter().zip(odd).enumerate() {
             for h in 0..2 {
                 let sum = _mm512_add_ps(a[h], o[h]);

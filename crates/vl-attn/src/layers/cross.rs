@@ -232,19 +232,21 @@ impl CrossAttention {
     /// `memory_dim`, `inner_dim`) is not a multiple of the format's block
     /// size (32 for `q8_0`, 256 for `q4k`).
     ///
-    /// Over f32 activations on the CPU, projected memories are kept in 16
-    /// bits ([`CrossAttention::with_memory_dtype`]): in the weights' own
-    /// type for `bf16` and `f16`, in bf16 for the integer formats (`q8_0`,
-    /// `q4k`). A decode step then reads half the bytes of keys and values
-    /// (an eighth of a step's reads at 8-bit weights, a fifteenth at
-    /// 16-bit ones, more for long images), and the rounding is that of
-    /// the weights that made them.
+    /// Over f32 activations on the CPU, projected memories are kept as
+    /// [`Quantizer::kv_dtype`] says ([`CrossAttention::with_memory_dtype`]):
+    /// in the weights' own type for `bf16` and `f16`, as q8 rows
+    /// ([`crate::quantize_kv`]) for the integer formats (`q8_0`, `q4k`)
+    /// where the head width is a multiple of 32, else bf16. A decode step
+    /// then reads about a half or a quarter of f32's bytes of keys and
+    /// values (with 16 requests decoding together, their images' keys and
+    /// values are most of a step's reads after the weights), and the
+    /// rounding is about that of the weights that made them.
     pub fn quantize(&self, q: impl Into<Quantizer>) -> Result<Self> {
         let quantizer: Quantizer = q.into();
         let q = Self::new(self.core.quantize(&quantizer)?, &self.cfg).with_backend(self.backend());
-        let memory_dtype = self
-            .memory_dtype
-            .or_else(|| quantizer.kv_dtype(q.core.dtype(), q.core.device()));
+        let memory_dtype = self.memory_dtype.or_else(|| {
+            quantizer.kv_dtype(q.core.dtype(), q.core.device(), q.core.heads().head_dim)
+        });
         Ok(q.with_memory_dtype(memory_dtype))
     }
 

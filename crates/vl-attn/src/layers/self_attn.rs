@@ -255,13 +255,18 @@ impl CausalSelfAttention {
     }
 
     /// After quantizing with `q`: keys and values kept as
-    /// [`crate::CrossAttention::quantize`] keeps an image's (16 bits under
-    /// f32 activations on the CPU: bf16 for the integer formats and bf16
-    /// weights, f16 for f16 weights), unless a dtype was chosen.
+    /// [`crate::CrossAttention::quantize`] keeps an image's (under f32
+    /// activations on the CPU, [`Quantizer::kv_dtype`]: q8 rows for the
+    /// integer formats where heads allow, bf16 for bf16 weights, f16 for
+    /// f16 weights), unless a dtype was chosen.
     fn kept_for(mut self, q: &Quantizer) -> Self {
-        self.cache_dtype = self
-            .cache_dtype
-            .or_else(|| q.kv_dtype(self.core.dtype(), self.core.device()));
+        self.cache_dtype = self.cache_dtype.or_else(|| {
+            q.kv_dtype(
+                self.core.dtype(),
+                self.core.device(),
+                self.core.heads().head_dim,
+            )
+        });
         self
     }
 
@@ -269,11 +274,14 @@ impl CausalSelfAttention {
     /// activations; `None`: the activations' dtype, the default), in the
     /// cache and without one alike, so that a cached step computes what an
     /// uncached pass does; kept through [`CausalSelfAttention::quantize`],
-    /// which, when none was chosen, keeps them in 16 bits under f32
-    /// activations on the CPU (bf16 for the integer formats and bf16
+    /// which, when none was chosen, keeps them under f32 activations on the
+    /// CPU as [`Quantizer::kv_dtype`] says (q8 rows for the integer formats
+    /// where the head width is a multiple of 32, else bf16; bf16 for bf16
     /// weights, f16 for f16 weights: as [`crate::CrossAttention::quantize`]
-    /// keeps an image's). Attention widens them as it reads them (vl's CPU
-    /// kernel in place, other paths by a cast).
+    /// keeps an image's). `U8` keeps them as q8 rows ([`crate::quantize_kv`]:
+    /// f32 activations, a head width that is a multiple of 32), about half
+    /// of bf16's bytes. Attention widens them as it reads them (vl's CPU
+    /// kernel in place, other paths by a cast or [`crate::widen_kv`]).
     ///
     /// A decode step then reads half the bytes of its text cache: at
     /// position 1,000 of a 1024-wide, 4-layer decoder (Nougat's) 16 MB
@@ -387,6 +395,7 @@ impl CausalSelfAttention {
     fn project_kept(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor, usize, usize)> {
         let (q, k, v, b, t) = self.project(x)?;
         match self.cache_dtype {
+            Some(DType::U8) => Ok((q, crate::quantize_kv(&k)?, crate::quantize_kv(&v)?, b, t)),
             Some(dtype) if dtype != k.dtype() => {
                 Ok((q, k.to_dtype(dtype)?, v.to_dtype(dtype)?, b, t))
             }
