@@ -319,6 +319,18 @@ fn prefetch_key_value<E>(
     }
 }
 
+/// The scores' softmax without its division, in place: `exp(s - max)`
+/// (closed keys, -inf, exactly 0); returns `1 / Σ`.
+#[inline(always)]
+fn softmax_generic<K: Kernel>(scores: &mut [f32], max: f32) -> f32 {
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = exp_neg::<K>(*s - max);
+        sum += *s;
+    }
+    1.0 / sum
+}
+
 /// One query row of [`FusedCpu`] (a decode step's row over its keys):
 /// scores, a softmax with [`exp_neg`] over all of them at once, then the
 /// weighted values; compiled once per instruction set below.
@@ -370,13 +382,7 @@ fn row_generic<K: Kernel, E: Weight>(
     if !any {
         return;
     }
-    // Closed keys (-inf) get exactly 0.
-    let mut sum = 0f32;
-    for s in scores.iter_mut() {
-        *s = exp_neg::<K>(*s - max);
-        sum += *s;
-    }
-    let inv = 1.0 / sum;
+    let inv = softmax_generic::<K>(scores, max);
     for (&p, v_row) in scores.iter().zip(values.chunks_exact(head_dim)) {
         if p == 0.0 {
             continue;
@@ -508,12 +514,7 @@ fn row_q8_generic<K: Kernel>(
     if max == f32::NEG_INFINITY {
         return;
     }
-    let mut sum = 0f32;
-    for s in scores.iter_mut() {
-        *s = exp_neg::<K>(*s - max);
-        sum += *s;
-    }
-    let inv = 1.0 / sum;
+    let inv = softmax_generic::<K>(scores, max);
     for (&p, v_row) in scores.iter().zip(values.chunks_exact(width)) {
         if p == 0.0 {
             continue;
