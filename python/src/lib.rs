@@ -157,37 +157,49 @@ fn parse_quantize(py: Python<'_>, q: Option<&str>) -> PyResult<Quantization> {
 /// Loads a model directory, or with the `hub` feature a Hub id
 /// (`org/name`, with `revision`).
 #[pyfunction]
-#[pyo3(signature = (source, *, quantize=None, dtype="f32", text_cache=None, revision=None))]
+#[pyo3(signature = (source, *, quantize=None, dtype="f32", text_cache=None, image_cache=None, revision=None))]
 fn load(
     py: Python<'_>,
     source: PathBuf,
     quantize: Option<&str>,
     dtype: &str,
     text_cache: Option<&str>,
+    image_cache: Option<&str>,
     revision: Option<&str>,
 ) -> PyResult<NativeModel> {
     let quantization = parse_quantize(py, quantize)?;
     let dtype: DType = vl::settings::parse_dtype(dtype)
         .map_err(|_| argument(py, format!("dtype={dtype:?}: not one of f32, f16, bf16")))?;
-    let text_cache = match text_cache {
-        None => None,
-        Some(name) => match vl::settings::parse_dtype(name) {
-            Ok(d) if vl::vl_decoder::VisionLanguageDecoder::text_cache_fits(dtype, d) => Some(d),
-            _ => {
-                return Err(argument(
-                    py,
-                    format!(
-                        "text_cache={name:?}: the dtype ({}) or, under f32, bf16 or f16",
-                        dtype.as_str()
-                    ),
-                ))
+    // A cache format: the dtype, or under f32 bf16, f16 or q8 (q8 rows,
+    // kept as u8).
+    let cache = |arg: &str, name: Option<&str>| -> PyResult<Option<DType>> {
+        let Some(name) = name else {
+            return Ok(None);
+        };
+        let parsed = match name {
+            "q8" => Ok(DType::U8),
+            other => vl::settings::parse_dtype(other),
+        };
+        match parsed {
+            Ok(d) if vl::vl_decoder::VisionLanguageDecoder::text_cache_fits(dtype, d) => {
+                Ok(Some(d))
             }
-        },
+            _ => Err(argument(
+                py,
+                format!(
+                    "{arg}={name:?}: the dtype ({}) or, under f32, bf16, f16 or q8",
+                    dtype.as_str()
+                ),
+            )),
+        }
     };
+    let text_cache = cache("text_cache", text_cache)?;
+    let image_cache = cache("image_cache", image_cache)?;
     let dir = resolve(py, &source, revision)?;
     let options = LoadOptions::new(dtype, &Device::Cpu)
         .quantized(quantization)
-        .with_text_cache(text_cache);
+        .with_text_cache(text_cache)
+        .with_image_cache(image_cache);
     let loaded = py.detach(|| vl::load(Source::Dir(&dir), &options));
     let model = loaded.map_err(|e| {
         let message = match quantization {

@@ -167,6 +167,12 @@ def test_load_errors_are_named(tmp_path):
         vl.load(SHAPES, dtype="bf16", text_cache="f32")
     with pytest.raises(vl.ArgumentError, match='text_cache="f8"'):
         vl.load(SHAPES, text_cache="f8")
+    with pytest.raises(vl.ArgumentError, match='image_cache="q8"'):
+        vl.load(SHAPES, dtype="bf16", image_cache="q8")
+    # q8 rows need heads a multiple of 32 wide; the captioner's are 16.
+    for arg in ["text_cache", "image_cache"]:
+        with pytest.raises(vl.ArgumentError, match=f"{arg}_dtype: q8 rows need a head width"):
+            vl.load(SHAPES, **{arg: "q8"})
 
 
 def test_quantized_load(samples):
@@ -176,7 +182,7 @@ def test_quantized_load(samples):
     assert r["caption"] and r["token_ids"][-1] == 2
     # Keys and values kept in bf16: the shipped captioner's wide margins
     # give the same tokens.
-    kv16 = vl.load(SHAPES, quantize="q8_0", text_cache="bf16")
+    kv16 = vl.load(SHAPES, quantize="q8_0", text_cache="bf16", image_cache="f32")
     assert kv16.caption(str(samples[0]))[0]["token_ids"] == r["token_ids"]
 
 

@@ -71,6 +71,7 @@ def load(
     quantize: Optional[str] = None,
     dtype: str = "f32",
     text_cache: Optional[str] = None,
+    image_cache: Optional[str] = None,
     threads: Optional[int] = None,
     revision: Optional[str] = None,
 ) -> "Model":
@@ -90,10 +91,16 @@ def load(
         text_cache: the decoder's keys and values kept in ``"bf16"`` or
             ``"f16"`` under f32 activations (half the bytes each decode
             step reads from them, for long outputs such as a Nougat page,
-            rounded as a bf16 model rounds them) or ``"f32"``. ``None``:
-            16 bits when ``quantize`` converts the weights under f32
-            activations on the CPU (as the image's keys and values: f16
-            for ``"f16"``, else bf16), otherwise in ``dtype``.
+            rounded as a bf16 model rounds them), ``"q8"`` (8-bit values
+            with an f16 scale per 32, about half again; heads a multiple
+            of 32 wide) or ``"f32"``. ``None``: when ``quantize`` converts
+            the weights under f32 activations on the CPU, q8 for
+            ``"q8_0"`` and ``"q4k"`` (bf16 where heads are not a multiple
+            of 32 wide), the weights' type for ``"bf16"`` and ``"f16"``;
+            otherwise ``dtype``.
+        image_cache: the image's keys and values (projected once per
+            image, read at every step), as ``text_cache``; the same
+            default.
         threads: CPU threads (default: one per core). vl's thread pools
             are sized once per process, by the first ``load`` that runs
             any work; a later, different count raises
@@ -104,7 +111,7 @@ def load(
         ModelError: the directory or id cannot be loaded (the message
             names the file, field or tensor at fault).
         ArgumentError: a bad ``quantize``, ``dtype``, ``text_cache``,
-            ``threads`` or ``revision``.
+            ``image_cache``, ``threads`` or ``revision``.
     """
     if threads is not None:
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
@@ -117,6 +124,7 @@ def load(
         quantize=quantize,
         dtype=dtype,
         text_cache=text_cache,
+        image_cache=image_cache,
         revision=revision,
     )
     if os.environ.get("VL_KEEP_FREED_MEMORY", "1") != "0":

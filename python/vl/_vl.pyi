@@ -12,6 +12,7 @@ def load(
     quantize: Optional[str] = None,
     dtype: str = "f32",
     text_cache: Optional[str] = None,
+    image_cache: Optional[str] = None,
     revision: Optional[str] = None,
 ) -> NativeModel: ...
 def set_threads(n: int) -> None: ...
