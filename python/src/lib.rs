@@ -181,9 +181,7 @@ fn load(
             other => vl::settings::parse_dtype(other),
         };
         match parsed {
-            Ok(d) if vl::vl_decoder::VisionLanguageDecoder::text_cache_fits(dtype, d) => {
-                Ok(Some(d))
-            }
+            Ok(d) if vl::vl_decoder::VisionLanguageDecoder::cache_fits(dtype, d) => Ok(Some(d)),
             _ => Err(argument(
                 py,
                 format!(

@@ -471,24 +471,9 @@ impl VisionLanguageDecoder {
     /// neither the activations' dtype nor, under f32 activations, bf16,
     /// f16 or u8, or is u8 over a head width that is not a multiple of 32.
     pub fn set_text_cache_dtype(&mut self, dtype: Option<DType>) -> Result<()> {
-        let activations = self.dtype();
         if let Some(d) = dtype {
-            if !Self::text_cache_fits(activations, d) {
-                return arg_err(
-                    "text_cache_dtype",
-                    format!(
-                        "expected {activations:?} (the activations') or, under f32 \
-                         activations, bf16, f16 or u8 (q8 rows); got {d:?}"
-                    ),
-                );
-            }
             let width = self.cfg.hidden_size / self.cfg.num_attention_heads.max(1);
-            if d == DType::U8 && !width.is_multiple_of(32) {
-                return arg_err(
-                    "text_cache_dtype",
-                    format!("q8 rows need a head width that is a multiple of 32, got {width}"),
-                );
-            }
+            self.check_cache("text_cache_dtype", d, std::iter::once(width))?;
         }
         for b in &mut self.blocks {
             b.set_text_cache_dtype(dtype);
@@ -511,31 +496,13 @@ impl VisionLanguageDecoder {
     /// is none of those, or is `U8` over a head width that is not a
     /// multiple of 32.
     pub fn set_image_cache_dtype(&mut self, dtype: Option<DType>) -> Result<()> {
-        let activations = self.dtype();
         if let Some(d) = dtype {
-            let small = matches!(d, DType::BF16 | DType::F16 | DType::U8);
-            if d != activations && !(activations == DType::F32 && small) {
-                return arg_err(
-                    "image_cache_dtype",
-                    format!(
-                        "expected {activations:?} (the activations') or, under f32 \
-                         activations, bf16, f16 or u8 (q8 rows); got {d:?}"
-                    ),
-                );
-            }
             let widths = self
                 .blocks
                 .iter()
                 .filter_map(|b| b.cross_attention())
                 .map(|c| c.config().inner_dim / c.config().num_heads);
-            if d == DType::U8 {
-                if let Some(w) = widths.into_iter().find(|w| !w.is_multiple_of(32)) {
-                    return arg_err(
-                        "image_cache_dtype",
-                        format!("q8 rows need a head width that is a multiple of 32, got {w}"),
-                    );
-                }
-            }
+            self.check_cache("image_cache_dtype", d, widths)?;
         }
         for b in &mut self.blocks {
             b.set_image_cache_dtype(dtype);
@@ -552,11 +519,40 @@ impl VisionLanguageDecoder {
             .and_then(|c| c.memory_dtype())
     }
 
-    /// Whether a text cache in `cache` serves activations in
-    /// `activations`: the same dtype, or bf16/f16/u8 (q8 rows) under f32.
-    pub fn text_cache_fits(activations: DType, cache: DType) -> bool {
+    /// Whether a cache (text or image keys and values) in `cache` serves
+    /// activations in `activations`: the same dtype, or bf16/f16/u8 (q8
+    /// rows) under f32.
+    pub fn cache_fits(activations: DType, cache: DType) -> bool {
         cache == activations
             || (activations == DType::F32 && matches!(cache, DType::BF16 | DType::F16 | DType::U8))
+    }
+
+    /// A cache dtype `cache` for heads of `widths`, or an error naming
+    /// `arg`: one that fits the activations ([`Self::cache_fits`]), and
+    /// for q8 rows heads a multiple of 32 wide.
+    fn check_cache(
+        &self,
+        arg: &'static str,
+        cache: DType,
+        mut widths: impl Iterator<Item = usize>,
+    ) -> Result<()> {
+        let activations = self.dtype();
+        if !Self::cache_fits(activations, cache) {
+            return arg_err(
+                arg,
+                format!(
+                    "expected {activations:?} (the activations') or, under f32 \
+                     activations, bf16, f16 or u8 (q8 rows); got {cache:?}"
+                ),
+            );
+        }
+        match widths.find(|w| !w.is_multiple_of(32)) {
+            Some(w) if cache == DType::U8 => arg_err(
+                arg,
+                format!("q8 rows need a head width that is a multiple of 32, got {w}"),
+            ),
+            _ => Ok(()),
+        }
     }
 
     /// The dtype of the text cache, `None` for the activations'.

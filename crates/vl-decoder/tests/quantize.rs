@@ -124,6 +124,28 @@ fn argmax_agreement(a: &Tensor, b: &Tensor) -> anyhow::Result<f32> {
     Ok(same as f32 / a.len() as f32)
 }
 
+/// The logits of `toks` decoded over `mem` with the image context and
+/// the caches: a 2-token prompt, then one token at a time.
+fn cached_steps(
+    dec: &VisionLanguageDecoder,
+    toks: &Tensor,
+    mem: &Tensor,
+) -> anyhow::Result<Tensor> {
+    let ctx = dec.image_context(mem, None)?;
+    let mut state = dec.start(&ctx, 1)?;
+    let mut out = vec![
+        dec.step(&mut state, &toks.narrow(1, 0, 2)?, StepOptions::all())?
+            .values,
+    ];
+    for t in 2..toks.dims()[1] {
+        out.push(
+            dec.step(&mut state, &toks.narrow(1, t, 1)?, StepOptions::all())?
+                .values,
+        );
+    }
+    Ok(Tensor::cat(&out, 1)?)
+}
+
 #[test]
 fn logits_and_greedy_choices_close_to_dense() -> anyhow::Result<()> {
     for (q, cfg, max_err, min_agree) in [
@@ -189,22 +211,7 @@ fn cached_steps_equal_full_forward() -> anyhow::Result<()> {
         let quant = build(&cfg, DType::F32)?.quantize(format)?;
         let (toks, mem) = inputs(&cfg, 2, 6)?;
         let full = quant.forward(&toks, Some(&mem), ForwardMasks::default())?;
-        let ctx = quant.image_context(&mem, None)?;
-        let mut state = quant.start(&ctx, 1)?;
-        // A 2-token prompt, then one token at a time.
-        let mut steps = vec![
-            quant
-                .step(&mut state, &toks.narrow(1, 0, 2)?, StepOptions::all())?
-                .values,
-        ];
-        for t in 2..6 {
-            steps.push(
-                quant
-                    .step(&mut state, &toks.narrow(1, t, 1)?, StepOptions::all())?
-                    .values,
-            );
-        }
-        let diff = max_abs_diff(&Tensor::cat(&steps, 1)?, &full)?;
+        let diff = max_abs_diff(&cached_steps(&quant, &toks, &mem)?, &full)?;
         assert!(diff < 1e-4, "{format:?}: cached vs full {diff}");
     }
     Ok(())
@@ -297,22 +304,8 @@ fn q8_image_cache_steps() -> anyhow::Result<()> {
         (DType::U8, &[2, 2, 9, 34][..])
     );
     assert_eq!(kv.head_dim(), 32);
-    let steps = |dec: &VisionLanguageDecoder, mem: &Tensor| -> anyhow::Result<Tensor> {
-        let ctx = dec.image_context(mem, None)?;
-        let mut state = dec.start(&ctx, 1)?;
-        let b = mem.dims()[0];
-        let toks = toks.narrow(0, 0, b)?;
-        let mut out = vec![
-            dec.step(&mut state, &toks.narrow(1, 0, 2)?, StepOptions::all())?
-                .values,
-        ];
-        for t in 2..6 {
-            out.push(
-                dec.step(&mut state, &toks.narrow(1, t, 1)?, StepOptions::all())?
-                    .values,
-            );
-        }
-        Ok(Tensor::cat(&out, 1)?)
+    let steps = |dec: &VisionLanguageDecoder, mem: &Tensor| {
+        cached_steps(dec, &toks.narrow(0, 0, mem.dims()[0])?, mem)
     };
     let got = steps(&quant, &mem)?;
     let full = quant.forward(&toks, Some(&mem), ForwardMasks::default())?;

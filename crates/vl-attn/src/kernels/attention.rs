@@ -591,9 +591,9 @@ unsafe fn row_q8_avx512(
         // third of the work).
         let scale4 = _mm_set1_ps(op.scale);
         let sp = scores.as_mut_ptr();
+        let hint = op.prefetch;
         let mut j = 0;
         while j + 4 <= k_len {
-            let hint = op.prefetch;
             let sums = sum4([
                 q8_key(qp, kp0, vp0, j, width, blocks, hint),
                 q8_key(qp, kp0, vp0, j + 1, width, blocks, hint),
@@ -604,7 +604,7 @@ unsafe fn row_q8_avx512(
             j += 4;
         }
         for j in j..k_len {
-            let acc = q8_key(qp, kp0, vp0, j, width, blocks, op.prefetch);
+            let acc = q8_key(qp, kp0, vp0, j, width, blocks, hint);
             *sp.add(j) = _mm512_reduce_add_ps(acc) * op.scale;
         }
         if let Some(allowed) = allowed {

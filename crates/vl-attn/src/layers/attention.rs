@@ -594,27 +594,45 @@ fn readable_in_place(k: &Tensor, v: &Tensor, dims: Dims) -> bool {
 /// [`AttnError::Shape`] naming `kv` when it is not 4-d with a head width
 /// that is a multiple of 32; [`AttnError::DType`] when it is not f32.
 pub fn quantize_kv(kv: &Tensor) -> Result<Tensor> {
-    use crate::kernels::kv_q8;
     let (b, h, len, hd) = kv.dims4().map_err(|_| AttnError::Shape {
         arg: "kv",
         expected: "(batch, kv_heads, len, head_dim)".into(),
         actual: kv.dims().to_vec(),
     })?;
+    crate::error::check_dtype_device("kv", kv, "f32 keys or values", DType::F32, kv.device())?;
+    // Read in place where it can be: a decode step quantizes each layer's
+    // new keys and values.
+    crate::kernels::with_values(kv, |values: &[f32]| {
+        q8_rows(values, &[b, h, len, hd], kv.device())
+    })?
+}
+
+/// `values` (row-major, of `dims`, the last the head width) as q8 rows on
+/// `device`: the last dimension becomes its blocks' bytes.
+///
+/// # Errors
+/// [`AttnError::Shape`] naming `kv` when the head width is not a multiple
+/// of 32.
+pub(crate) fn q8_rows(
+    values: &[f32],
+    dims: &[usize],
+    device: &candle_core::Device,
+) -> Result<Tensor> {
+    use crate::kernels::kv_q8;
+    let hd = dims.last().copied().unwrap_or(0);
     if !hd.is_multiple_of(kv_q8::BLOCK_VALUES) {
         return Err(AttnError::Shape {
             arg: "kv",
             expected: format!("a head width that is a multiple of {}", kv_q8::BLOCK_VALUES),
-            actual: kv.dims().to_vec(),
+            actual: dims.to_vec(),
         });
     }
-    crate::error::check_dtype_device("kv", kv, "f32 keys or values", DType::F32, kv.device())?;
-    let values = kv.flatten_all()?.to_vec1::<f32>()?;
-    let blocks = kv_q8::quantize(&values, CpuFeatures::get().isa());
-    Ok(Tensor::from_vec(
-        blocks,
-        (b, h, len, kv_q8::row_bytes(hd)),
-        kv.device(),
-    )?)
+    let mut shape = dims.to_vec();
+    if let Some(last) = shape.last_mut() {
+        *last = kv_q8::row_bytes(hd);
+    }
+    let blocks = kv_q8::quantize(values, CpuFeatures::get().isa());
+    Ok(Tensor::from_vec(blocks, shape, device)?)
 }
 
 /// The values of q8 rows ([`quantize_kv`]) as `(batch, kv_heads, len,
@@ -638,7 +656,7 @@ pub fn widen_kv(kv: &Tensor, dtype: DType) -> Result<Tensor> {
     if kv.dtype() != DType::U8 {
         return Err(bad());
     }
-    let values = kv_q8::widen(&kv.flatten_all()?.to_vec1::<u8>()?);
+    let values = crate::kernels::with_values(kv, kv_q8::widen)?;
     Ok(Tensor::from_vec(values, (b, h, len, hd), kv.device())?.to_dtype(dtype)?)
 }
 

@@ -605,17 +605,8 @@ fn in_dtype(
         }
         Some(DType::F32) | None => Tensor::from_vec(values, shape, device)?,
         Some(DType::U8) => {
-            use crate::kernels::kv_q8;
             let (p, b, h, t, hd) = shape;
-            if !hd.is_multiple_of(kv_q8::BLOCK_VALUES) {
-                return Err(crate::AttnError::Shape {
-                    arg: "kv",
-                    expected: format!("a head width that is a multiple of {}", kv_q8::BLOCK_VALUES),
-                    actual: vec![p, b, h, t, hd],
-                });
-            }
-            let blocks = kv_q8::quantize(&values, crate::kernels::CpuFeatures::get().isa());
-            Tensor::from_vec(blocks, (p, b, h, t, kv_q8::row_bytes(hd)), device)?
+            crate::attention::q8_rows(&values, &[p, b, h, t, hd], device)?
         }
         Some(other) => Tensor::from_vec(values, shape, device)?.to_dtype(other)?,
     })
