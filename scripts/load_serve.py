@@ -113,17 +113,23 @@ def post(base: str, payload, stream: bool = False):
 
 
 class Server:
-    """A server process on loopback, stopped on exit."""
+    """A server process on loopback, stopped on exit; `log`, a file, takes
+    its standard error (its log), which is otherwise discarded."""
 
-    def __init__(self, cmd: list, port: int, env=None):
+    def __init__(self, cmd: list, port: int, env=None, log=None):
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+            cmd, stdout=subprocess.PIPE, stderr=log or subprocess.DEVNULL, text=True, env=env
         )
         self.base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 300
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise SystemExit(f"{cmd[0]} exited with {self.proc.returncode}")
+                said = ""
+                if log is not None:
+                    log.flush()
+                    tail = Path(log.name).read_text(errors="replace").strip().splitlines()[-5:]
+                    said = ":\n" + "\n".join(tail)
+                raise SystemExit(f"{cmd[0]} exited with {self.proc.returncode}{said}")
             try:
                 with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
                     if r.status == 200:

@@ -26,17 +26,15 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_python import make_images  # noqa: E402
-from load_serve import body, data_url, free_port, post  # noqa: E402
+from load_serve import ROOT, Server, body, data_url, free_port, post  # noqa: E402
 
 STEP = re.compile(r"decoded (\d+) requests in ([0-9.]+) ms")
 
@@ -44,7 +42,7 @@ STEP = re.compile(r"decoded (\d+) requests in ([0-9.]+) ms")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="a checkpoint directory (scripts/hf_fixtures.py --base)")
-    ap.add_argument("--vl", default=str(Path(__file__).resolve().parent.parent / "target/release/vl"))
+    ap.add_argument("--vl", default=str(ROOT / "target/release/vl"))
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=256)
     argv = sys.argv[1:]
@@ -57,28 +55,15 @@ def main() -> None:
     env = dict(os.environ, RUST_LOG="vl_cli=debug", NO_COLOR="1")
     cmd = [args.vl, "serve", "--model", args.model, "--port", str(port),
            "--max-batch", str(max(args.clients, 1))] + serve_args
-    server = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
-    base = f"http://127.0.0.1:{port}"
+    server = Server(cmd, port, env, log=log)
     try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                if urllib.request.urlopen(base + "/health", timeout=5).status == 200:
-                    break
-            except OSError:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                log.flush()
-                tail = Path(log.name).read_text(errors="replace").strip().splitlines()[-5:]
-                sys.exit(f"vl serve did not become ready: {' '.join(cmd)}\n" + "\n".join(tail))
-            time.sleep(0.2)
         urls = [data_url(p) for p in make_images(Path(tempfile.mkdtemp()), args.clients)]
 
         def wave() -> float:
             answers = []
 
             def one(u):
-                answers.append(post(base, body(u, args.tokens, False))[0])
+                answers.append(post(server.base, body(u, args.tokens, False))[0])
 
             threads = [threading.Thread(target=one, args=(u,)) for u in urls]
             t0 = time.perf_counter()
@@ -91,16 +76,18 @@ def main() -> None:
                 sys.exit(f"a request failed: statuses {answers}")
             return wall
 
+        def steps() -> list:
+            log.flush()
+            return STEP.findall(Path(log.name).read_text(errors="replace"))
+
         wave()
-        log.flush()
-        seen = len(STEP.findall(Path(log.name).read_text(errors="replace")))
+        seen = len(steps())
         wall = wave()
         time.sleep(0.2)
-        steps = STEP.findall(Path(log.name).read_text(errors="replace"))[seen:]
+        timed = steps()[seen:]
     finally:
-        server.terminate()
-        server.wait(timeout=60)
-    full = sorted(float(ms) for n, ms in steps if int(n) == args.clients)
+        server.stop()
+    full = sorted(float(ms) for n, ms in timed if int(n) == args.clients)
     if not full:
         sys.exit("no step decoded every client's row at once")
     print(json.dumps({

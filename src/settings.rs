@@ -50,6 +50,31 @@ pub fn parse_dtype(name: &str) -> Result<DType> {
     }
 }
 
+/// Parses a cache format — of the text cache or of the image's keys and
+/// values (`--text-cache`, `--image-cache`; Python's `text_cache=`,
+/// `image_cache=`): `f32`, `f16`, `bf16`, or `q8` (q8 rows, kept as u8;
+/// see `vl_attn::quantize_kv`).
+pub fn parse_cache_format(name: &str) -> Result<DType> {
+    match name {
+        "q8" => Ok(DType::U8),
+        other => parse_dtype(other).or_else(|_| {
+            arg_err(
+                "cache",
+                format!("`{name}` is not one of f32, f16, bf16 (or q8)"),
+            )
+        }),
+    }
+}
+
+/// A cache format's spelling ([`parse_cache_format`]'s inverse): `q8`
+/// for q8 rows, else the dtype's.
+pub fn cache_format_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::U8 => "q8",
+        other => other.as_str(),
+    }
+}
+
 /// A generation setting that a front end can override, with its command
 /// line spelling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -502,5 +527,19 @@ mod tests {
         assert_eq!(parse_dtype("bf16").ok(), Some(DType::BF16));
         let err = parse_device("cpu:x").unwrap_err().to_string();
         assert!(err.contains("`x` is not a number"), "{err}");
+    }
+
+    #[test]
+    fn cache_formats_spell_back() {
+        for name in ["f32", "f16", "bf16", "q8"] {
+            let d = parse_cache_format(name).expect(name);
+            assert_eq!(cache_format_name(d), name);
+        }
+        assert_eq!(parse_cache_format("q8").ok(), Some(DType::U8));
+        let err = parse_cache_format("q4").unwrap_err().to_string();
+        assert!(
+            err.contains("`q4` is not one of f32, f16, bf16 (or q8)"),
+            "{err}"
+        );
     }
 }

@@ -176,11 +176,7 @@ fn load(
         let Some(name) = name else {
             return Ok(None);
         };
-        let parsed = match name {
-            "q8" => Ok(DType::U8),
-            other => vl::settings::parse_dtype(other),
-        };
-        match parsed {
+        match vl::settings::parse_cache_format(name) {
             Ok(d) if vl::vl_decoder::VisionLanguageDecoder::cache_fits(dtype, d) => Ok(Some(d)),
             _ => Err(argument(
                 py,

@@ -165,7 +165,7 @@ fn streamed(c: &mut Criterion) {
         let x = Tensor::randn(0f32, 1., (rows, inp), &dev).expect("x");
         group.bench_function(BenchmarkId::new("vl q8_0 one up x24", rows), |b| {
             b.iter(|| {
-                for _ in &weights {
+                for _ in 0..weights.len() {
                     weights[0].matmul(&x).expect("q8_0");
                 }
             })

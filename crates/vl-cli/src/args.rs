@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use candle_core::{DType, Device};
-use vl::settings::{parse_device, parse_dtype, GenerationOverrides};
+use vl::settings::{
+    cache_format_name, parse_cache_format, parse_device, parse_dtype, GenerationOverrides,
+};
 use vl::vl_attn::Quantization;
 use vl::{LoadOptions, Source, VlModel};
 
@@ -55,23 +57,9 @@ pub(crate) fn dtype(name: &str) -> Result<DType, String> {
     parse_dtype(name).map_err(reason)
 }
 
-/// clap's parser of `--image-cache` and `--text-cache`: a dtype, or `q8` (q8 rows, kept as
-/// u8; see `vl_attn::quantize_kv`).
+/// clap's parser of `--image-cache` and `--text-cache`.
 pub(crate) fn cache_format(name: &str) -> Result<DType, String> {
-    match name {
-        "q8" => Ok(DType::U8),
-        other => parse_dtype(other)
-            .map_err(reason)
-            .map_err(|e| format!("{e} (or q8)")),
-    }
-}
-
-/// `--image-cache`'s and `--text-cache`'s spelling of `dtype`.
-pub(crate) fn cache_format_name(dtype: DType) -> &'static str {
-    match dtype {
-        DType::U8 => "q8",
-        other => other.as_str(),
-    }
+    parse_cache_format(name).map_err(reason)
 }
 
 /// clap's parser of counts that must be positive (`--batch-size`,

@@ -335,10 +335,10 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         "model": args.model.display().to_string(),
         "dtype": args.dtype.as_str(),
         "quantize": args.quantize.name(),
-        "text_cache": crate::args::cache_format_name(
+        "text_cache": vl::settings::cache_format_name(
             model.decoder.text_cache_dtype().unwrap_or(args.dtype)
         ),
-        "image_cache": crate::args::cache_format_name(
+        "image_cache": vl::settings::cache_format_name(
             model.decoder.image_cache_dtype().unwrap_or(args.dtype)
         ),
         "device": crate::args::device_name(&args.device),

@@ -546,13 +546,15 @@ impl VisionLanguageDecoder {
                 ),
             );
         }
-        match widths.find(|w| !w.is_multiple_of(32)) {
-            Some(w) if cache == DType::U8 => arg_err(
-                arg,
-                format!("q8 rows need a head width that is a multiple of 32, got {w}"),
-            ),
-            _ => Ok(()),
+        if cache == DType::U8 {
+            if let Some(w) = widths.find(|w| !w.is_multiple_of(32)) {
+                return arg_err(
+                    arg,
+                    format!("q8 rows need a head width that is a multiple of 32, got {w}"),
+                );
+            }
         }
+        Ok(())
     }
 
     /// The dtype of the text cache, `None` for the activations'.
