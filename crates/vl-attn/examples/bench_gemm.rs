@@ -10,7 +10,11 @@
 //! ```
 //!
 //! `--only TEXT` times only the kernels whose name contains it (`--only
-//! Amx`: the tile unit's; to profile one kernel alone).
+//! Amx`: the tile unit's; to profile one kernel alone). `--davit` times
+//! Florence-2 base's DaViT shapes instead (one 768² image: per stage its
+//! tokens and the q/k/v, output and feed-forward products; `--rows` is
+//! ignored); `--shape M,N,K` times one product of `M` rows by a weight
+//! `(N, K)`.
 //!
 //! Two threads unless `RAYON_NUM_THREADS` says otherwise (as `vl bench
 //! --threads 2`). GFLOP/s is `2 m n k` per product.
@@ -69,11 +73,36 @@ fn main() -> candle_core::Result<()> {
     let cpu = CpuFeatures::get();
     println!("{cpu}");
     println!(
-        "threads {}, rows {rows}, least / median of {repeats} runs",
+        "threads {}, least / median of {repeats} runs",
         rayon::current_num_threads()
     );
     let dev = Device::Cpu;
-    for (n, k) in [(2304, 768), (768, 768), (3072, 768), (768, 3072)] {
+    let davit = std::env::args().any(|a| a == "--davit");
+    let shape = value("--shape").map(|s| {
+        let d: Vec<usize> = s
+            .split(',')
+            .map(|v| {
+                v.parse()
+                    .unwrap_or_else(|_| panic!("--shape: expected M,N,K, got {s:?}"))
+            })
+            .collect();
+        assert!(d.len() == 3, "--shape: expected M,N,K, got {s:?}");
+        (d[0], d[1], d[2])
+    });
+    let shapes: Vec<(usize, usize, usize)> = if let Some(one) = shape {
+        vec![one]
+    } else if davit {
+        [(36864, 128), (9216, 256), (2304, 512), (576, 1024)]
+            .into_iter()
+            .flat_map(|(m, c)| [(m, 3 * c, c), (m, c, c), (m, 4 * c, c), (m, c, 4 * c)])
+            .collect()
+    } else {
+        [(2304, 768), (768, 768), (3072, 768), (768, 3072)]
+            .into_iter()
+            .map(|(n, k)| (rows, n, k))
+            .collect()
+    };
+    for (rows, n, k) in shapes {
         let x = Tensor::randn(0f32, 1., (rows, k), &dev)?;
         let w = Tensor::randn(0f32, 1., (n, k), &dev)?;
         let flops = 2.0 * (rows * n * k) as f64;

@@ -260,28 +260,14 @@ const TASK_W: usize = 8 * MR;
 /// packing was ~4% of a batch-8 ViT encode, `perf`, Xeon model 167).
 fn pack_rows(isa: Isa, x: &[f32], m: usize, k: usize) -> CacheAligned<f32> {
     let panels = m.div_ceil(NR);
+    let avx512 = isa.simd() == super::features::Simd::Avx512;
     let pack = |xp: &mut [MaybeUninit<f32>]| {
         xp.par_chunks_mut(k * NR)
             .enumerate()
             .for_each(|(q, panel)| {
                 let rows = &x[q * NR * k..(q * NR + NR.min(m - q * NR)) * k];
-                // The whole columns of 16 by register transposes where
-                // AVX-512F runs, the rest element by element.
-                #[cfg(target_arch = "x86_64")]
-                let from = if isa.simd() == super::features::Simd::Avx512 {
-                    let whole = k / 16 * 16;
-                    // SAFETY: the token proves AVX-512F.
-                    unsafe { crate::kernels::micro::transpose_rows(rows, k, whole, None, panel) };
-                    whole
-                } else {
-                    0
-                };
-                #[cfg(not(target_arch = "x86_64"))]
-                let from = {
-                    let _ = isa;
-                    0
-                };
-                pack_panel(rows, k, from, panel);
+                // SAFETY: `avx512` only where the token proves AVX-512F.
+                unsafe { pack_one(avx512, rows, k, panel) };
             })
     };
     // SAFETY: the panels cover the buffer, and each packer writes every
@@ -289,6 +275,31 @@ fn pack_rows(isa: Isa, x: &[f32], m: usize, k: usize) -> CacheAligned<f32> {
     // a one-thread `memset` of the whole of `x` per product, 2% of a
     // Florence-2 f32 encode (`perf`, Xeon model 167).
     unsafe { CacheAligned::written_by(panels * k * NR, pack) }
+}
+
+/// One panel of [`pack_rows`]: `rows` (at most [`NR`] rows of `k`) into
+/// `panel` (`k × NR`) transposed, the lanes past the last row zero; the
+/// whole columns of 16 by register transposes where `avx512`, the rest
+/// element by element.
+///
+/// # Safety
+/// With `avx512`, the CPU has AVX-512F.
+unsafe fn pack_one(avx512: bool, rows: &[f32], k: usize, panel: &mut [MaybeUninit<f32>]) {
+    #[cfg(target_arch = "x86_64")]
+    let from = if avx512 {
+        let whole = k / 16 * 16;
+        // SAFETY: the contract.
+        unsafe { crate::kernels::micro::transpose_rows(rows, k, whole, None, panel) };
+        whole
+    } else {
+        0
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let from = {
+        let _ = avx512;
+        0
+    };
+    pack_panel(rows, k, from, panel);
 }
 
 /// Columns `from ..` of `rows` (at most [`NR`] rows of `k`) into `panel`
@@ -361,13 +372,38 @@ fn task_on<K: Kernel>(
 ) {
     let width = panels.len() * NR;
     let height = w_rows.len().next_multiple_of(MR);
-    // Every tile is written at the first block of `k` (`fresh`) before
-    // it is read: the thread's scratch is reused as it is, not zeroed.
-    let mut scratch = SCRATCH
-        .take()
-        .filter(|c| c.len() >= height * width)
-        .unwrap_or_else(|| CacheAligned::new(height * width));
+    let mut scratch = take_scratch(height * width);
     let ct = &mut scratch[..height * width];
+    task_sums::<K>(xp, w, panels.clone(), w_rows.clone(), m, k, ct);
+    let rows = panels.start * NR..(panels.end * NR).min(m);
+    store_rows::<K>(ct, width, rows, w_rows, bias, y, n);
+    SCRATCH.set(Some(scratch));
+}
+
+/// The thread's scratch ([`SCRATCH`]), of at least `len` values, not
+/// zeroed: every tile is written at the first block of `k` (`fresh`)
+/// before it is read.
+fn take_scratch(len: usize) -> CacheAligned<f32> {
+    SCRATCH
+        .take()
+        .filter(|c| c.len() >= len)
+        .unwrap_or_else(|| CacheAligned::new(len))
+}
+
+/// The sums of a task: `ct` (`w_rows` rounded up to [`MR`] rows of
+/// `panels.len() · NR`) = weight rows `w_rows` of `w (.., k)` times the
+/// packed rows `panels` of `xp` (`m` rows in all), transposed.
+#[inline(always)]
+fn task_sums<K: Kernel>(
+    xp: &[f32],
+    w: &[f32],
+    panels: std::ops::Range<usize>,
+    w_rows: std::ops::Range<usize>,
+    m: usize,
+    k: usize,
+    ct: &mut [f32],
+) {
+    let width = panels.len() * NR;
     // The last weight rows, when fewer than MR, zero-padded to a tile
     // (only the last chunk of the weight has them).
     let tail_len = if w_rows.len().is_multiple_of(MR) {
@@ -404,8 +440,22 @@ fn task_on<K: Kernel>(
             }
         }
     }
-    let first = panels.start * NR;
-    let end = (panels.end * NR).min(m);
+}
+
+/// A task's sums `ct` (`width` columns a row, from row `rows.start` of
+/// `y`) stored transposed into rows `rows`, columns `w_rows` of `y (.., n)`,
+/// plus those columns' `bias`.
+#[inline(always)]
+fn store_rows<K: Kernel>(
+    ct: &[f32],
+    width: usize,
+    rows: std::ops::Range<usize>,
+    w_rows: std::ops::Range<usize>,
+    bias: Option<&[f32]>,
+    y: SyncPtr<f32>,
+    n: usize,
+) {
+    let first = rows.start;
     // Whole blocks of 16 weight rows by 16 rows of `x` transposed in
     // registers where AVX-512F runs (element by element, the store was
     // ~4% of the product); the rest element by element.
@@ -415,17 +465,19 @@ fn task_on<K: Kernel>(
         // SAFETY: `K::AVX512` is set by the AVX-512F kernel alone, which
         // `per_isa` runs only where the CPU has it; the scratch holds
         // `width` values (a multiple of 32) for each of its rows, rows
-        // `first .. end` and columns `w_rows` of `y` are this task's.
-        unsafe { store_transposed_avx512(ct, width, first..end, whole, bias, y, n, w_rows.start) };
+        // `rows` and columns `w_rows` of `y` are this task's.
+        unsafe {
+            store_transposed_avx512(ct, width, rows.clone(), whole, bias, y, n, w_rows.start)
+        };
         whole
     } else {
         0
     };
     #[cfg(not(target_arch = "x86_64"))]
     let done = 0;
-    for i in first..end {
-        // SAFETY: row `i < m`, columns `w_rows` (≤ n) are this task's
-        // alone, and `y` outlives the parallel loop (`product`).
+    for i in rows {
+        // SAFETY: row `i` and columns `w_rows` (≤ n) of `y` are this
+        // task's alone, and `y` outlives the parallel loop.
         let row =
             unsafe { std::slice::from_raw_parts_mut(y.0.add(i * n + w_rows.start), w_rows.len()) };
         for (j, v) in row.iter_mut().enumerate().skip(done) {
@@ -434,7 +486,265 @@ fn task_on<K: Kernel>(
             *v = bias.map_or(s, |b| s + b[j]);
         }
     }
+}
+
+/// A dense layer as [`ffn`]'s products read it: its weight `(n, k)`
+/// row-major and its bias `(n)`, if any.
+#[derive(Clone, Copy)]
+struct Layer<'a> {
+    w: &'a [f32],
+    bias: Option<&'a [f32]>,
+    n: usize,
+}
+
+thread_local! {
+    /// A feed-forward chunk's packed rows of `x` and of its hidden layer
+    /// ([`ffn_chunk`]), kept by the thread for the next chunk.
+    static FFN_PANELS: std::cell::Cell<Option<(CacheAligned<f32>, CacheAligned<f32>)>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// Rows per chunk of [`ffn`] at width `k` and hidden width `h`, for an L2
+/// of `l2` bytes: the chunk's packed rows of `x` and of the hidden layer,
+/// and a task's scratch, in [`group_bytes`] (a multiple of [`NR`], at
+/// least one panel).
+fn ffn_rows(l2: Option<usize>, k: usize, h: usize) -> usize {
+    (group_bytes(l2) / ((k + h + TASK_W) * 4) / NR * NR).clamp(NR, MAX_GROUP * NR)
+}
+
+/// Whether [`ffn`] should run a feed-forward of `m` rows of width `k`
+/// through a hidden layer of `h`: where this CPU's tuning chose vl's f32
+/// product, and the rows make at least four chunks of at least two panels
+/// each — below that a chunk passes over the two weights too often for
+/// the hidden layer's round trip through memory it saves.
+pub fn ffn_applies(m: usize, k: usize, h: usize) -> bool {
+    let chunk = ffn_rows(CpuFeatures::get().l2_bytes, k, h);
+    CpuFeatures::get().tuning.f32_gemm == F32Gemm::Vl && chunk >= 2 * NR && m >= 4 * chunk
+}
+
+/// A feed-forward layer in f32, `GELU(x upᵀ + b_up) downᵀ + b_down`
+/// (the exact GELU, or its tanh form), a chunk of rows at a time ([`ffn_rows`]),
+/// each chunk through both products on one thread: the hidden layer is
+/// written by the first product's stores as the second product's packed
+/// rows, plus its bias and through the GELU, and never leaves the core's
+/// L2 (apart, a Florence-2 first-stage layer's 75 MB hidden layer went
+/// to memory and back three times: stored, through the GELU, packed).
+/// The values of the three steps apart ([`matmul_bias_with`], then
+/// [`crate::kernels::gelu`], then [`matmul_bias_with`]), bit for bit.
+///
+/// # Shapes
+/// `x: (..., k)` f32, `up: (h, k)` and `down: (n, h)` f32 contiguous,
+/// biases `(h)` and `(n)` (any float dtype) → `(..., n)` f32.
+///
+/// # Errors
+/// Operands of other shapes, dtypes or devices, named.
+pub fn ffn(
+    isa: Isa,
+    x: &Tensor,
+    up: (&Tensor, Option<&Tensor>),
+    down: (&Tensor, Option<&Tensor>),
+    exact: bool,
+) -> candle_core::Result<Tensor> {
+    ffn_in_chunks(isa, x, up, down, exact, None)
+}
+
+/// [`ffn`] in chunks of `chunk` rows (a multiple of [`NR`]), or of
+/// [`ffn_rows`].
+fn ffn_in_chunks(
+    isa: Isa,
+    x: &Tensor,
+    up: (&Tensor, Option<&Tensor>),
+    down: (&Tensor, Option<&Tensor>),
+    exact: bool,
+    chunk: Option<usize>,
+) -> candle_core::Result<Tensor> {
+    let (h, n) = (
+        up.0.dims().first().copied().unwrap_or(0),
+        down.0.dims().first().copied().unwrap_or(0),
+    );
+    if !takes(x, up.0) || !takes(&up.0.t()?, down.0) {
+        candle_core::bail!(
+            "vl-gemm-f32 ffn: takes untracked non-empty f32 CPU x (..., k), up (h, k) and down (n, h) contiguous; got x {:?} {:?}, up {:?} {:?}, down {:?} {:?}",
+            x.dims(),
+            x.dtype(),
+            up.0.dims(),
+            up.0.dtype(),
+            down.0.dims(),
+            down.0.dtype()
+        );
+    }
+    let bias = |b: Option<&Tensor>, len: usize, name: &str| match b {
+        Some(b) if b.dims() != [len] || !b.device().is_cpu() => candle_core::bail!(
+            "vl-gemm-f32 ffn: a {name} bias of {len} values on the CPU; got {:?} on {:?}",
+            b.dims(),
+            b.device()
+        ),
+        Some(b) => Ok(Some(b.to_dtype(DType::F32)?.contiguous()?)),
+        None => Ok(None),
+    };
+    let op = Ffn {
+        isa,
+        up_bias: bias(up.1, h, "up")?,
+        down_bias: bias(down.1, n, "down")?,
+        exact,
+        chunk,
+    };
+    x.contiguous()?.apply_op3_no_bwd(up.0, down.0, &op)
+}
+
+struct Ffn {
+    isa: Isa,
+    up_bias: Option<Tensor>,
+    down_bias: Option<Tensor>,
+    exact: bool,
+    /// Rows per chunk, if not [`ffn_rows`].
+    chunk: Option<usize>,
+}
+
+impl candle_core::CustomOp3 for Ffn {
+    fn name(&self) -> &'static str {
+        "vl-gemm-f32-ffn"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (h, k) = l2.shape().dims2()?;
+        let (n, h2) = l3.shape().dims2()?;
+        let dims = l1.shape().dims();
+        if dims.last() != Some(&k) || h2 != h || n == 0 || h == 0 || k == 0 {
+            candle_core::bail!("vl-gemm-f32 ffn: x {dims:?}, up ({h}, {k}), down ({n}, {h2})");
+        }
+        let m = l1.shape().elem_count() / k;
+        let (x, up, down) = (
+            slice(s1, l1, "x")?,
+            slice(s2, l2, "up")?,
+            slice(s3, l3, "down")?,
+        );
+        let values = |b: &Option<Tensor>| -> candle_core::Result<Option<Vec<f32>>> {
+            b.as_ref().map(|b| b.to_vec1::<f32>()).transpose()
+        };
+        let (ub, db) = (values(&self.up_bias)?, values(&self.down_bias)?);
+        let chunk = self
+            .chunk
+            .unwrap_or_else(|| ffn_rows(CpuFeatures::get().l2_bytes, k, h));
+        let mut y: Vec<f32> = Vec::with_capacity(m * n);
+        let out = SyncPtr(y.as_mut_ptr());
+        (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
+            let rows = c * chunk..((c + 1) * chunk).min(m);
+            let up = Layer {
+                w: up,
+                bias: ub.as_deref(),
+                n: h,
+            };
+            let down = Layer {
+                w: down,
+                bias: db.as_deref(),
+                n,
+            };
+            // SAFETY: row `rows.start < m` of `y`'s `m * n` values.
+            let y = SyncPtr(unsafe { out.at(rows.start * n) });
+            let x = &x[rows.start * k..rows.end * k];
+            ffn_chunk(self.isa, x, rows.len(), k, up, down, self.exact, y);
+        });
+        // SAFETY: the chunks cover the rows, and each stores every element
+        // of its rows (`store_rows` over every weight row of `down`).
+        unsafe { y.set_len(m * n) };
+        let mut shape = dims[..dims.len() - 1].to_vec();
+        shape.push(n);
+        Ok((CpuStorage::F32(y), Shape::from(shape)))
+    }
+}
+
+per_isa! {
+    /// One chunk of [`ffn`]: `rows` rows of `x (rows, k)` through `up`, its
+    /// bias and the GELU, and `down` into `y`'s rows (from the chunk's
+    /// first).
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_chunk(
+        x: &[f32],
+        rows: usize,
+        k: usize,
+        up: Layer<'_>,
+        down: Layer<'_>,
+        exact: bool,
+        y: SyncPtr<f32>,
+    ) = ffn_chunk_on::<crate::kernels::micro::Avx512>
+}
+
+/// [`ffn_chunk`] for the micro-kernel `K`. The first product's sums
+/// (`yᵀ` tiles: hidden units × rows) are, per panel of rows, already the
+/// second product's packed layout (`h × NR`): they are stored there plus
+/// the bias and through the GELU, the lanes past the last row zero.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn ffn_chunk_on<K: Kernel>(
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    up: Layer<'_>,
+    down: Layer<'_>,
+    exact: bool,
+    y: SyncPtr<f32>,
+) {
+    use crate::kernels::gelu::gelu_one;
+    let (h, n) = (up.n, down.n);
+    let panels = rows.div_ceil(NR);
+    let width = panels * NR;
+    let (mut xp, mut hp) = FFN_PANELS
+        .take()
+        .filter(|(a, b)| a.len() >= panels * k * NR && b.len() >= panels * h * NR)
+        .unwrap_or_else(|| {
+            (
+                CacheAligned::new(panels * k * NR),
+                CacheAligned::new(panels * h * NR),
+            )
+        });
+    for q in 0..panels {
+        let here = NR.min(rows - q * NR);
+        let panel = &mut xp[q * k * NR..(q + 1) * k * NR];
+        // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and `pack_one`
+        // writes f32 values only; `K::AVX512` is set by the AVX-512F
+        // kernel alone, which `per_isa` runs only where the CPU has it.
+        unsafe {
+            let panel = &mut *(panel as *mut [f32] as *mut [MaybeUninit<f32>]);
+            pack_one(K::AVX512, &x[q * NR * k..(q * NR + here) * k], k, panel);
+        }
+    }
+    let mut scratch = take_scratch(TASK_W * width);
+    for c0 in (0..h).step_by(TASK_W) {
+        let w_rows = c0..(c0 + TASK_W).min(h);
+        let ct = &mut scratch[..w_rows.len().next_multiple_of(MR) * width];
+        task_sums::<K>(&xp, up.w, 0..panels, w_rows.clone(), rows, k, ct);
+        for (jj, j) in w_rows.enumerate() {
+            let b = up.bias.map(|b| b[j]);
+            for q in 0..panels {
+                let live = NR.min(rows - q * NR);
+                let sums = &ct[jj * width + q * NR..][..live];
+                let out = &mut hp[(q * h + j) * NR..][..NR];
+                for (o, &s) in out.iter_mut().zip(sums) {
+                    // No addition without a bias, as `store_rows`.
+                    *o = gelu_one::<K>(exact, b.map_or(s, |b| s + b));
+                }
+                out[live..].fill(0.0);
+            }
+        }
+    }
+    for c0 in (0..n).step_by(TASK_W) {
+        let w_rows = c0..(c0 + TASK_W).min(n);
+        let ct = &mut scratch[..w_rows.len().next_multiple_of(MR) * width];
+        task_sums::<K>(&hp, down.w, 0..panels, w_rows.clone(), rows, h, ct);
+        let bias = down.bias.map(|b| &b[w_rows.clone()]);
+        store_rows::<K>(ct, width, 0..rows, w_rows, bias, y, n);
+    }
     SCRATCH.set(Some(scratch));
+    FFN_PANELS.set(Some((xp, hp)));
 }
 
 /// The scratch's first `whole` rows (a multiple of 16; weight rows
@@ -632,6 +942,88 @@ mod tests {
             }
         }
         Ok(())
+    }
+
+    /// The feed-forward in chunks is its three steps apart (the product
+    /// plus bias, the GELU, the product plus bias), bit for bit, on every
+    /// instruction set: chunks with a last partial one and a half last
+    /// panel, weights of partial tiles and tasks, with and without biases,
+    /// both GELUs; and its own chunk size.
+    #[test]
+    fn ffn_in_chunks_is_its_steps_apart() -> candle_core::Result<()> {
+        use crate::kernels::gelu::gelu_one;
+        use crate::kernels::micro::{Fma, Plain};
+        let dev = Device::Cpu;
+        let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
+            Ok(t.flatten_all()?
+                .to_vec1::<f32>()?
+                .into_iter()
+                .map(f32::to_bits)
+                .collect())
+        };
+        for (m, k, h, n, chunk) in [
+            (1, 7, 9, 5, Some(32)),
+            (70, 33, 130, 70, Some(32)),
+            (203, 64, 256, 72, Some(64)),
+            (100, 16, 72, 8, Some(96)),
+            (75, 24, 40, 24, None),
+        ] {
+            let x = Tensor::randn(0f32, 1., (m, k), &dev)?;
+            let up = Tensor::randn(0f32, 0.3, (h, k), &dev)?;
+            let down = Tensor::randn(0f32, 0.3, (n, h), &dev)?;
+            let ub = Tensor::randn(0f32, 1., h, &dev)?;
+            let db = Tensor::randn(0f32, 1., n, &dev)?;
+            for isa in CpuFeatures::get().isas() {
+                // The GELU's FMAs as `per_isa` compiles it for `isa`.
+                let fma = matches!(
+                    isa.simd(),
+                    super::super::features::Simd::Avx512 | super::super::features::Simd::Avx2
+                );
+                for (biases, exact) in [(true, true), (false, true), (true, false)] {
+                    let (ub, db) = if biases {
+                        (Some(&ub), Some(&db))
+                    } else {
+                        (None, None)
+                    };
+                    let hidden = matmul_bias_with(isa, &x, &up, ub)?;
+                    let hidden: Vec<f32> = hidden
+                        .flatten_all()?
+                        .to_vec1::<f32>()?
+                        .into_iter()
+                        .map(|v| {
+                            if fma {
+                                gelu_one::<Fma>(exact, v)
+                            } else {
+                                gelu_one::<Plain>(exact, v)
+                            }
+                        })
+                        .collect();
+                    let hidden = Tensor::from_vec(hidden, (m, h), &dev)?;
+                    let want = matmul_bias_with(isa, &hidden, &down, db)?;
+                    let got = ffn_in_chunks(isa, &x, (&up, ub), (&down, db), exact, chunk)?;
+                    assert_eq!(got.dims(), &[m, n]);
+                    assert_eq!(
+                        bits(&got)?,
+                        bits(&want)?,
+                        "{isa:?} ({m}, {k}) through {h} to {n}, chunks {chunk:?}, biases {biases}, exact {exact}"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Chunks of the feed-forward hold their rows' packed `x` and hidden
+    /// layer in half the L2, in whole panels; a chunk is taken where the
+    /// rows make four of at least two panels.
+    #[test]
+    fn ffn_chunks_follow_the_l2() {
+        // Florence-2's DaViT, 2 MB L2: stage 1 (128 → 512), stage 3 (512
+        // → 2048), stage 4 (1024 → 4096).
+        assert_eq!(ffn_rows(Some(2 << 20), 128, 512), 352);
+        assert_eq!(ffn_rows(Some(2 << 20), 512, 2048), 96);
+        assert_eq!(ffn_rows(Some(2 << 20), 1024, 4096), NR);
+        assert_eq!(ffn_rows(Some(2 << 20), 1, 1), MAX_GROUP * NR);
     }
 
     /// What the kernels do not take is an error naming the operands.

@@ -122,6 +122,9 @@ impl FeedForward {
         if let Some(y) = self.fused_tiled(x)? {
             return Ok(y);
         }
+        if let Some(y) = self.chunked_f32(x)? {
+            return Ok(y);
+        }
         Ok(self
             .down
             .forward(&self.act.forward(&self.up.forward(x)?)?)?)
@@ -136,6 +139,39 @@ impl FeedForward {
     /// rounding pass. `None` where that does not apply.
     ///
     /// [`PackedBf16::matmul_gelu`]: crate::kernels::gemm_bf16::PackedBf16::matmul_gelu
+    /// A dense f32 layer of many rows through vl's f32 product a chunk of
+    /// rows at a time, the GELU as the first product stores
+    /// ([`crate::kernels::gemm_f32::ffn`]; the same bits as the three
+    /// steps apart), where [`crate::kernels::gemm_f32::ffn_applies`]; `None`
+    /// elsewhere.
+    fn chunked_f32(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        use crate::kernels::gemm_f32;
+        let exact = match self.act {
+            Activation::Gelu => true,
+            Activation::GeluTanh => false,
+            Activation::Relu | Activation::Silu => return Ok(None),
+        };
+        let (Some(up), Some(down)) = (self.up.dense_f32(), self.down.dense_f32()) else {
+            return Ok(None);
+        };
+        let (h, k) = up.0.dims2()?;
+        let rows = x.elem_count() / k.max(1);
+        if x.dtype() != candle_core::DType::F32
+            || !x.device().is_cpu()
+            || x.track_op()
+            || up.0.track_op()
+            || down.0.track_op()
+            || !up.0.is_contiguous()
+            || !down.0.is_contiguous()
+            || x.dims().last() != Some(&k)
+            || !gemm_f32::ffn_applies(rows, k, h)
+        {
+            return Ok(None);
+        }
+        let isa = crate::kernels::CpuFeatures::get().isa();
+        Ok(Some(gemm_f32::ffn(isa, x, up, down, exact)?))
+    }
+
     fn fused_bf16(&self, x: &Tensor) -> Result<Option<Tensor>> {
         let exact = match self.act {
             Activation::Gelu => true,
@@ -228,6 +264,36 @@ mod tests {
                 let apart = down.forward(&act.forward(&up.forward(&x)?)?)?;
                 assert_eq!(fused.dtype(), DType::F32);
                 assert!(same_bits(&fused, &apart)?, "{act:?}, {rows} rows");
+            }
+        }
+        Ok(())
+    }
+
+    /// A dense f32 layer of many rows runs a chunk of rows at a time where
+    /// the CPU's tuning takes vl's f32 product, with the bits of the three
+    /// steps apart; with too few rows, or a ReLU, it takes the steps.
+    #[test]
+    fn chunked_f32_equals_the_steps() -> Result<()> {
+        use crate::kernels::gemm_f32::ffn_applies;
+        let dev = Device::Cpu;
+        let (hidden, inter) = (16, 48);
+        for act in [Activation::Gelu, Activation::GeluTanh, Activation::Relu] {
+            let ffn = FeedForward::from_parts(
+                layer(inter, hidden, true)?,
+                layer(hidden, inter, true)?,
+                act,
+            );
+            for rows in [100, 9000] {
+                let x = Tensor::randn(0f32, 1., (rows, hidden), &dev)?;
+                let chunked = ffn.chunked_f32(&x)?;
+                assert_eq!(
+                    chunked.is_some(),
+                    act != Activation::Relu && ffn_applies(rows, hidden, inter),
+                    "{act:?}, {rows} rows"
+                );
+                let (up, down) = ffn.parts();
+                let apart = down.forward(&act.forward(&up.forward(&x)?)?)?;
+                assert!(same_bits(&ffn.forward(&x)?, &apart)?, "{act:?}, {rows} rows");
             }
         }
         Ok(())

@@ -109,6 +109,15 @@ impl Proj {
 
     /// The packed bf16 weight vl's GEMM runs, if the layer holds one
     /// (`bf16` weights under f32 activations on an AVX512_BF16 CPU).
+    /// The weight and bias of a dense f32 layer; `None` for the other
+    /// forms.
+    pub(crate) fn dense_f32(&self) -> Option<(&Tensor, Option<&Tensor>)> {
+        match &self.inner {
+            Inner::Dense(l) if l.weight().dtype() == DType::F32 => Some((l.weight(), l.bias())),
+            _ => None,
+        }
+    }
+
     pub(crate) fn packed_bf16(&self) -> Option<&Arc<PackedBf16>> {
         match &self.inner {
             Inner::Packed { weight, dtype } if *dtype == DType::F32 => Some(weight),
