@@ -14,7 +14,10 @@
 //! Florence-2 base's DaViT shapes instead (one 768² image: per stage its
 //! tokens and the q/k/v, output and feed-forward products; `--rows` is
 //! ignored); `--shape M,N,K` times one product of `M` rows by a weight
-//! `(N, K)`.
+//! `(N, K)`. `--ffn` times vl's f32 feed-forward instead (`gemm_f32::ffn`,
+//! a chunk of rows at a time, against its three steps apart: the product
+//! plus bias, vl's GELU, the product plus bias) on a ViT-B's, Florence-2's
+//! BART encoder's and its DaViT stages' shapes.
 //!
 //! Two threads unless `RAYON_NUM_THREADS` says otherwise (as `vl bench
 //! --threads 2`). GFLOP/s is `2 m n k` per product.
@@ -77,6 +80,9 @@ fn main() -> candle_core::Result<()> {
         rayon::current_num_threads()
     );
     let dev = Device::Cpu;
+    if std::env::args().any(|a| a == "--ffn") {
+        return feed_forward(&dev, repeats);
+    }
     let davit = std::env::args().any(|a| a == "--davit");
     let shape = value("--shape").map(|s| {
         let d: Vec<usize> = s
@@ -141,6 +147,48 @@ fn main() -> candle_core::Result<()> {
                 continue;
             }
             report(&name, time(repeats, || on_pool(|| q8.matmul_with(isa, &x))));
+        }
+    }
+    Ok(())
+}
+
+/// `--ffn`: the f32 feed-forward in chunks against its steps apart, `(m,
+/// k)` through `h`, GFLOP/s as `4 m k h`.
+fn feed_forward(dev: &Device, repeats: usize) -> candle_core::Result<()> {
+    let isa = CpuFeatures::get().isa();
+    for (m, k, h) in [
+        (16, 768, 3072),
+        (197, 768, 3072),
+        (600, 768, 3072),
+        (1576, 768, 3072),
+        (36864, 128, 512),
+        (9216, 256, 1024),
+        (2304, 512, 2048),
+        (576, 1024, 4096),
+    ] {
+        let x = Tensor::randn(0f32, 1., (m, k), dev)?;
+        let up = Tensor::randn(0f32, 0.05, (h, k), dev)?;
+        let down = Tensor::randn(0f32, 0.05, (k, h), dev)?;
+        let (ub, db) = (
+            Tensor::randn(0f32, 1., h, dev)?,
+            Tensor::randn(0f32, 1., k, dev)?,
+        );
+        let flops = 4.0 * (m * k * h) as f64;
+        let apart = time(repeats, || {
+            on_pool(|| {
+                let hidden = gemm_f32::matmul_bias_with(isa, &x, &up, Some(&ub))?;
+                let hidden = vl_attn::Activation::Gelu.forward(&hidden)?;
+                gemm_f32::matmul_bias_with(isa, &hidden, &down, Some(&db))
+            })
+        });
+        let chunked = time(repeats, || {
+            on_pool(|| gemm_f32::ffn(isa, &x, (&up, Some(&ub)), (&down, Some(&db)), true))
+        });
+        for (name, (least, median)) in [("apart", apart), ("in chunks", chunked)] {
+            println!(
+                "({m}, {k}) through {h}: {name:<10} {least:8.3} ms {median:8.3} ms  {:7.1} GFLOP/s",
+                flops / least / 1e6
+            );
         }
     }
     Ok(())

@@ -512,18 +512,31 @@ fn ffn_rows(l2: Option<usize>, k: usize, h: usize) -> usize {
     (group_bytes(l2) / ((k + h + TASK_W) * 4) / NR * NR).clamp(NR, MAX_GROUP * NR)
 }
 
-/// Whether [`ffn`] should run a feed-forward of `m` rows of width `k`
-/// through a hidden layer of `h`: where this CPU's tuning chose vl's f32
-/// product, and the rows make at least four chunks of at least two panels
-/// each — below that a chunk passes over the two weights too often for
-/// the hidden layer's round trip through memory it saves.
-pub fn ffn_applies(m: usize, k: usize, h: usize) -> bool {
-    let chunk = ffn_rows(CpuFeatures::get().l2_bytes, k, h);
-    CpuFeatures::get().tuning.f32_gemm == F32Gemm::Vl && chunk >= 2 * NR && m >= 4 * chunk
+/// Rows per chunk of [`ffn`] for `m` rows on `threads` threads, where
+/// [`ffn_rows`] allows `most`: one chunk a thread where that is at most
+/// twice `most` (a ViT's 197 rows: two of 99, each 3½ panels, where
+/// chunks of 64 left one thread 4 panels and the other 2½), else `most`.
+fn ffn_chunk_rows(m: usize, most: usize, threads: usize) -> usize {
+    let even = m.div_ceil(threads.max(1)).max(1);
+    if even <= 2 * most {
+        even
+    } else {
+        most
+    }
+}
+
+/// Whether [`ffn`] should run a feed-forward of `m` rows: where this
+/// CPU's tuning chose vl's f32 product and the rows are more than a
+/// decode step's ([`crate::kernels::gemv::MAX_ROWS`], which the GEMV
+/// serves). In chunks it was faster than the three steps apart at every
+/// shape measured, from 16 rows to 36,864 (`bench_gemm --ffn`).
+pub fn ffn_applies(m: usize) -> bool {
+    CpuFeatures::get().tuning.f32_gemm == F32Gemm::Vl && m > crate::kernels::gemv::MAX_ROWS
 }
 
 /// A feed-forward layer in f32, `GELU(x upᵀ + b_up) downᵀ + b_down`
-/// (the exact GELU, or its tanh form), a chunk of rows at a time ([`ffn_rows`]),
+/// (the exact GELU, or its tanh form), a chunk of rows at a time
+/// ([`ffn_rows`], [`ffn_chunk_rows`]),
 /// each chunk through both products on one thread: the hidden layer is
 /// written by the first product's stores as the second product's packed
 /// rows, plus its bias and through the GELU, and never leaves the core's
@@ -631,9 +644,10 @@ impl candle_core::CustomOp3 for Ffn {
             b.as_ref().map(|b| b.to_vec1::<f32>()).transpose()
         };
         let (ub, db) = (values(&self.up_bias)?, values(&self.down_bias)?);
-        let chunk = self
-            .chunk
-            .unwrap_or_else(|| ffn_rows(CpuFeatures::get().l2_bytes, k, h));
+        let chunk = self.chunk.unwrap_or_else(|| {
+            let most = ffn_rows(CpuFeatures::get().l2_bytes, k, h);
+            ffn_chunk_rows(m, most, rayon::current_num_threads())
+        });
         let mut y: Vec<f32> = Vec::with_capacity(m * n);
         let out = SyncPtr(y.as_mut_ptr());
         (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
@@ -1014,10 +1028,15 @@ mod tests {
     }
 
     /// Chunks of the feed-forward hold their rows' packed `x` and hidden
-    /// layer in half the L2, in whole panels; a chunk is taken where the
-    /// rows make four of at least two panels.
+    /// layer in half the L2, in whole panels, or are one a thread where
+    /// that is at most twice as many rows.
     #[test]
     fn ffn_chunks_follow_the_l2() {
+        assert_eq!(ffn_chunk_rows(197, 64, 2), 99);
+        assert_eq!(ffn_chunk_rows(600, 64, 2), 64);
+        assert_eq!(ffn_chunk_rows(16, 64, 2), 8);
+        assert_eq!(ffn_chunk_rows(36864, 352, 2), 352);
+        assert_eq!(ffn_chunk_rows(5, 64, 0), 5);
         // Florence-2's DaViT, 2 MB L2: stage 1 (128 → 512), stage 3 (512
         // → 2048), stage 4 (1024 → 4096).
         assert_eq!(ffn_rows(Some(2 << 20), 128, 512), 352);

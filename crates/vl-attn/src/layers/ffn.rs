@@ -154,7 +154,7 @@ impl FeedForward {
         let (Some(up), Some(down)) = (self.up.dense_f32(), self.down.dense_f32()) else {
             return Ok(None);
         };
-        let (h, k) = up.0.dims2()?;
+        let (_, k) = up.0.dims2()?;
         let rows = x.elem_count() / k.max(1);
         if x.dtype() != candle_core::DType::F32
             || !x.device().is_cpu()
@@ -164,7 +164,7 @@ impl FeedForward {
             || !up.0.is_contiguous()
             || !down.0.is_contiguous()
             || x.dims().last() != Some(&k)
-            || !gemm_f32::ffn_applies(rows, k, h)
+            || !gemm_f32::ffn_applies(rows)
         {
             return Ok(None);
         }
@@ -269,9 +269,10 @@ mod tests {
         Ok(())
     }
 
-    /// A dense f32 layer of many rows runs a chunk of rows at a time where
-    /// the CPU's tuning takes vl's f32 product, with the bits of the three
-    /// steps apart; with too few rows, or a ReLU, it takes the steps.
+    /// A dense f32 layer of more rows than a decode step runs a chunk of
+    /// rows at a time where the CPU's tuning takes vl's f32 product, with
+    /// the bits of the three steps apart; a decode step's rows, or a ReLU,
+    /// take the steps.
     #[test]
     fn chunked_f32_equals_the_steps() -> Result<()> {
         use crate::kernels::gemm_f32::ffn_applies;
@@ -283,17 +284,20 @@ mod tests {
                 layer(hidden, inter, true)?,
                 act,
             );
-            for rows in [100, 9000] {
+            for rows in [5, 100, 9000] {
                 let x = Tensor::randn(0f32, 1., (rows, hidden), &dev)?;
                 let chunked = ffn.chunked_f32(&x)?;
                 assert_eq!(
                     chunked.is_some(),
-                    act != Activation::Relu && ffn_applies(rows, hidden, inter),
+                    act != Activation::Relu && ffn_applies(rows),
                     "{act:?}, {rows} rows"
                 );
                 let (up, down) = ffn.parts();
                 let apart = down.forward(&act.forward(&up.forward(&x)?)?)?;
-                assert!(same_bits(&ffn.forward(&x)?, &apart)?, "{act:?}, {rows} rows");
+                assert!(
+                    same_bits(&ffn.forward(&x)?, &apart)?,
+                    "{act:?}, {rows} rows"
+                );
             }
         }
         Ok(())
