@@ -526,13 +526,18 @@ fn ffn_chunk_rows(m: usize, most: usize, threads: usize) -> usize {
 }
 
 /// Whether [`ffn`] should run a feed-forward of `m` rows: where this
-/// CPU's tuning chose vl's f32 product and the rows are more than a
-/// decode step's ([`crate::kernels::gemv::MAX_ROWS`], which the GEMV
-/// serves). In chunks it was faster than the three steps apart at every
-/// shape measured, from 16 rows to 36,864 (`bench_gemm --ffn`).
+/// CPU's tuning chose vl's f32 product and the rows are an encoder's or a
+/// prefill's, at least [`FFN_MIN_ROWS`]. In chunks it was faster than the
+/// three steps apart at every shape measured, from 16 rows to 36,864
+/// (`bench_gemm --ffn`, weights in cache); below that a chunk a thread
+/// would read each weight once per thread, which a batch's decode step,
+/// streaming its weights from memory, cannot afford.
 pub fn ffn_applies(m: usize) -> bool {
-    CpuFeatures::get().tuning.f32_gemm == F32Gemm::Vl && m > crate::kernels::gemv::MAX_ROWS
+    CpuFeatures::get().tuning.f32_gemm == F32Gemm::Vl && m >= FFN_MIN_ROWS
 }
+
+/// The fewest rows [`ffn_applies`] takes: two panels a thread on two.
+pub const FFN_MIN_ROWS: usize = 4 * NR;
 
 /// A feed-forward layer in f32, `GELU(x upᵀ + b_up) downᵀ + b_down`
 /// (the exact GELU, or its tanh form), a chunk of rows at a time

@@ -130,17 +130,8 @@ impl FeedForward {
             .forward(&self.act.forward(&self.up.forward(x)?)?)?)
     }
 
-    /// The layer in two products when both weights are packed bf16 under
-    /// f32 activations, the activation a GELU and the rows many (an
-    /// encoder's): the first product applies the GELU in its epilogue and
-    /// stores the hidden layer in bf16, which the second would round it to
-    /// anyway ([`PackedBf16::matmul_gelu`]) — the values of the three
-    /// steps apart, without the f32 hidden layer's writes, reads and
-    /// rounding pass. `None` where that does not apply.
-    ///
-    /// [`PackedBf16::matmul_gelu`]: crate::kernels::gemm_bf16::PackedBf16::matmul_gelu
-    /// A dense f32 layer of many rows through vl's f32 product a chunk of
-    /// rows at a time, the GELU as the first product stores
+    /// A dense f32 layer of an encoder's rows through vl's f32 product a
+    /// chunk of rows at a time, the GELU as the first product stores
     /// ([`crate::kernels::gemm_f32::ffn`]; the same bits as the three
     /// steps apart), where [`crate::kernels::gemm_f32::ffn_applies`]; `None`
     /// elsewhere.
@@ -172,6 +163,15 @@ impl FeedForward {
         Ok(Some(gemm_f32::ffn(isa, x, up, down, exact)?))
     }
 
+    /// The layer in two products when both weights are packed bf16 under
+    /// f32 activations, the activation a GELU and the rows many (an
+    /// encoder's): the first product applies the GELU in its epilogue and
+    /// stores the hidden layer in bf16, which the second would round it to
+    /// anyway ([`PackedBf16::matmul_gelu`]) — the values of the three
+    /// steps apart, without the f32 hidden layer's writes, reads and
+    /// rounding pass. `None` where that does not apply.
+    ///
+    /// [`PackedBf16::matmul_gelu`]: crate::kernels::gemm_bf16::PackedBf16::matmul_gelu
     fn fused_bf16(&self, x: &Tensor) -> Result<Option<Tensor>> {
         let exact = match self.act {
             Activation::Gelu => true,
@@ -269,10 +269,10 @@ mod tests {
         Ok(())
     }
 
-    /// A dense f32 layer of more rows than a decode step runs a chunk of
-    /// rows at a time where the CPU's tuning takes vl's f32 product, with
-    /// the bits of the three steps apart; a decode step's rows, or a ReLU,
-    /// take the steps.
+    /// A dense f32 layer of an encoder's rows runs a chunk of rows at a
+    /// time where the CPU's tuning takes vl's f32 product, with the bits of
+    /// the three steps apart; a batch's decode step, or a ReLU, takes the
+    /// steps.
     #[test]
     fn chunked_f32_equals_the_steps() -> Result<()> {
         use crate::kernels::gemm_f32::ffn_applies;
@@ -284,7 +284,7 @@ mod tests {
                 layer(hidden, inter, true)?,
                 act,
             );
-            for rows in [5, 100, 9000] {
+            for rows in [5, 16, 150, 9000] {
                 let x = Tensor::randn(0f32, 1., (rows, hidden), &dev)?;
                 let chunked = ffn.chunked_f32(&x)?;
                 assert_eq!(
