@@ -540,15 +540,17 @@ pub fn ffn_applies(m: usize) -> bool {
 pub const FFN_MIN_ROWS: usize = 4 * NR;
 
 /// A feed-forward layer in f32, `GELU(x upᵀ + b_up) downᵀ + b_down`
-/// (the exact GELU, or its tanh form), a chunk of rows at a time
-/// ([`ffn_rows`], [`ffn_chunk_rows`]),
-/// each chunk through both products on one thread: the hidden layer is
+/// (the exact GELU, or its tanh form), a chunk of rows at a time, each
+/// chunk through both products on one thread: the hidden layer is
 /// written by the first product's stores as the second product's packed
 /// rows, plus its bias and through the GELU, and never leaves the core's
 /// L2 (apart, a Florence-2 first-stage layer's 75 MB hidden layer went
-/// to memory and back three times: stored, through the GELU, packed).
-/// The values of the three steps apart ([`matmul_bias_with`], then
-/// [`crate::kernels::gelu`], then [`matmul_bias_with`]), bit for bit.
+/// to memory and back three times: stored, through the GELU, packed). A
+/// chunk's packed rows of `x` and of the hidden layer take half the L2, or
+/// the chunks are one a thread where that is at most twice as many rows.
+/// The values of the three steps apart ([`matmul_bias_with`], then vl's
+/// GELU as [`crate::FeedForward`] runs it, then [`matmul_bias_with`]), bit
+/// for bit.
 ///
 /// # Shapes
 /// `x: (..., k)` f32, `up: (h, k)` and `down: (n, h)` f32 contiguous,
