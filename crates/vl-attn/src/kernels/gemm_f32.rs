@@ -727,6 +727,10 @@ fn ffn_chunk_on<K: Kernel>(
                 CacheAligned::new(panels * h * NR),
             )
         });
+    #[cfg(target_arch = "x86_64")]
+    let avx512 = K::AVX512;
+    #[cfg(not(target_arch = "x86_64"))]
+    let avx512 = false;
     for q in 0..panels {
         let here = NR.min(rows - q * NR);
         let panel = &mut xp[q * k * NR..(q + 1) * k * NR];
@@ -735,7 +739,7 @@ fn ffn_chunk_on<K: Kernel>(
         // kernel alone, which `per_isa` runs only where the CPU has it.
         unsafe {
             let panel = &mut *(panel as *mut [f32] as *mut [MaybeUninit<f32>]);
-            pack_one(K::AVX512, &x[q * NR * k..(q * NR + here) * k], k, panel);
+            pack_one(avx512, &x[q * NR * k..(q * NR + here) * k], k, panel);
         }
     }
     let mut scratch = take_scratch(TASK_W * width);
@@ -973,7 +977,7 @@ mod tests {
     #[test]
     fn ffn_in_chunks_is_its_steps_apart() -> candle_core::Result<()> {
         use crate::kernels::gelu::gelu_one;
-        use crate::kernels::micro::{Fma, Plain};
+        use crate::kernels::micro::Portable;
         let dev = Device::Cpu;
         let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
             Ok(t.flatten_all()?
@@ -1013,9 +1017,9 @@ mod tests {
                         .into_iter()
                         .map(|v| {
                             if fma {
-                                gelu_one::<Fma>(exact, v)
+                                gelu_one::<Portable<true>>(exact, v)
                             } else {
-                                gelu_one::<Plain>(exact, v)
+                                gelu_one::<Portable<false>>(exact, v)
                             }
                         })
                         .collect();
