@@ -848,6 +848,15 @@ mod tests {
         assert_eq!(group_panels(Some(1 << 20), 3072), MIN_GROUP);
     }
 
+    /// A tensor's f32 values as bits.
+    fn bits(t: &Tensor) -> candle_core::Result<Vec<u32>> {
+        Ok(t.flatten_all()?
+            .to_vec1::<f32>()?
+            .into_iter()
+            .map(f32::to_bits)
+            .collect())
+    }
+
     /// `x W^T` in f64, one dot product per element.
     fn reference(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
         let mut y = vec![0f64; m * n];
@@ -952,13 +961,6 @@ mod tests {
             for isa in CpuFeatures::get().isas() {
                 let want = matmul_with(isa, &x, &w)?.broadcast_add(&b)?;
                 let got = matmul_bias_with(isa, &x, &w, Some(&b))?;
-                let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
-                    Ok(t.flatten_all()?
-                        .to_vec1::<f32>()?
-                        .into_iter()
-                        .map(f32::to_bits)
-                        .collect())
-                };
                 assert_eq!(bits(&got)?, bits(&want)?, "{isa:?} ({m}, {n}, {k})");
                 let b16 = b.to_dtype(DType::BF16)?;
                 let want = matmul_with(isa, &x, &w)?.broadcast_add(&b16.to_dtype(DType::F32)?)?;
@@ -979,13 +981,6 @@ mod tests {
         use crate::kernels::gelu::gelu_one;
         use crate::kernels::micro::Portable;
         let dev = Device::Cpu;
-        let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
-            Ok(t.flatten_all()?
-                .to_vec1::<f32>()?
-                .into_iter()
-                .map(f32::to_bits)
-                .collect())
-        };
         for (m, k, h, n, chunk) in [
             (1, 7, 9, 5, Some(32)),
             (70, 33, 130, 70, Some(32)),

@@ -44,6 +44,17 @@ impl Activation {
             Self::Silu => x.silu(),
         }
     }
+
+    /// For a GELU, whether it is the exact (`erf`) form rather than the
+    /// tanh approximation — what the fused kernels take; `None` for the
+    /// other activations.
+    fn gelu_exact(self) -> Option<bool> {
+        match self {
+            Self::Gelu => Some(true),
+            Self::GeluTanh => Some(false),
+            Self::Relu | Self::Silu => None,
+        }
+    }
 }
 
 /// The position-wise feed-forward layer `down(act(up(x)))`, dense or
@@ -137,10 +148,8 @@ impl FeedForward {
     /// elsewhere.
     fn chunked_f32(&self, x: &Tensor) -> Result<Option<Tensor>> {
         use crate::kernels::gemm_f32;
-        let exact = match self.act {
-            Activation::Gelu => true,
-            Activation::GeluTanh => false,
-            Activation::Relu | Activation::Silu => return Ok(None),
+        let Some(exact) = self.act.gelu_exact() else {
+            return Ok(None);
         };
         let (Some(up), Some(down)) = (self.up.dense_f32(), self.down.dense_f32()) else {
             return Ok(None);
@@ -173,10 +182,8 @@ impl FeedForward {
     ///
     /// [`PackedBf16::matmul_gelu`]: crate::kernels::gemm_bf16::PackedBf16::matmul_gelu
     fn fused_bf16(&self, x: &Tensor) -> Result<Option<Tensor>> {
-        let exact = match self.act {
-            Activation::Gelu => true,
-            Activation::GeluTanh => false,
-            Activation::Relu | Activation::Silu => return Ok(None),
+        let Some(exact) = self.act.gelu_exact() else {
+            return Ok(None);
         };
         let (Some(up), Some(down)) = (self.up.packed_bf16(), self.down.packed_bf16()) else {
             return Ok(None);
@@ -209,10 +216,8 @@ impl FeedForward {
     /// Florence-2 first-stage layer, 36,864 rows, 2.8× faster). `None`
     /// where neither applies.
     fn fused_tiled(&self, x: &Tensor) -> Result<Option<Tensor>> {
-        let exact = match self.act {
-            Activation::Gelu => true,
-            Activation::GeluTanh => false,
-            Activation::Relu | Activation::Silu => return Ok(None),
+        let Some(exact) = self.act.gelu_exact() else {
+            return Ok(None);
         };
         if x.dtype() != candle_core::DType::F32 || !x.device().is_cpu() || x.track_op() {
             return Ok(None);
