@@ -95,10 +95,22 @@ impl Problem<'_> {
 /// Runs the kernel: the output `(batch_q, heads, q_len, head_dim)`.
 pub(crate) fn run(p: &Problem<'_>, isa: Isa) -> Vec<f32> {
     let d = &p.dims;
+    let blocks = blocks_per_task(
+        d.k_len * d.head_dim * 2 * std::mem::size_of::<f32>(),
+        crate::kernels::CpuFeatures::get().l2_bytes,
+    );
+    run_with(p, isa, blocks)
+}
+
+/// [`run`] with `blocks` query blocks per task: the same values, bit for
+/// bit, whatever `blocks` (each query block meets the key blocks in the
+/// same order).
+fn run_with(p: &Problem<'_>, isa: Isa, blocks: usize) -> Vec<f32> {
+    let d = &p.dims;
     let rows = d.group_rows();
     let groups = d.batch_k * d.kv_heads;
     let tasks: Vec<(usize, usize)> = (0..groups)
-        .flat_map(|grp| (0..rows).step_by(BLOCK_Q).map(move |v0| (grp, v0)))
+        .flat_map(|grp| (0..rows).step_by(BLOCK_Q * blocks).map(move |v0| (grp, v0)))
         .collect();
     let total = d.batch_q * d.heads * d.q_len * d.head_dim;
     // Each task stores its rows where they go (in parallel: one thread
@@ -107,23 +119,36 @@ pub(crate) fn run(p: &Problem<'_>, isa: Isa) -> Vec<f32> {
     let mut out: Vec<f32> = Vec::with_capacity(total);
     let dst = OutRows(out.as_mut_ptr());
     tasks.par_iter().for_each_init(
-        || Scratch::new(d.head_dim),
+        || {
+            (0..blocks)
+                .map(|_| Scratch::new(d.head_dim))
+                .collect::<Vec<_>>()
+        },
         |scratch, &(grp, v0)| {
-            let len = BLOCK_Q.min(rows - v0);
-            let res = task(isa, p, grp, v0, len, scratch);
+            let subs: Vec<(usize, usize)> = (v0..rows.min(v0 + BLOCK_Q * blocks))
+                .step_by(BLOCK_Q)
+                .map(|b0| (b0, BLOCK_Q.min(rows - b0)))
+                .collect();
+            let res = task(isa, p, grp, &subs, &mut scratch[..subs.len()]);
             let (bk, kvh) = (grp / d.kv_heads, grp % d.kv_heads);
-            for (n, o) in res.chunks_exact(d.head_dim).enumerate() {
-                let (row, ..) = p.row_of(bk, kvh, v0 + n);
-                assert!(
-                    (row + 1) * d.head_dim <= total,
-                    "tiled: row {row} outside the output"
-                );
-                // SAFETY: the row is inside the buffer (just checked), and
-                // virtual rows map to distinct output rows, so no other
-                // task writes it.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(o.as_ptr(), dst.at(row * d.head_dim), d.head_dim)
-                };
+            for (&(b0, _), res) in subs.iter().zip(res) {
+                for (n, o) in res.chunks_exact(d.head_dim).enumerate() {
+                    let (row, ..) = p.row_of(bk, kvh, b0 + n);
+                    assert!(
+                        (row + 1) * d.head_dim <= total,
+                        "tiled: row {row} outside the output"
+                    );
+                    // SAFETY: the row is inside the buffer (just checked),
+                    // and virtual rows map to distinct output rows, so no
+                    // other task writes it.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            o.as_ptr(),
+                            dst.at(row * d.head_dim),
+                            d.head_dim,
+                        )
+                    };
+                }
             }
         },
     );
@@ -131,6 +156,20 @@ pub(crate) fn run(p: &Problem<'_>, isa: Isa) -> Vec<f32> {
     // group_rows = batch_q × heads × q_len`), each written above.
     unsafe { out.set_len(total) };
     out
+}
+
+/// Query blocks per task, for a group's keys and values of `kv_bytes`
+/// and an L2 of `l2` bytes: where they fit in half of it, one (each task
+/// passes over them from the L2); past it, four, so that each block of
+/// keys and values a task reads from memory serves four query blocks
+/// while it is in the L2 (1024 queries over 16,384 keys a head: each
+/// task of one query block read the head's 8 MB again).
+fn blocks_per_task(kv_bytes: usize, l2: Option<usize>) -> usize {
+    if kv_bytes <= l2.unwrap_or(2 << 20) / 2 {
+        1
+    } else {
+        4
+    }
 }
 
 /// The output of [`run`], written by its tasks at distinct rows.
@@ -187,8 +226,10 @@ impl Scratch {
 }
 
 crate::kernels::micro::per_isa! {
-    /// Rows `v0 .. v0 + len` of group `grp`: their outputs, `(len, head_dim)`.
-    fn task(p: &Problem<'_>, grp: usize, v0: usize, len: usize, s: &mut Scratch) -> Vec<f32>
+    /// The query blocks `subs` (rows `v0 .. v0 + len` each) of group
+    /// `grp`, each with its scratch: their outputs, `(len, head_dim)`
+    /// each.
+    fn task(p: &Problem<'_>, grp: usize, subs: &[(usize, usize)], s: &mut [Scratch]) -> Vec<Vec<f32>>
         = task_generic::<Avx512>
 }
 
@@ -227,33 +268,80 @@ pub(crate) fn exp_neg<K: Kernel>(x: f32) -> f32 {
     }
 }
 
+/// A query block's lanes within a task: which query/output row, sample,
+/// head and position each is, their mask rows, and whether they are one
+/// run of positions.
+struct Lanes<'a> {
+    len: usize,
+    rows: Vec<(usize, usize, usize, usize)>,
+    masks: Vec<Option<&'a [u8]>>,
+    /// Whether the lanes are consecutive positions of one sample and head
+    /// (always, with biases: they share no keys), so that a key's bias
+    /// over them is one run of the key-major bias; and where they start.
+    one_run: bool,
+    b0: usize,
+    h0: usize,
+    i0: usize,
+    /// Whether a block has been added yet: until then the accumulators
+    /// are zero and need no rescale.
+    first: bool,
+}
+
 #[inline(always)]
 fn task_generic<K: Kernel>(
     p: &Problem<'_>,
     grp: usize,
-    v0: usize,
-    len: usize,
-    s: &mut Scratch,
-) -> Vec<f32> {
-    const Q: usize = BLOCK_Q;
+    subs: &[(usize, usize)],
+    scratch: &mut [Scratch],
+) -> Vec<Vec<f32>> {
     let Dims {
         head_dim: hd,
         kv_heads,
         k_len,
         ..
     } = p.dims;
-    let dp = hd.next_multiple_of(NR);
     let (bk, kvh) = (grp / kv_heads, grp % kv_heads);
     let kv_base = (bk * kv_heads + kvh) * p.kv_stride;
     let keys = &p.k[kv_base..][..k_len * hd];
     let values = &p.v[kv_base..][..k_len * hd];
+    let mut lanes: Vec<Lanes<'_>> = subs
+        .iter()
+        .zip(scratch.iter_mut())
+        .map(|(&(v0, len), s)| begin::<K>(p, bk, kvh, v0, len, s))
+        .collect();
+    // Key-block-major: a block of keys and values (in the L2) meets every
+    // query block of the task before the next is read.
+    for j0 in (0..k_len).step_by(BLOCK_K) {
+        let kb = BLOCK_K.min(k_len - j0);
+        for (ln, s) in lanes.iter_mut().zip(scratch.iter_mut()) {
+            key_block::<K>(p, keys, values, j0, kb, ln, s);
+        }
+    }
+    lanes
+        .iter()
+        .zip(scratch.iter())
+        .map(|(ln, s)| finish(ln.len, hd, s))
+        .collect()
+}
+
+/// A query block's start: its lanes, its queries packed (scaled,
+/// transposed) into `s.qt`, its accumulators and running maxima and sums
+/// reset.
+#[inline(always)]
+fn begin<'a, K: Kernel>(
+    p: &'a Problem<'_>,
+    bk: usize,
+    kvh: usize,
+    v0: usize,
+    len: usize,
+    s: &mut Scratch,
+) -> Lanes<'a> {
+    const Q: usize = BLOCK_Q;
+    let hd = p.dims.head_dim;
     // Which query/output row, sample and position each lane is.
     let rows: Vec<(usize, usize, usize, usize)> =
         (0..len).map(|n| p.row_of(bk, kvh, v0 + n)).collect();
     let masks: Vec<Option<&[u8]>> = rows.iter().map(|&(_, b, _, i)| p.mask_row(b, i)).collect();
-    // Whether the lanes are consecutive positions of one sample and head
-    // (always, with biases: they share no keys), so that a key's bias over
-    // them is one run of the key-major bias.
     let (_, b0, h0, i0) = rows[0];
     let one_run = rows
         .iter()
@@ -289,126 +377,158 @@ fn task_generic<K: Kernel>(
     s.o.fill(0.0);
     s.m = [f32::NEG_INFINITY; Q];
     s.l = [0.0; Q];
+    Lanes {
+        len,
+        rows,
+        masks,
+        one_run,
+        b0,
+        h0,
+        i0,
+        first: true,
+    }
+}
 
-    // Whether a block has been added yet: until then the accumulators
-    // are zero and need no rescale.
-    let mut first = true;
-    for j0 in (0..k_len).step_by(BLOCK_K) {
-        let kb = BLOCK_K.min(k_len - j0);
-        if masks
-            .iter()
-            .all(|m| m.is_some_and(|m| m[j0..j0 + kb].iter().all(|&x| x == 0)))
-        {
-            continue;
-        }
-        // Sᵀ (kb, Q): MR keys × NR = Q lanes per tile, written in place
-        // (`fresh`: no zeroing, no load), one pointer per key
-        // (`micro_rows`: the general kernel's runtime row stride cost an
-        // address computation per key and step).
-        for t0 in (0..kb).step_by(MR) {
-            let tile_keys = if kb - t0 >= MR {
-                &keys[(j0 + t0) * hd..]
-            } else {
-                let rest = (kb - t0) * hd;
-                s.k_tail[..rest].copy_from_slice(&keys[(j0 + t0) * hd..][..rest]);
-                s.k_tail[rest..].fill(0.0);
-                &s.k_tail[..]
-            };
-            micro_rows::<K>(
-                tile_keys,
-                hd,
-                &s.qt,
-                hd,
-                &mut s.st[t0 * Q..],
-                Q,
-                true,
-                false,
-            );
-        }
-        for bias in p.biases {
-            for j in 0..kb {
-                let st = &mut s.st[j * Q..][..len];
-                if one_run {
-                    for (x, &b) in st.iter_mut().zip(bias.lanes(b0, h0, j0 + j, i0, len)) {
-                        *x += b;
-                    }
-                } else {
-                    for (x, &(_, b, h, i)) in st.iter_mut().zip(&rows) {
-                        *x += bias.at(b, h, i, j0 + j);
-                    }
-                }
-            }
-        }
-        for (n, m) in masks.iter().enumerate() {
-            if let Some(m) = m.map(|m| &m[j0..j0 + kb]) {
-                if !m.iter().all(|&x| x != 0) {
-                    for (j, &open) in m.iter().enumerate() {
-                        if open == 0 {
-                            s.st[j * Q + n] = f32::NEG_INFINITY;
-                        }
-                    }
-                }
-            }
-        }
-        // Online softmax, lane-wise: the rows' new maxima, the rescale of
-        // what they hold, and the weights. A lane whose maximum is still
-        // -inf (nothing open yet) gets weights exp(NaN) = 0 and alpha 0
-        // on an accumulator that is 0.
-        let mut m_new = s.m;
-        // SAFETY: `K` is only instantiated inside functions compiled for
-        // its instruction set, which run only on CPUs that have it.
-        unsafe { K::row_maxima(&mut m_new, &s.st[..kb * Q]) };
-        for ((a, &m_old), &m) in s.alpha.iter_mut().zip(&s.m).zip(&m_new) {
-            *a = exp_neg::<K>(m_old - m);
-        }
-        let mut sum = [0f32; Q];
-        for j in 0..kb {
-            let row: &mut [f32; Q] = (&mut s.st[j * Q..][..Q]).try_into().expect("Q floats");
-            for ((x, &m), acc) in row.iter_mut().zip(&m_new).zip(&mut sum) {
-                *x = exp_neg::<K>(*x - m);
-                *acc += *x;
-            }
-        }
-        for ((l, &a), &x) in s.l.iter_mut().zip(&s.alpha).zip(&sum) {
-            *l = madd(K::FMA, *l, a, x);
-        }
-        s.m = m_new;
-        if !first {
-            for (n, o) in s.o.chunks_exact_mut(dp).enumerate() {
-                let a = s.alpha[n];
-                if a != 1.0 {
-                    for x in o {
-                        *x *= a;
-                    }
-                }
-            }
-        }
-        first = false;
-        // O += P V: MR rows × NR value columns per tile; P(n, j) = Sᵀ[j][n].
-        let (vb, ldv) = if dp == hd {
-            (&values[j0 * hd..], hd)
+/// Keys and values `j0 .. j0 + kb` against a query block: its scores,
+/// its online softmax's update and `P V` into its accumulators; nothing
+/// where the mask closes the block to every lane.
+#[inline(always)]
+fn key_block<K: Kernel>(
+    p: &Problem<'_>,
+    keys: &[f32],
+    values: &[f32],
+    j0: usize,
+    kb: usize,
+    ln: &mut Lanes<'_>,
+    s: &mut Scratch,
+) {
+    const Q: usize = BLOCK_Q;
+    let hd = p.dims.head_dim;
+    let dp = hd.next_multiple_of(NR);
+    let len = ln.len;
+    if ln
+        .masks
+        .iter()
+        .all(|m| m.is_some_and(|m| m[j0..j0 + kb].iter().all(|&x| x == 0)))
+    {
+        return;
+    }
+    // Sᵀ (kb, Q): MR keys × NR = Q lanes per tile, written in place
+    // (`fresh`: no zeroing, no load), one pointer per key
+    // (`micro_rows`: the general kernel's runtime row stride cost an
+    // address computation per key and step).
+    for t0 in (0..kb).step_by(MR) {
+        let tile_keys = if kb - t0 >= MR {
+            &keys[(j0 + t0) * hd..]
         } else {
-            for j in 0..kb {
-                let dst = &mut s.v[j * dp..][..dp];
-                dst[..hd].copy_from_slice(&values[(j0 + j) * hd..][..hd]);
-                dst[hd..].fill(0.0);
-            }
-            (&s.v[..], dp)
+            let rest = (kb - t0) * hd;
+            s.k_tail[..rest].copy_from_slice(&keys[(j0 + t0) * hd..][..rest]);
+            s.k_tail[rest..].fill(0.0);
+            &s.k_tail[..]
         };
-        for i0 in (0..len.next_multiple_of(MR)).step_by(MR) {
-            for c0 in (0..dp).step_by(NR) {
-                let mut c: [[f32; NR]; MR] = std::array::from_fn(|i| {
-                    s.o[(i0 + i) * dp + c0..][..NR]
-                        .try_into()
-                        .expect("NR floats")
-                });
-                micro::<K>(&s.st[i0..], 1, Q, &vb[c0..], ldv, kb, &mut c);
-                for (i, ci) in c.iter().enumerate() {
-                    s.o[(i0 + i) * dp + c0..][..NR].copy_from_slice(ci);
+        micro_rows::<K>(
+            tile_keys,
+            hd,
+            &s.qt,
+            hd,
+            &mut s.st[t0 * Q..],
+            Q,
+            true,
+            false,
+        );
+    }
+    for bias in p.biases {
+        for j in 0..kb {
+            let st = &mut s.st[j * Q..][..len];
+            if ln.one_run {
+                for (x, &b) in st
+                    .iter_mut()
+                    .zip(bias.lanes(ln.b0, ln.h0, j0 + j, ln.i0, len))
+                {
+                    *x += b;
+                }
+            } else {
+                for (x, &(_, b, h, i)) in st.iter_mut().zip(&ln.rows) {
+                    *x += bias.at(b, h, i, j0 + j);
                 }
             }
         }
     }
+    for (n, m) in ln.masks.iter().enumerate() {
+        if let Some(m) = m.map(|m| &m[j0..j0 + kb]) {
+            if !m.iter().all(|&x| x != 0) {
+                for (j, &open) in m.iter().enumerate() {
+                    if open == 0 {
+                        s.st[j * Q + n] = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+    }
+    // Online softmax, lane-wise: the rows' new maxima, the rescale of
+    // what they hold, and the weights. A lane whose maximum is still
+    // -inf (nothing open yet) gets weights exp(NaN) = 0 and alpha 0
+    // on an accumulator that is 0.
+    let mut m_new = s.m;
+    // SAFETY: `K` is only instantiated inside functions compiled for
+    // its instruction set, which run only on CPUs that have it.
+    unsafe { K::row_maxima(&mut m_new, &s.st[..kb * Q]) };
+    for ((a, &m_old), &m) in s.alpha.iter_mut().zip(&s.m).zip(&m_new) {
+        *a = exp_neg::<K>(m_old - m);
+    }
+    let mut sum = [0f32; Q];
+    for j in 0..kb {
+        let row: &mut [f32; Q] = (&mut s.st[j * Q..][..Q]).try_into().expect("Q floats");
+        for ((x, &m), acc) in row.iter_mut().zip(&m_new).zip(&mut sum) {
+            *x = exp_neg::<K>(*x - m);
+            *acc += *x;
+        }
+    }
+    for ((l, &a), &x) in s.l.iter_mut().zip(&s.alpha).zip(&sum) {
+        *l = madd(K::FMA, *l, a, x);
+    }
+    s.m = m_new;
+    if !ln.first {
+        for (n, o) in s.o.chunks_exact_mut(dp).enumerate() {
+            let a = s.alpha[n];
+            if a != 1.0 {
+                for x in o {
+                    *x *= a;
+                }
+            }
+        }
+    }
+    ln.first = false;
+    // O += P V: MR rows × NR value columns per tile; P(n, j) = Sᵀ[j][n].
+    let (vb, ldv) = if dp == hd {
+        (&values[j0 * hd..], hd)
+    } else {
+        for j in 0..kb {
+            let dst = &mut s.v[j * dp..][..dp];
+            dst[..hd].copy_from_slice(&values[(j0 + j) * hd..][..hd]);
+            dst[hd..].fill(0.0);
+        }
+        (&s.v[..], dp)
+    };
+    for i0 in (0..len.next_multiple_of(MR)).step_by(MR) {
+        for c0 in (0..dp).step_by(NR) {
+            let mut c: [[f32; NR]; MR] = std::array::from_fn(|i| {
+                s.o[(i0 + i) * dp + c0..][..NR]
+                    .try_into()
+                    .expect("NR floats")
+            });
+            micro::<K>(&s.st[i0..], 1, Q, &vb[c0..], ldv, kb, &mut c);
+            for (i, ci) in c.iter().enumerate() {
+                s.o[(i0 + i) * dp + c0..][..NR].copy_from_slice(ci);
+            }
+        }
+    }
+}
+
+/// A query block's outputs, `(len, hd)`: each row's accumulators over its
+/// sum; a row that never saw an open key stays exactly zero.
+fn finish(len: usize, hd: usize, s: &Scratch) -> Vec<f32> {
+    let dp = hd.next_multiple_of(NR);
     let mut out = vec![0f32; len * hd];
     for n in 0..len {
         if s.l[n] > 0.0 {
@@ -687,6 +807,17 @@ mod tests {
         }
     }
 
+    /// A task takes four query blocks where a group's keys and values
+    /// pass half the L2: 1024 keys of width 64 (512 KB) not, 16,384 (8
+    /// MB) yes.
+    #[test]
+    fn query_blocks_per_task_follow_the_l2() {
+        assert_eq!(blocks_per_task(1024 * 64 * 8, Some(2 << 20)), 1);
+        assert_eq!(blocks_per_task(16384 * 64 * 8, Some(2 << 20)), 4);
+        assert_eq!(blocks_per_task(2048 * 64 * 8, Some(1 << 20)), 4);
+        assert_eq!(blocks_per_task(2048 * 64 * 8, None), 1);
+    }
+
     /// Every instruction set the CPU has against the f64 oracle, on shapes
     /// that cross every block and tile edge: rows not a multiple of the
     /// micro-tile or of a task, keys past one and two key blocks and not a
@@ -748,6 +879,14 @@ mod tests {
             let want = reference(&p);
             for isa in crate::kernels::CpuFeatures::get().isas() {
                 let got = run(&p, isa);
+                // Four query blocks a task (long keys): the same bits.
+                let four = run_with(&p, isa, 4);
+                assert!(
+                    got.iter()
+                        .zip(&four)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "shape {n} on {isa:?}: four query blocks a task differ"
+                );
                 let err = max_err(&got, &want);
                 assert!(err <= 1e-5, "shape {n} on {isa:?}: max abs error {err}");
                 if masked {
