@@ -568,8 +568,8 @@ pub fn ffn(
     ffn_in_chunks(isa, x, up, down, exact, None)
 }
 
-/// [`ffn`] in chunks of `chunk` rows (a multiple of [`NR`]), or of
-/// [`ffn_rows`].
+/// [`ffn`] in chunks of `chunk` rows (at least one), or as [`ffn`]
+/// chooses ([`ffn_rows`], [`ffn_chunk_rows`]).
 fn ffn_in_chunks(
     isa: Isa,
     x: &Tensor,
@@ -1049,6 +1049,55 @@ mod tests {
         assert_eq!(ffn_rows(Some(2 << 20), 512, 2048), 96);
         assert_eq!(ffn_rows(Some(2 << 20), 1024, 4096), NR);
         assert_eq!(ffn_rows(Some(2 << 20), 1, 1), MAX_GROUP * NR);
+    }
+
+    /// A feed-forward whose operands do not chain, or whose biases do not
+    /// fit, is an error naming them.
+    #[test]
+    fn ffn_refuses_what_does_not_chain() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let isa = CpuFeatures::get().isa();
+        let x = Tensor::zeros((9, 8), DType::F32, &dev)?;
+        let up = Tensor::zeros((16, 8), DType::F32, &dev)?;
+        let down = Tensor::zeros((8, 16), DType::F32, &dev)?;
+        for (up, down, what) in [
+            (
+                &Tensor::zeros((16, 7), DType::F32, &dev)?,
+                &down,
+                "up [16, 7]",
+            ),
+            (
+                &up,
+                &Tensor::zeros((8, 15), DType::F32, &dev)?,
+                "down [8, 15]",
+            ),
+            (
+                &up,
+                &Tensor::zeros((8, 16), DType::BF16, &dev)?,
+                "down [8, 16] BF16",
+            ),
+        ] {
+            let err = ffn(isa, &x, (up, None), (down, None), true)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("vl-gemm-f32 ffn") && err.contains(what),
+                "{err}"
+            );
+        }
+        let b = Tensor::zeros(15, DType::F32, &dev)?;
+        let err = ffn(isa, &x, (&up, Some(&b)), (&down, None), true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("up bias of 16 values") && err.contains("[15]"),
+            "{err}"
+        );
+        let err = ffn(isa, &x, (&up, None), (&down, Some(&b)), true)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("down bias of 8 values"), "{err}");
+        Ok(())
     }
 
     /// What the kernels do not take is an error naming the operands.
