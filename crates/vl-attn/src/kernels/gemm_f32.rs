@@ -599,7 +599,7 @@ fn ffn_in_chunks(
             b.dims(),
             b.device()
         ),
-        Some(b) => Ok(Some(b.to_dtype(DType::F32)?.contiguous()?)),
+        Some(b) => Ok(Some(b.to_dtype(DType::F32)?.to_vec1::<f32>()?)),
         None => Ok(None),
     };
     let op = Ffn {
@@ -614,8 +614,9 @@ fn ffn_in_chunks(
 
 struct Ffn {
     isa: Isa,
-    up_bias: Option<Tensor>,
-    down_bias: Option<Tensor>,
+    /// The biases' values, widened to f32 once, as the op is built.
+    up_bias: Option<Vec<f32>>,
+    down_bias: Option<Vec<f32>>,
     exact: bool,
     /// Rows per chunk, if not [`ffn_rows`].
     chunk: Option<usize>,
@@ -642,15 +643,17 @@ impl candle_core::CustomOp3 for Ffn {
             candle_core::bail!("vl-gemm-f32 ffn: x {dims:?}, up ({h}, {k}), down ({n}, {h2})");
         }
         let m = l1.shape().elem_count() / k;
-        let (x, up, down) = (
-            slice(s1, l1, "x")?,
-            slice(s2, l2, "up")?,
-            slice(s3, l3, "down")?,
-        );
-        let values = |b: &Option<Tensor>| -> candle_core::Result<Option<Vec<f32>>> {
-            b.as_ref().map(|b| b.to_vec1::<f32>()).transpose()
+        let x = slice(s1, l1, "x")?;
+        let up = Layer {
+            w: slice(s2, l2, "up")?,
+            bias: self.up_bias.as_deref(),
+            n: h,
         };
-        let (ub, db) = (values(&self.up_bias)?, values(&self.down_bias)?);
+        let down = Layer {
+            w: slice(s3, l3, "down")?,
+            bias: self.down_bias.as_deref(),
+            n,
+        };
         let chunk = self.chunk.unwrap_or_else(|| {
             let most = ffn_rows(CpuFeatures::get().l2_bytes, k, h);
             ffn_chunk_rows(m, most, rayon::current_num_threads())
@@ -659,16 +662,6 @@ impl candle_core::CustomOp3 for Ffn {
         let out = SyncPtr(y.as_mut_ptr());
         (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
             let rows = c * chunk..((c + 1) * chunk).min(m);
-            let up = Layer {
-                w: up,
-                bias: ub.as_deref(),
-                n: h,
-            };
-            let down = Layer {
-                w: down,
-                bias: db.as_deref(),
-                n,
-            };
             // SAFETY: row `rows.start < m` of `y`'s `m * n` values.
             let y = SyncPtr(unsafe { out.at(rows.start * n) });
             let x = &x[rows.start * k..rows.end * k];

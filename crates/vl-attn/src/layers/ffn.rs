@@ -156,7 +156,9 @@ impl FeedForward {
         };
         let (_, k) = up.0.dims2()?;
         let rows = x.elem_count() / k.max(1);
-        if x.dtype() != candle_core::DType::F32
+        // The row count first: a decode step leaves here at once.
+        if !gemm_f32::ffn_applies(rows)
+            || x.dtype() != candle_core::DType::F32
             || !x.device().is_cpu()
             || x.track_op()
             || up.0.track_op()
@@ -164,7 +166,6 @@ impl FeedForward {
             || !up.0.is_contiguous()
             || !down.0.is_contiguous()
             || x.dims().last() != Some(&k)
-            || !gemm_f32::ffn_applies(rows)
         {
             return Ok(None);
         }
