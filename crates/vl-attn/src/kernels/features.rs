@@ -47,6 +47,12 @@ pub enum Simd {
 /// The instruction sets of the q8_0 and q4_K products, best first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Q8Simd {
+    /// [`Q8Simd::Vnni`] plus AMX-BF16: an encoder's many rows
+    /// ([`crate::kernels::q8_amx::MIN_ROWS`] and more per product) on the
+    /// tile unit, the weight's tiles widened to bf16 as a task reads them
+    /// and `x` rounded to bf16 rather than to q8_0 (see
+    /// [`crate::kernels::q8_amx`]); fewer rows as on VNNI.
+    Amx,
     /// x86-64 with AVX-512F, AVX-512BW and AVX-512 VNNI: intrinsics.
     Vnni,
     /// x86-64 with AVX2 and FMA: plain Rust compiled for them.
@@ -114,7 +120,7 @@ impl Q8Isa {
     /// instruction set this one implies, so no new detection is needed.
     pub const fn f32_isa(self) -> Isa {
         Isa(match self.0 {
-            Q8Simd::Vnni => Simd::Avx512,
+            Q8Simd::Amx | Q8Simd::Vnni => Simd::Avx512,
             Q8Simd::Avx2 => Simd::Avx2,
             Q8Simd::NeonDot => Simd::Neon,
             Q8Simd::Portable => Simd::Portable,
@@ -441,6 +447,7 @@ impl CpuFeatures {
     /// last.
     pub fn q8_isas(&self) -> Vec<Q8Isa> {
         [
+            Q8Simd::Amx,
             Q8Simd::Vnni,
             Q8Simd::Avx2,
             Q8Simd::NeonDot,
@@ -454,6 +461,9 @@ impl CpuFeatures {
     /// The token for `simd`, if this CPU runs it.
     pub fn q8_isa_for(&self, simd: Q8Simd) -> Option<Q8Isa> {
         let ok = match simd {
+            Q8Simd::Amx => {
+                self.avx512f && self.avx512bw && self.avx512vnni && self.avx512bf16 && self.amx_bf16
+            }
             Q8Simd::Vnni => self.avx512f && self.avx512bw && self.avx512vnni,
             Q8Simd::Avx2 => self.avx2 && self.fma,
             Q8Simd::NeonDot => self.neon && self.dotprod,

@@ -159,9 +159,24 @@ impl CustomOp2 for GemmBf16 {
 /// `bf16::from_f32`, subnormals flushed to zero, as [`store_bf16x16`]
 /// rounds the outputs), else by `bf16::from_f32`. (`bf16::from_f32` one
 /// value at a time was ≈ 9% of a Swin encode's time in bf16 weights.)
-fn to_bf16(isa: Bf16Isa, x: &[f32]) -> CacheAligned<bf16> {
+pub(crate) fn to_bf16(isa: Bf16Isa, x: &[f32]) -> CacheAligned<bf16> {
+    to_bf16_padded(isa, x, x.len())
+}
+
+/// [`to_bf16`] into `len >= x.len()` values, zeros after `x`'s (the rows
+/// that make a last block of a tile kernel whole).
+pub(crate) fn to_bf16_padded(isa: Bf16Isa, x: &[f32], len: usize) -> CacheAligned<bf16> {
     const CHUNK: usize = 1 << 14;
+    assert!(
+        len >= x.len(),
+        "to_bf16_padded: {len} values for {}",
+        x.len()
+    );
     let round = |y: &mut [MaybeUninit<bf16>]| {
+        let (y, pad) = y.split_at_mut(x.len());
+        for v in pad {
+            v.write(bf16::ZERO);
+        }
         y.par_chunks_mut(CHUNK)
             .zip(x.par_chunks(CHUNK))
             .for_each(|(y, x)| match isa.simd() {
@@ -178,8 +193,9 @@ fn to_bf16(isa: Bf16Isa, x: &[f32]) -> CacheAligned<bf16> {
     // On a cache line (the AMX kernel loads rows of `x` where they lie),
     // not zeroed first.
     // SAFETY: the chunks cover all `x.len()` values, and each chunk's are
-    // all written (`avx512::round`'s contract, or the loop).
-    unsafe { CacheAligned::written_by(x.len(), round) }
+    // all written (`avx512::round`'s contract, or the loop); the padding
+    // is zeroed.
+    unsafe { CacheAligned::written_by(len, round) }
 }
 
 /// `x` rounded to bf16 on the pool exactly as `bf16::from_f32` rounds it
@@ -687,6 +703,31 @@ pub(crate) unsafe fn store_bf16x16(p: *mut half::bf16, v: std::arch::x86_64::__m
 /// A task's rows, its panels `first..last` and the product's `(n, k)`.
 type TaskShape = (usize, (usize, usize), (usize, usize));
 
+/// `ldtilecfg`'s 64 bytes: palette 1, eight tiles of 16 rows × 64 bytes
+/// (the bf16 GEMM's and [`crate::kernels::q8_amx`]'s).
+#[cfg(target_arch = "x86_64")]
+#[repr(C, align(64))]
+pub(crate) struct TileConfig([u8; 64]);
+
+#[cfg(target_arch = "x86_64")]
+impl TileConfig {
+    pub(crate) fn sixteen_by_64() -> Self {
+        let mut c = [0u8; 64];
+        c[0] = 1;
+        for t in 0..8 {
+            // colsb (u16 little-endian) at 16 + 2t, rows at 48 + t.
+            c[16 + 2 * t] = 64;
+            c[48 + t] = 16;
+        }
+        Self(c)
+    }
+
+    /// The bytes, for `ldtilecfg`.
+    pub(crate) fn as_ptr(&self) -> *const u8 {
+        self.0.as_ptr()
+    }
+}
+
 /// The GEMM's rows in blocks of 32 on AMX's tile unit: for each panel of
 /// [`NR`] columns, four 16 × 16 f32 accumulator tiles (`tmm0`–`tmm3`) take
 /// `tdpbf16ps` of two 16-row tiles of `x` (`tmm4`, `tmm5`: 32 bf16 of `k`
@@ -708,7 +749,7 @@ mod amx {
 
     use half::bf16;
 
-    use super::{avx512, Out, NR};
+    use super::{avx512, Out, TileConfig, NR};
 
     /// Rows of an AMX tile, and of `x` per tile.
     const TILE_ROWS: usize = 16;
@@ -716,24 +757,6 @@ mod amx {
     const BLOCK: usize = 2 * TILE_ROWS;
     /// `k` per `tdpbf16ps`: 64 bytes of bf16 per tile row.
     const TILE_K: usize = 32;
-
-    /// `ldtilecfg`'s 64 bytes: palette 1, eight tiles of 16 rows × 64
-    /// bytes.
-    #[repr(C, align(64))]
-    struct TileConfig([u8; 64]);
-
-    impl TileConfig {
-        fn sixteen_by_64() -> Self {
-            let mut c = [0u8; 64];
-            c[0] = 1;
-            for t in 0..8 {
-                // colsb (u16 little-endian) at 16 + 2t, rows at 48 + t.
-                c[16 + 2 * t] = 64;
-                c[48 + t] = TILE_ROWS as u8;
-            }
-            Self(c)
-        }
-    }
 
     /// [`avx512::task`] with the blocks of 32 rows on the tile unit.
     ///
@@ -817,7 +840,7 @@ mod amx {
         // buffer (rows of 128 bytes). The tiles are configured first and
         // released last; the CPU runs AMX (the contract).
         unsafe {
-            asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+            asm!("ldtilecfg [{}]", in(reg) cfg.as_ptr(), options(nostack, readonly));
             for (j, panel) in (first..last).zip(packed.chunks_exact(pairs * NR)) {
                 let cols = NR.min(n - j * NR);
                 let b = panel.as_ptr().cast::<u8>();

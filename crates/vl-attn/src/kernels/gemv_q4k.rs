@@ -348,7 +348,7 @@ impl Tiled for PackedQ4K {
         match isa.simd() {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the token proves AVX-512F, BW and VNNI.
-            Q8Simd::Vnni => unsafe { tile_vnni(self, a, t, r0, acc) },
+            Q8Simd::Amx | Q8Simd::Vnni => unsafe { tile_vnni(self, a, t, r0, acc) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the token proves AVX2 and FMA.
             Q8Simd::Avx2 => unsafe { tile_avx2(self, a, t, r0, acc) },

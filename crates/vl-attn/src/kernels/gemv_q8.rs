@@ -47,6 +47,7 @@ use crate::kernels::aligned::CacheAligned;
 use crate::kernels::gemv::prefetch;
 use crate::kernels::host::{leaf_len, zeroed};
 use crate::kernels::micro::{madd, Kernel};
+use crate::kernels::q8_amx;
 
 /// Values per q8_0 block.
 pub const BLOCK_VALUES: usize = 32;
@@ -315,6 +316,14 @@ impl Tiled for PackedQ8 {
         self.bias.as_deref()
     }
 
+    fn q8_tile(&self, t: usize) -> Option<(&[u8], &[u16])> {
+        let blocks = self.k / BLOCK_VALUES;
+        Some((
+            &self.qs[t * blocks * TILE_BYTES..][..blocks * TILE_BYTES],
+            &self.d[t * blocks * TILE_ROWS..][..blocks * TILE_ROWS],
+        ))
+    }
+
     #[inline(always)]
     fn accumulate<const R: usize>(
         &self,
@@ -327,7 +336,9 @@ impl Tiled for PackedQ8 {
         match isa.simd() {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the token proves AVX-512F, BW and VNNI.
-            Q8Simd::Vnni => unsafe { tile_vnni::<R, OutPtr>(self, a, t, r0, Sums::Acc(acc)) },
+            Q8Simd::Amx | Q8Simd::Vnni => unsafe {
+                tile_vnni::<R, OutPtr>(self, a, t, r0, Sums::Acc(acc))
+            },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the token proves AVX2 and FMA.
             Q8Simd::Avx2 => unsafe { tile_avx2(self, a, t, r0, acc) },
@@ -341,7 +352,7 @@ impl Tiled for PackedQ8 {
     fn tile_rows(&self, isa: Q8Isa) -> usize {
         match isa.simd() {
             #[cfg(target_arch = "x86_64")]
-            Q8Simd::Vnni => VNNI_TILE_ROWS,
+            Q8Simd::Amx | Q8Simd::Vnni => VNNI_TILE_ROWS,
             _ => 8,
         }
     }
@@ -349,7 +360,7 @@ impl Tiled for PackedQ8 {
     fn pair_rows(&self, isa: Q8Isa) -> usize {
         match isa.simd() {
             #[cfg(target_arch = "x86_64")]
-            Q8Simd::Vnni => PAIR_ROWS,
+            Q8Simd::Amx | Q8Simd::Vnni => PAIR_ROWS,
             _ => 0,
         }
     }
@@ -368,7 +379,9 @@ impl Tiled for PackedQ8 {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the token proves AVX-512F, BW and VNNI; the
             // caller's contract is `tile_pair_vnni`'s.
-            Q8Simd::Vnni => unsafe { tile_pair_vnni::<R, O>(self, a, t, r0, out, gelu) },
+            Q8Simd::Amx | Q8Simd::Vnni => unsafe {
+                tile_pair_vnni::<R, O>(self, a, t, r0, out, gelu)
+            },
             // SAFETY: the caller's contract.
             _ => unsafe { pair_apart::<Self, R, O>(self, isa, a, t, r0, out, gelu) },
         }
@@ -388,7 +401,9 @@ impl Tiled for PackedQ8 {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the token proves AVX-512F, BW and VNNI; the
             // caller's contract is `tile`'s, which `tile_vnni` stores by.
-            Q8Simd::Vnni => unsafe { tile_vnni::<R, O>(self, a, t, r0, Sums::Out(out, gelu)) },
+            Q8Simd::Amx | Q8Simd::Vnni => unsafe {
+                tile_vnni::<R, O>(self, a, t, r0, Sums::Out(out, gelu))
+            },
             // SAFETY: the caller's contract.
             _ => unsafe { tile_cold::<Self, R, O>(self, isa, a, t, r0, out, gelu) },
         }
@@ -516,6 +531,26 @@ pub(crate) trait Tiled: Sync {
         // SAFETY: the caller's contract.
         unsafe { tile_cold::<Self, R, O>(self, isa, a, t, r0, out, gelu) }
     }
+    /// Tile `t`'s q8_0 blocks as packed (`k / 32` blocks of
+    /// [`TILE_BYTES`], then their `16 · k / 32` f16 scales as bits), for
+    /// a kernel that widens them ([`crate::kernels::q8_amx`]); `None`
+    /// for weights of another format (all of a type answer alike).
+    ///
+    /// # Panics
+    /// If `t` is not a tile of the weight.
+    fn q8_tile(&self, t: usize) -> Option<(&[u8], &[u16])> {
+        let _ = t;
+        None
+    }
+    /// Tile `t`'s bias (its columns' values), if the layer has one.
+    ///
+    /// # Panics
+    /// If `t` is not a tile of the weight.
+    fn tile_bias(&self, t: usize) -> Option<&[f32]> {
+        let n = self.dims().0;
+        let b = self.bias_values()?;
+        Some(&b[t * TILE_ROWS..n.min((t + 1) * TILE_ROWS)])
+    }
 }
 
 /// Rows of `x` rounded to q8_0 as a [`Tiled`] product reads them.
@@ -613,6 +648,18 @@ pub(crate) fn matmul_tiled_then<P: Tiled>(
     shape.push(n);
     if rows == 0 || n == 0 {
         return Tensor::zeros(shape, DType::F32, x.device());
+    }
+    if q8_amx::takes(p, isa, rows) {
+        let y = crate::kernels::with_values(&x.to_dtype(DType::F32)?, |xs: &[f32]| {
+            // SAFETY: `takes` said yes; the tasks store every tile of
+            // every row, rows one after the other: all `rows · n` values.
+            unsafe {
+                written(rows * n, |ptr| {
+                    q8_amx::product_into(p, isa, xs, rows, gelu, &OutPtr(ptr))
+                })
+            }
+        })?;
+        return Tensor::from_vec(y, shape, x.device());
     }
     let y = product(p, isa, &rounded(p, isa, x, rows)?, gelu);
     Tensor::from_vec(y, shape, x.device())
@@ -774,6 +821,17 @@ pub(crate) unsafe fn matmul_tiled_placed<P: Tiled>(
         }
         assert!(seen.iter().all(|&s| s), "the places leave values unwritten");
     }
+    if q8_amx::takes(p, isa, m) {
+        return crate::kernels::with_values(&x.to_dtype(DType::F32)?, |xs: &[f32]| {
+            // SAFETY: `takes` said yes; the caller's contract: the places
+            // cover the `len` values.
+            unsafe {
+                written(len, |ptr| {
+                    q8_amx::product_into(p, isa, xs, m, None, &Placed { ptr, rows, tiles })
+                })
+            }
+        });
+    }
     let a = rounded(p, isa, x, m)?;
     // SAFETY: the caller's contract: the places cover the `len` values.
     Ok(unsafe {
@@ -823,6 +881,12 @@ pub(crate) fn ffn_tiled<U: Tiled, D: Tiled>(
         return Ok(None);
     }
     let rows = x.elem_count() / k.max(1);
+    if q8_amx::takes(up, isa, rows) || q8_amx::takes(down, isa, rows) {
+        // The products apart, on the tile unit (whose values a chunk
+        // through VNNI would not give): each task keeps its widened tiles
+        // and reads the rows from the L2 as they pass.
+        return Ok(None);
+    }
     let chunk = (FFN_HIDDEN_BYTES / (4 * hidden.max(1))) / PAIR_ROWS * PAIR_ROWS;
     let threads = rayon::current_num_threads().max(1);
     if chunk < PAIR_MIN_ROWS || rows < 4 * chunk * threads || n == 0 {
@@ -1161,6 +1225,16 @@ impl<P: Tiled> Tiled for Stacked<'_, P> {
     /// None for the whole: each part adds its own as it stores.
     fn bias_values(&self) -> Option<&[f32]> {
         None
+    }
+
+    fn q8_tile(&self, t: usize) -> Option<(&[u8], &[u16])> {
+        let (w, t) = self.locate(t);
+        self.parts[w].q8_tile(t)
+    }
+
+    fn tile_bias(&self, t: usize) -> Option<&[f32]> {
+        let (w, t) = self.locate(t);
+        self.parts[w].tile_bias(t)
     }
 
     #[inline(always)]
@@ -2150,6 +2224,11 @@ mod tests {
                     Some(bias.to_vec1()?)
                 );
                 for isa in isas() {
+                    if q8_amx::takes(&p, isa, rows) {
+                        // On the tile unit: `q8_amx`'s tests, against
+                        // the bf16 product they run.
+                        continue;
+                    }
                     let y = p.matmul_with(isa, &x)?;
                     assert_eq!(y.dims(), &[1, rows, n]);
                     let biased = pb.matmul_with(isa, &x)?;

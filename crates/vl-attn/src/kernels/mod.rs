@@ -12,7 +12,7 @@
 //! | operation | entry point | implementations |
 //! |---|---|---|
 //! | f32/f16/bf16 GEMV, 1–8 rows | [`gemv::gemv`] | AVX-512F, AVX2+FMA, portable |
-//! | q8_0 product, any rows | [`gemv_q8::PackedQ8::matmul`] | AVX-512 VNNI, AVX2+FMA, portable |
+//! | q8_0 product, any rows | [`gemv_q8::PackedQ8::matmul`] | AMX-BF16 (an encoder's rows, [`q8_amx`]), AVX-512 VNNI, AVX2+FMA, portable |
 //! | q4_K product, any rows | [`gemv_q4k::PackedQ4K::matmul`] | AVX-512 VNNI, AVX2+FMA, portable |
 //! | f32 GEMM, many rows (where [`Tuning::f32_gemm`] chooses it) | [`gemm_f32::matmul`] | AVX-512F, AVX2+FMA, portable |
 //! | f32 feed-forward, an encoder's rows a chunk at a time (GELU as the first product stores) | [`gemm_f32::ffn`] (through [`crate::FeedForward`]) | AVX-512F, AVX2+FMA, portable |
@@ -51,6 +51,7 @@ pub mod kv_q8;
 pub(crate) mod micro;
 pub mod norm;
 pub(crate) mod q4k;
+pub mod q8_amx;
 pub(crate) mod tiled;
 
 pub use features::{

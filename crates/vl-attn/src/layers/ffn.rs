@@ -383,22 +383,31 @@ mod tests {
                 for bias in [true, false] {
                     let up = Quantizer::strict(uf).proj("up", &layer(hidden, width, bias)?)?;
                     let down = Quantizer::strict(df).proj("down", &layer(out, hidden, bias)?)?;
+                    // A q8_0 weight's many rows run on the tile unit where
+                    // the CPU has one: the products apart, declined here.
+                    let amx = crate::kernels::CpuFeatures::get().q8_isa().simd()
+                        == crate::kernels::Q8Simd::Amx
+                        && (uf == Quantization::Q8_0 || df == Quantization::Q8_0);
                     for rows in [263, 300] {
                         let x = Tensor::randn(0f32, 1., (2, rows, width), &dev)?;
+                        let apart = down.forward(&act.forward(&up.forward(&x)?)?)?;
+                        let ffn = FeedForward::from_parts(up.clone(), down.clone(), act);
+                        assert!(same_bits(&ffn.forward(&x)?, &apart)?);
+                        if amx {
+                            assert!(Proj::ffn_tiled(&up, &down, &x, exact)?.is_none());
+                            continue;
+                        }
                         let chunked = Proj::ffn_tiled(&up, &down, &x, exact)?.ok_or_else(|| {
                             crate::AttnError::Argument {
                                 arg: "rows",
                                 reason: format!("{rows} × 2 rows were not chunked"),
                             }
                         })?;
-                        let apart = down.forward(&act.forward(&up.forward(&x)?)?)?;
                         assert_eq!(chunked.dims(), apart.dims());
                         assert!(
                             same_bits(&chunked, &apart)?,
                             "{uf:?} then {df:?}, {act:?}, bias {bias}, {rows} × 2 rows"
                         );
-                        let ffn = FeedForward::from_parts(up.clone(), down.clone(), act);
-                        assert!(same_bits(&ffn.forward(&x)?, &apart)?);
                     }
                     let few = Tensor::randn(0f32, 1., (1, 200, width), &dev)?;
                     assert!(Proj::ffn_tiled(&up, &down, &few, exact)?.is_none());
