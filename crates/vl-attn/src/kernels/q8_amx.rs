@@ -80,11 +80,17 @@ pub(crate) unsafe fn product_into<P: Tiled, O: Out>(
     let tile_len = (k / BLOCK_VALUES) * BLOCK_PAIRS;
     let threads = rayon::current_num_threads().max(1);
     // Pairs of tiles (the kernel's two B tiles), as many as the L2 share
-    // holds, and at least 4 column tasks a thread where the weight has
-    // that many pairs.
+    // holds; for a few hundred rows, also at least 4 column tasks a
+    // thread where the weight has that many pairs.
     let fit = (TASK_BYTES / (tile_len * 4)).max(2) / 2 * 2;
-    let spread = tiles.div_ceil(threads * 4).next_multiple_of(2);
-    let per_task = fit.min(spread).max(2);
+    let per_task = if rows > 4 * CHUNK_ROWS {
+        // Tasks enough in chunks of rows: as many tiles a task as fit, so
+        // that the rows, which each task reads once, are read by few.
+        fit
+    } else {
+        fit.min(tiles.div_ceil(threads * 4).next_multiple_of(2))
+            .max(2)
+    };
     let col_tasks = tiles.div_ceil(per_task);
     let row_chunk = if rows <= 4 * CHUNK_ROWS {
         rows
@@ -208,7 +214,9 @@ mod x86 {
     /// Rows `rows` of `xb` (bf16, `(.., k)`, zeros to a whole block of 32
     /// rows past them) against tiles `tiles` of `p`,
     /// widened in `wide` (tile `t` at `(t - tiles.start)` tiles' length):
-    /// per pair of tiles and block of 32 rows, four 16 × 16 f32 tiles
+    /// per block of 32 rows (which stays in L1 while the task's tiles pass
+    /// from its L2: a tall product's rows are read from memory once) and
+    /// pair of tiles, four 16 × 16 f32 tiles
     /// (`tmm0`–`tmm3`) take `tdpbf16ps` of two 16-row tiles of `x`
     /// (`tmm4`, `tmm5`) by the two widened tiles (`tmm6`, `tmm7`) per
     /// block of 32 values; a last block of 16 rows or fewer takes one
@@ -249,16 +257,16 @@ mod x86 {
         // tiles are configured first and released last.
         unsafe {
             asm!("ldtilecfg [{}]", in(reg) cfg.as_ptr(), options(nostack, readonly));
-            let mut t = tiles.start;
-            while t < tiles.end {
-                let two = t + 1 < tiles.end;
-                let b0 = wide.as_ptr().add((t - tiles.start) * tile_len).cast::<u8>();
-                let b1 = if two { b0.add(tile_len * 4) } else { b0 };
-                let mut r0 = rows.start;
-                while r0 < rows.end {
-                    let here = (rows.end - r0).min(2 * TILE_ROWS);
-                    let a = xb.as_ptr().add(r0 * k).cast::<u8>();
-                    let halves = if here > TILE_ROWS { 2 } else { 1 };
+            let mut r0 = rows.start;
+            while r0 < rows.end {
+                let here = (rows.end - r0).min(2 * TILE_ROWS);
+                let a = xb.as_ptr().add(r0 * k).cast::<u8>();
+                let halves = if here > TILE_ROWS { 2 } else { 1 };
+                let mut t = tiles.start;
+                while t < tiles.end {
+                    let two = t + 1 < tiles.end;
+                    let b0 = wide.as_ptr().add((t - tiles.start) * tile_len).cast::<u8>();
+                    let b1 = if two { b0.add(tile_len * 4) } else { b0 };
                     asm!(
                         "tilezero tmm0",
                         "tilezero tmm1",
@@ -344,9 +352,9 @@ mod x86 {
                     if two {
                         store(p, isa, &mut sums[1][..here], t + 1, r0, (out, gelu));
                     }
-                    r0 += here;
+                    t += if two { 2 } else { 1 };
                 }
-                t += if two { 2 } else { 1 };
+                r0 += here;
             }
             asm!("tilerelease", options(nostack, nomem));
         }
