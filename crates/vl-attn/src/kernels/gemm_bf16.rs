@@ -198,6 +198,23 @@ pub(crate) fn to_bf16_padded(isa: Bf16Isa, x: &[f32], len: usize) -> CacheAligne
     unsafe { CacheAligned::written_by(len, round) }
 }
 
+/// `x` rounded to bf16 into `y` (as long) on the calling thread, as
+/// [`to_bf16`] rounds on AVX512_BF16 (a kernel's block of rows, in its
+/// cache).
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX512_BF16.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn round_into(x: &[f32], y: &mut [bf16]) {
+    // SAFETY: `round` writes every element of `y` with a valid bf16, so
+    // viewing initialised values as `MaybeUninit` loses nothing; the
+    // caller's contract for the instructions.
+    unsafe {
+        let y = &mut *(y as *mut [bf16] as *mut [MaybeUninit<bf16>]);
+        avx512::round(x, y)
+    }
+}
+
 /// `x` rounded to bf16 on the pool exactly as `bf16::from_f32` rounds it
 /// (and so candle's `to_dtype`): to nearest, ties to even, subnormals
 /// kept, NaN made quiet — where [`to_bf16`]'s `vcvtneps2bf16` flushes

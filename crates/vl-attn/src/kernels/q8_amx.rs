@@ -72,10 +72,6 @@ pub(crate) unsafe fn product_into<P: Tiled, O: Out>(
     let bf16_isa = CpuFeatures::get()
         .bf16_isa_for(Bf16Simd::Avx512Bf16)
         .expect("q8_0's Amx token implies AVX512_BF16");
-    // Zero rows to a whole last block of 32, which the kernel reads where
-    // they lie (and stores none of).
-    let padded = rows.next_multiple_of(2 * TILE_ROWS) * k;
-    let xb = super::gemm_bf16::to_bf16_padded(bf16_isa, &x[..rows * k], padded);
     let tiles = n.div_ceil(TILE_ROWS);
     let tile_len = (k / BLOCK_VALUES) * BLOCK_PAIRS;
     let threads = rayon::current_num_threads().max(1);
@@ -99,6 +95,20 @@ pub(crate) unsafe fn product_into<P: Tiled, O: Out>(
         rows.div_ceil(chunks).max(CHUNK_ROWS).next_multiple_of(32)
     };
     let tasks = col_tasks * rows.div_ceil(row_chunk);
+    // Where every tile is one task's, each row is read by one task: it
+    // rounds its blocks of rows as it reaches them, in its L1 (a DaViT's
+    // first stages, 36,864 rows, wrote and read back a rounded copy of 5–19
+    // MB per product); else `x` is rounded once for the tasks to share,
+    // with zero rows to a whole last block of 32 (read where they lie, and
+    // stored by none).
+    let xb;
+    let src = if col_tasks == 1 {
+        x86::Rows::Here(&x[..rows * k])
+    } else {
+        let padded = rows.next_multiple_of(2 * TILE_ROWS) * k;
+        xb = super::gemm_bf16::to_bf16_padded(bf16_isa, &x[..rows * k], padded);
+        x86::Rows::Rounded(&xb)
+    };
     thread_local! {
         /// A task's widened tiles, kept by its thread for the next task.
         static WIDE: std::cell::Cell<Option<CacheAligned<u32>>> =
@@ -127,7 +137,7 @@ pub(crate) unsafe fn product_into<P: Tiled, O: Out>(
                 // SAFETY: the token proves AMX-BF16 granted; the rows and
                 // tiles are this task's alone (the caller's contract for
                 // `out`).
-                unsafe { x86::task(p, isa, &xb, &wide, t0..t1, rows, (out, gelu)) };
+                unsafe { x86::task(p, isa, &src, &wide, t0..t1, rows, (out, gelu)) };
                 cell.set(Some(wide));
             });
         });
@@ -161,6 +171,15 @@ mod x86 {
     use crate::kernels::features::Q8Isa;
     use crate::kernels::gemm_bf16::TileConfig;
     use crate::kernels::gemv_q8::{Out, Tiled};
+
+    /// Where a task's blocks of rows come from.
+    pub(super) enum Rows<'a> {
+        /// `x` rounded to bf16 for the whole product, zero rows to a whole
+        /// last block of 32.
+        Rounded(&'a [bf16]),
+        /// `x` itself, each block rounded by the task as it reaches it.
+        Here(&'a [f32]),
+    }
 
     /// One tile's q8_0 blocks (`qs`: per block 8 groups of 16 rows × 4
     /// values, stored `+ 128`; `d`: per block 16 f16 scales) widened to
@@ -211,8 +230,8 @@ mod x86 {
         }
     }
 
-    /// Rows `rows` of `xb` (bf16, `(.., k)`, zeros to a whole block of 32
-    /// rows past them) against tiles `tiles` of `p`,
+    /// Rows `rows` of `x` (`(.., k)`, from `src`) against tiles `tiles` of
+    /// `p`,
     /// widened in `wide` (tile `t` at `(t - tiles.start)` tiles' length):
     /// per block of 32 rows (which stays in L1 while the task's tiles pass
     /// from its L2: a tall product's rows are read from memory once) and
@@ -232,7 +251,7 @@ mod x86 {
     pub(super) unsafe fn task<P: Tiled, O: Out>(
         p: &P,
         isa: Q8Isa,
-        xb: &[bf16],
+        src: &Rows<'_>,
         wide: &[u32],
         tiles: Range<usize>,
         rows: Range<usize>,
@@ -242,16 +261,23 @@ mod x86 {
         let blocks = k / BLOCK_VALUES;
         let tile_len = blocks * BLOCK_PAIRS;
         assert!(
-            xb.len() >= rows.end.next_multiple_of(2 * TILE_ROWS) * k
-                && wide.len() >= tiles.len() * tile_len,
-            "q8_amx: a task's rows (padded to a block of 32) or widened tiles are short"
+            match src {
+                Rows::Rounded(xb) => xb.len() >= rows.end.next_multiple_of(2 * TILE_ROWS) * k,
+                Rows::Here(x) => x.len() >= rows.end * k,
+            } && wide.len() >= tiles.len() * tile_len,
+            "q8_amx: a task's rows (rounded: padded to a block of 32) or widened tiles are short"
         );
+        // The block of rows a task rounds itself (`Rows::Here`).
+        let mut block = match src {
+            Rows::Here(_) => crate::kernels::aligned::CacheAligned::<bf16>::new(2 * TILE_ROWS * k),
+            Rows::Rounded(_) => crate::kernels::aligned::CacheAligned::new(0),
+        };
         let x_stride = 2 * k;
         let mut sums = [[[0f32; TILE_ROWS]; 2 * TILE_ROWS]; 2];
         let cfg = TileConfig::sixteen_by_64();
         // SAFETY: each A tile load reads 16 rows of 64 bytes from byte
-        // `64 b` (`b < k / 32`) of rows inside `xb` (asserted: whole
-        // blocks of 32 rows); each B tile
+        // `64 b` (`b < k / 32`) of rows inside the rounded `x` (asserted:
+        // whole blocks of 32 rows) or the task's block of 32; each B tile
         // load 1 KiB of a widened tile's block, inside `wide` (asserted).
         // The stores write `sums`' 16-row halves (rows of 64 bytes). The
         // tiles are configured first and released last.
@@ -260,7 +286,18 @@ mod x86 {
             let mut r0 = rows.start;
             while r0 < rows.end {
                 let here = (rows.end - r0).min(2 * TILE_ROWS);
-                let a = xb.as_ptr().add(r0 * k).cast::<u8>();
+                let a = match src {
+                    Rows::Rounded(xb) => xb.as_ptr().add(r0 * k),
+                    Rows::Here(x) => {
+                        let y = &mut block[..here * k];
+                        // SAFETY: `round` writes every value of `y` (a
+                        // valid bf16 each); the token proves the ISA.
+                        crate::kernels::gemm_bf16::round_into(&x[r0 * k..][..here * k], y);
+                        block[here * k..].fill(bf16::ZERO);
+                        block.as_ptr()
+                    }
+                }
+                .cast::<u8>();
                 let halves = if here > TILE_ROWS { 2 } else { 1 };
                 let mut t = tiles.start;
                 while t < tiles.end {
@@ -517,7 +554,9 @@ mod tests {
     /// largest output: only the f32 summation differs), plus the bias,
     /// through either GELU: from [`MIN_ROWS`] rows, with a last block of
     /// up to 16 rows and of more, heights off the tile size (an odd last
-    /// tile), widths of 2 to 100 blocks; a product's rows equal the same
+    /// tile), widths of 2 to 100 blocks, rows rounded once for the whole
+    /// product and by each task (one column task: a single tile, or
+    /// chunks of many rows); a product's rows equal the same
     /// rows in a product of their own, bit for bit; fewer rows than
     /// [`MIN_ROWS`] are not taken.
     #[test]
@@ -531,8 +570,9 @@ mod tests {
             assert!(!takes(&p, isa, MIN_ROWS - 1));
             let dq: Vec<f32> = p.dequantize()?.flatten_all()?.to_vec1()?;
             let b: Vec<f32> = bias.to_vec1()?;
-            for rows in [MIN_ROWS, 70, 90, 131, 700] {
-                if k == 3200 && rows > 131 {
+            // 1100 rows: chunks of rows, each task's rows rounded by it.
+            for rows in [MIN_ROWS, 70, 90, 131, 700, 1100] {
+                if k >= 800 && rows > 131 {
                     continue;
                 }
                 assert!(takes(&p, isa, rows));
