@@ -424,27 +424,36 @@ impl HalfBlock {
         let (b, h, w, c) = x.dims4()?;
         let x = self.conv1.forward(x)?;
         let normed = self.norm1.forward(&x)?;
-        let mixed = match self.mixer {
-            Mixer::Window { heads, window } => self.window_attention(&normed, heads, window)?,
-            Mixer::Channel { groups } => {
-                self.channel_attention(&normed.reshape((b, h * w, c))?, groups)?
-            }
+        // Each residual added as the projection closing its branch stores
+        // (where vl's kernels can: `Proj::forward_add`).
+        let x = match self.mixer {
+            Mixer::Window { heads, window } => self.window_attention(&normed, heads, window, &x)?,
+            Mixer::Channel { groups } => self.channel_attention(
+                &normed.reshape((b, h * w, c))?,
+                groups,
+                &x.reshape((b, h * w, c))?,
+            )?,
         };
-        let x = add(&x, &mixed.reshape((b, h, w, c))?)?;
-        let x = self.conv2.forward(&x)?;
-        Ok(add(&x, &self.ffn.forward(&self.norm2.forward(&x)?)?)?)
+        let x = self.conv2.forward(&x.reshape((b, h, w, c))?)?;
+        Ok(self.ffn.forward_add(&self.norm2.forward(&x)?, &x)?)
     }
 
-    /// Window attention of the normalised map `(b, h, w, c)` →
-    /// `(b, h, w, c)`, projected. The projections run on the map in its
-    /// own order (they see one token at a time); only the heads are
+    /// `residual` plus window attention of the normalised map `(b, h, w,
+    /// c)`, projected → `(b, h, w, c)`. The projections run on the map in
+    /// its own order (they see one token at a time); only the heads are
     /// gathered into windows, and the output scattered back
     /// ([`WindowOrder`]).
-    fn window_attention(&self, x: &Tensor, heads: usize, ws: usize) -> Result<Tensor> {
+    fn window_attention(
+        &self,
+        x: &Tensor,
+        heads: usize,
+        ws: usize,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
         let (b, h, w, c) = x.dims4()?;
         let (ph, pw) = ((ws - h % ws) % ws, (ws - w % ws) % ws);
         if ph + pw > 0 {
-            return self.padded_window_attention(x, heads, ws);
+            return Ok(add(residual, &self.padded_window_attention(x, heads, ws)?)?);
         }
         let order = WindowOrder::new(h, w, ws, 0)?;
         let hd = c / heads;
@@ -463,7 +472,10 @@ impl HalfBlock {
         let scale = (hd as f64).powf(-0.5);
         let out = attention(&q, &k, &v, None, scale, Backend::Auto, Weights::Skip)?.output;
         debug_assert_eq!(out.dims()[0], b * order.windows());
-        Ok(self.proj.forward(&order.merge_heads(&out)?)?)
+        let merged = order.merge_heads(&out)?;
+        Ok(self
+            .proj
+            .forward_add(&merged, &residual.reshape(merged.dims())?)?)
     }
 
     /// [`HalfBlock::window_attention`] of a map that is not whole windows:
@@ -509,11 +521,11 @@ impl HalfBlock {
         Ok(map.narrow(1, 0, h)?.narrow(2, 0, w)?.contiguous()?)
     }
 
-    /// Channel attention of the normalised tokens `(b, n, c)` → `(b, n,
-    /// c)`, projected.
-    fn channel_attention(&self, x: &Tensor, groups: usize) -> Result<Tensor> {
+    /// `residual` plus channel attention of the normalised tokens `(b, n,
+    /// c)`, projected → `(b, n, c)`.
+    fn channel_attention(&self, x: &Tensor, groups: usize, residual: &Tensor) -> Result<Tensor> {
         if x.dtype() == DType::F32 && x.device().is_cpu() {
-            return self.channel_attention_strided(x, groups);
+            return self.channel_attention_strided(x, groups, residual);
         }
         let (b, n, c) = x.dims3()?;
         let d = c / groups;
@@ -538,7 +550,7 @@ impl HalfBlock {
             .permute((0, 3, 1, 2))?
             .contiguous()?
             .reshape((b, n, c))?;
-        Ok(self.proj.forward(&out)?)
+        Ok(self.proj.forward_add(&out, residual)?)
     }
 
     /// [`HalfBlock::channel_attention`] in f32 without transposing the
@@ -546,7 +558,12 @@ impl HalfBlock {
     /// and its output `v attnᵀ`, products that read `q`, `k`, `v` in place
     /// in the `qkv` projection's output (row stride `3c`), where moving
     /// the tokens last would copy them element by element.
-    fn channel_attention_strided(&self, x: &Tensor, groups: usize) -> Result<Tensor> {
+    fn channel_attention_strided(
+        &self,
+        x: &Tensor,
+        groups: usize,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
         let (b, n, c) = x.dims3()?;
         let d = c / groups;
         let scale = (n as f64).powf(-0.5);
@@ -580,7 +597,7 @@ impl HalfBlock {
             .reshape((b, groups, n, d))?
             .transpose(1, 2)?
             .reshape((b, n, c))?;
-        Ok(self.proj.forward(&out)?)
+        Ok(self.proj.forward_add(&out, residual)?)
     }
 
     fn quantize(&self, q: &Quantizer, prefix: &str) -> Result<Self> {

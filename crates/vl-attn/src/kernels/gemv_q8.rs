@@ -655,7 +655,7 @@ pub(crate) fn matmul_tiled_then<P: Tiled>(
             // every row, rows one after the other: all `rows · n` values.
             unsafe {
                 written(rows * n, |ptr| {
-                    q8_amx::product_into(p, isa, xs, rows, gelu, &OutPtr(ptr))
+                    q8_amx::product_into(p, isa, xs, rows, (gelu, None), &OutPtr(ptr))
                 })
             }
         })?;
@@ -663,6 +663,54 @@ pub(crate) fn matmul_tiled_then<P: Tiled>(
     }
     let y = product(p, isa, &rounded(p, isa, x, rows)?, gelu);
     Tensor::from_vec(y, shape, x.device())
+}
+
+/// `x W^T + b + residual` where the product runs on the tile unit
+/// ([`q8_amx::takes`]), the residual `(..., n)` added as the sums are
+/// stored: the bits of the product and then the addition (one f32
+/// addition of the same two values), without a pass over the output.
+/// `None` where the product runs elsewhere, or the residual is not f32 on
+/// the CPU: the caller adds it after.
+///
+/// # Errors
+/// As [`matmul_tiled`]; a residual of another shape than the product's,
+/// named.
+pub(crate) fn matmul_tiled_add<P: Tiled>(
+    p: &P,
+    isa: Q8Isa,
+    x: &Tensor,
+    residual: &Tensor,
+) -> candle_core::Result<Option<Tensor>> {
+    let n = p.dims().0;
+    let rows = checked_rows(p, x)?;
+    if !q8_amx::takes(p, isa, rows) || residual.dtype() != DType::F32 || !residual.device().is_cpu()
+    {
+        return Ok(None);
+    }
+    let dims = x.dims();
+    let mut shape = dims[..dims.len() - 1].to_vec();
+    shape.push(n);
+    if residual.dims() != shape.as_slice() {
+        candle_core::bail!(
+            "{}: a residual {:?} for a product {shape:?}",
+            P::NAME,
+            residual.dims()
+        );
+    }
+    let x = x.to_dtype(DType::F32)?;
+    let y = crate::kernels::with_values(&x, |xs: &[f32]| {
+        crate::kernels::with_values(residual, |res: &[f32]| {
+            // SAFETY: `takes` said yes; the tasks store every tile of
+            // every row, rows one after the other: all `rows · n` values;
+            // the residual is `(rows, n)` (checked).
+            unsafe {
+                written(rows * n, |ptr| {
+                    q8_amx::product_into(p, isa, xs, rows, (None, Some(res)), &OutPtr(ptr))
+                })
+            }
+        })
+    })??;
+    Ok(Some(Tensor::from_vec(y, shape, x.device())?))
 }
 
 /// The rows of `x (..., k)` for a product by `p`, or the error naming `x`
@@ -827,7 +875,7 @@ pub(crate) unsafe fn matmul_tiled_placed<P: Tiled>(
             // cover the `len` values.
             unsafe {
                 written(len, |ptr| {
-                    q8_amx::product_into(p, isa, xs, m, None, &Placed { ptr, rows, tiles })
+                    q8_amx::product_into(p, isa, xs, m, (None, None), &Placed { ptr, rows, tiles })
                 })
             }
         });

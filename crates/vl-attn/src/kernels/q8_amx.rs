@@ -43,11 +43,17 @@ const TASK_BYTES: usize = 256 * 1024;
 /// them (a DaViT's 36,864): each task widens its tiles again.
 const CHUNK_ROWS: usize = 256;
 
+/// What a product does to each sum after its bias: the GELU (exact when
+/// `Some(true)`), then the addition of a residual `(rows, n)` in the
+/// output's row-major order (for [`gemv_q8::OutPtr`](super::gemv_q8)
+/// outputs only), each if given.
+pub(crate) type Epilogue<'a> = (Option<bool>, Option<&'a [f32]>);
+
 /// Whether a product of `rows` rows by `p` on `isa` runs here: the token
 /// is [`Q8Simd::Amx`], the rows are an encoder's, and `p`'s tiles are
 /// q8_0 blocks ([`Tiled::q8_tile`]).
 pub(crate) fn takes<P: Tiled>(p: &P, isa: Q8Isa, rows: usize) -> bool {
-    isa.simd() == Q8Simd::Amx && rows >= MIN_ROWS && p.q8_tile(0).is_some()
+    isa.simd() == Q8Simd::Amx && rows >= MIN_ROWS && p.dims().0 > 0 && p.q8_tile(0).is_some()
 }
 
 /// `x (rows, k)` by `p`, plus the bias, through the GELU if asked, into
@@ -63,10 +69,17 @@ pub(crate) unsafe fn product_into<P: Tiled, O: Out>(
     isa: Q8Isa,
     x: &[f32],
     rows: usize,
-    gelu: Option<bool>,
+    (gelu, residual): Epilogue<'_>,
     out: &O,
 ) {
     use super::aligned::CacheAligned;
+    if let Some(r) = residual {
+        assert_eq!(
+            r.len(),
+            rows * p.dims().0,
+            "q8_amx: a residual of another shape"
+        );
+    }
     use super::features::{Bf16Simd, CpuFeatures};
     let (n, k) = p.dims();
     let bf16_isa = CpuFeatures::get()
@@ -137,7 +150,7 @@ pub(crate) unsafe fn product_into<P: Tiled, O: Out>(
                 // SAFETY: the token proves AMX-BF16 granted; the rows and
                 // tiles are this task's alone (the caller's contract for
                 // `out`).
-                unsafe { x86::task(p, isa, &src, &wide, t0..t1, rows, (out, gelu)) };
+                unsafe { x86::task(p, isa, &src, &wide, t0..t1, rows, (out, (gelu, residual))) };
                 cell.set(Some(wide));
             });
         });
@@ -153,7 +166,7 @@ pub(crate) unsafe fn product_into<P: Tiled, O: Out>(
     _: Q8Isa,
     _: &[f32],
     _: usize,
-    _: Option<bool>,
+    _: Epilogue<'_>,
     _: &O,
 ) {
     unreachable!("q8_amx: no Amx token on this target")
@@ -255,7 +268,7 @@ mod x86 {
         wide: &[u32],
         tiles: Range<usize>,
         rows: Range<usize>,
-        (out, gelu): (&O, Option<bool>),
+        (out, epilogue): (&O, super::Epilogue<'_>),
     ) {
         let k = p.dims().1;
         let blocks = k / BLOCK_VALUES;
@@ -385,9 +398,9 @@ mod x86 {
                         s = in(reg) 64usize,
                         options(nostack)
                     );
-                    store(p, isa, &mut sums[0][..here], t, r0, (out, gelu));
+                    store(p, isa, &mut sums[0][..here], t, r0, (out, epilogue));
                     if two {
-                        store(p, isa, &mut sums[1][..here], t + 1, r0, (out, gelu));
+                        store(p, isa, &mut sums[1][..here], t + 1, r0, (out, epilogue));
                     }
                     t += if two { 2 } else { 1 };
                 }
@@ -398,13 +411,14 @@ mod x86 {
     }
 
     /// Sums `acc` of rows `r0 ..` by tile `t` of `p`, plus the tile's
-    /// bias, through the GELU if asked, stored at `out`'s places: the
-    /// bias added and the rows stored as vectors (per value, the q8_0
-    /// kernels' general store took a cycle), the GELU over the block's
-    /// sums in one call.
+    /// bias, through the GELU if asked, plus the residual if any, stored
+    /// at `out`'s places: the bias added and the rows stored as vectors
+    /// (per value, the q8_0 kernels' general store took a cycle), the
+    /// GELU over the block's sums in one call.
     ///
     /// # Safety
-    /// As [`task`]'s, for these rows and this tile.
+    /// As [`task`]'s, for these rows and this tile; a residual is `(rows,
+    /// n)`.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     unsafe fn store<P: Tiled, O: Out>(
         p: &P,
@@ -412,7 +426,7 @@ mod x86 {
         acc: &mut [[f32; TILE_ROWS]],
         t: usize,
         r0: usize,
-        (out, gelu): (&O, Option<bool>),
+        (out, (gelu, residual)): (&O, super::Epilogue<'_>),
     ) {
         let n = p.dims().0;
         let cols = (n - t * TILE_ROWS).min(TILE_ROWS);
@@ -422,8 +436,9 @@ mod x86 {
             (1 << cols) - 1
         };
         // SAFETY: the bias has the tile's `cols` values (masked past
-        // them); each row of `acc` is 16 values; the places are the
-        // caller's to write, `cols` values each (masked).
+        // them), as has each row's part of the residual; each row of
+        // `acc` is 16 values; the places are the caller's to write, `cols`
+        // values each (masked).
         unsafe {
             if let Some(b) = p.tile_bias(t) {
                 let b = _mm512_maskz_loadu_ps(mask, b.as_ptr());
@@ -438,7 +453,12 @@ mod x86 {
                 crate::kernels::gelu::in_place(isa.f32_isa(), exact, acc.as_flattened_mut());
             }
             for (i, row) in acc.iter().enumerate() {
-                _mm512_mask_storeu_ps(out.at(r0 + i, t, n), mask, _mm512_loadu_ps(row.as_ptr()));
+                let mut v = _mm512_loadu_ps(row.as_ptr());
+                if let Some(res) = residual {
+                    let r = res.as_ptr().add((r0 + i) * n + t * TILE_ROWS);
+                    v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, r));
+                }
+                _mm512_mask_storeu_ps(out.at(r0 + i, t, n), mask, v);
             }
         }
     }
@@ -589,6 +609,19 @@ mod tests {
                         assert!(
                             err < 1e-5,
                             "({rows}, {k}) x ({n}, {k}) {gelu:?}, output {i}: {g} vs {w}"
+                        );
+                    }
+                    if gelu.is_none() {
+                        // The residual added as the sums are stored: the
+                        // bits of the addition after.
+                        let r = Tensor::randn(0f32, 1., (rows, n), &dev)?;
+                        let fused = crate::kernels::gemv_q8::matmul_tiled_add(&p, isa, &x, &r)?
+                            .expect("on the tile unit");
+                        let apart = (&y + &r)?;
+                        assert_eq!(
+                            fused.flatten_all()?.to_vec1::<f32>()?,
+                            apart.flatten_all()?.to_vec1::<f32>()?,
+                            "({rows}, {k}) x ({n}, {k}) plus a residual"
                         );
                     }
                     let r0 = rows - MIN_ROWS;

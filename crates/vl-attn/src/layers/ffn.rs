@@ -141,6 +141,33 @@ impl FeedForward {
             .forward(&self.act.forward(&self.up.forward(x)?)?)?)
     }
 
+    /// `residual + forward(x)`: the bits of [`crate::kernels::add::add`] of
+    /// the residual and [`FeedForward::forward`]'s output; where the
+    /// second product runs on vl's q8_0 tiles on AMX, the residual is
+    /// added as it stores its outputs ([`Proj::forward_add`]).
+    ///
+    /// # Errors
+    /// The layer's; a residual of another shape than the output.
+    ///
+    /// # Shapes
+    /// `x: (..., hidden)`, `residual: (..., hidden)` → `(..., hidden)`.
+    pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        // `forward`'s route for vl's tiles (`fused_tiled`: the other
+        // routes take other weights), its last product adding the residual
+        // where it is the second product alone.
+        if let Some(exact) = self.act.gelu_exact() {
+            if x.dtype() == candle_core::DType::F32 && x.device().is_cpu() && !x.track_op() {
+                if let Some(y) = Proj::ffn_tiled(&self.up, &self.down, x, exact)? {
+                    return Ok(crate::kernels::add::add(residual, &y)?);
+                }
+                if let Some(hidden) = self.up.matmul_gelu_tiled(x, exact) {
+                    return Ok(self.down.forward_add(&hidden?, residual)?);
+                }
+            }
+        }
+        Ok(crate::kernels::add::add(residual, &self.forward(x)?)?)
+    }
+
     /// A dense f32 layer of an encoder's rows through vl's f32 product a
     /// chunk of rows at a time, the GELU as the first product stores
     /// ([`crate::kernels::gemm_f32::ffn`]; the same bits as the three
@@ -355,7 +382,8 @@ mod tests {
     /// steps apart for q8_0, q4k and the two mixed, both GELUs, with and
     /// without biases, a last chunk short of the rest (and of the
     /// two-tile kernel's rows), an odd last tile; declined for a few rows
-    /// and for a hidden layer too wide for its chunks.
+    /// and for a hidden layer too wide for its chunks; with a residual
+    /// (`forward_add`), the bits of the addition after.
     #[test]
     fn chunked_tiled_equals_the_steps() -> Result<()> {
         let dev = Device::Cpu;
@@ -393,6 +421,13 @@ mod tests {
                         let apart = down.forward(&act.forward(&up.forward(&x)?)?)?;
                         let ffn = FeedForward::from_parts(up.clone(), down.clone(), act);
                         assert!(same_bits(&ffn.forward(&x)?, &apart)?);
+                        // With a residual (added as the second product
+                        // stores where it runs on AMX): the same bits as
+                        // the addition after.
+                        let r = Tensor::randn(0f32, 1., (2, rows, out), &dev)?;
+                        let with = ffn.forward_add(&x, &r)?;
+                        let after = crate::kernels::add::add(&r, &apart)?;
+                        assert!(same_bits(&with, &after)?, "{uf:?} then {df:?}, residual");
                         if amx {
                             assert!(Proj::ffn_tiled(&up, &down, &x, exact)?.is_none());
                             continue;
