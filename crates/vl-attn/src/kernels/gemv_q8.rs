@@ -649,7 +649,7 @@ pub(crate) fn matmul_tiled_then<P: Tiled>(
     if rows == 0 || n == 0 {
         return Tensor::zeros(shape, DType::F32, x.device());
     }
-    if q8_amx::takes(p, isa, rows) {
+    if q8_amx::takes(p, isa, x.dims()) {
         let y = crate::kernels::with_values(&x.to_dtype(DType::F32)?, |xs: &[f32]| {
             // SAFETY: `takes` said yes; the tasks store every tile of
             // every row, rows one after the other: all `rows · n` values.
@@ -683,7 +683,9 @@ pub(crate) fn matmul_tiled_add<P: Tiled>(
 ) -> candle_core::Result<Option<Tensor>> {
     let n = p.dims().0;
     let rows = checked_rows(p, x)?;
-    if !q8_amx::takes(p, isa, rows) || residual.dtype() != DType::F32 || !residual.device().is_cpu()
+    if !q8_amx::takes(p, isa, x.dims())
+        || residual.dtype() != DType::F32
+        || !residual.device().is_cpu()
     {
         return Ok(None);
     }
@@ -869,7 +871,7 @@ pub(crate) unsafe fn matmul_tiled_placed<P: Tiled>(
         }
         assert!(seen.iter().all(|&s| s), "the places leave values unwritten");
     }
-    if q8_amx::takes(p, isa, m) {
+    if q8_amx::takes(p, isa, x.dims()) {
         return crate::kernels::with_values(&x.to_dtype(DType::F32)?, |xs: &[f32]| {
             // SAFETY: `takes` said yes; the caller's contract: the places
             // cover the `len` values.
@@ -929,7 +931,7 @@ pub(crate) fn ffn_tiled<U: Tiled, D: Tiled>(
         return Ok(None);
     }
     let rows = x.elem_count() / k.max(1);
-    if q8_amx::takes(up, isa, rows) || q8_amx::takes(down, isa, rows) {
+    if q8_amx::takes(up, isa, dims) || q8_amx::takes(down, isa, dims) {
         // The products apart, on the tile unit (whose values a chunk
         // through VNNI would not give): each task keeps its widened tiles
         // and reads the rows from the L2 as they pass.
@@ -2272,7 +2274,7 @@ mod tests {
                     Some(bias.to_vec1()?)
                 );
                 for isa in isas() {
-                    if q8_amx::takes(&p, isa, rows) {
+                    if q8_amx::takes(&p, isa, x.dims()) {
                         // On the tile unit: `q8_amx`'s tests, against
                         // the bf16 product they run.
                         continue;

@@ -10,16 +10,18 @@
 //! weight to bf16 instead, into a buffer that stays in its core's L2 —
 //! `d · q` is exact in f32 and rounded once, a relative change under 2⁻⁹,
 //! far inside the format's own step of `d` — and multiplies them by `x`
-//! rounded to bf16 (8 significant bits per value, where q8_0's rounding
-//! of `x` keeps 8 per block of 32) on `tdpbf16ps`, the sums in f32; the
-//! bias and the GELU are added as the q8_0 kernels add them.
+//! rounded to bf16 (8 significant bits for every value, where q8_0's
+//! rounding of `x` has steps of 1/127 of its block's largest) on
+//! `tdpbf16ps`, the sums in f32; the bias and the GELU are added as the
+//! q8_0 kernels add them.
 //!
 //! So the values are those of `Σ bf16(x) · bf16(d · q)` summed in f32,
-//! not the VNNI kernels' bits: a row of a product takes the same bits in
-//! every product of at least [`MIN_ROWS`] rows (the route depends on the
-//! product's rows, and each output's sum on its own row and column only),
-//! which an encoder's products always have per image; fewer rows (a
-//! decode step, whose one read of each weight bounds it) keep VNNI.
+//! not the VNNI kernels' bits. The route follows each sample's rows (an
+//! image's tokens, not the batch's), and each output
+//! depends on its own row and column alone, so a batch computes as each of
+//! its samples alone, bit for bit; samples of fewer than [`MIN_ROWS`] rows
+//! (a decode step, whose one read of each weight bounds it; a 17-token
+//! image of the shapes captioner) keep VNNI.
 
 use rayon::prelude::*;
 
@@ -49,18 +51,36 @@ const CHUNK_ROWS: usize = 256;
 /// outputs only), each if given.
 pub(crate) type Epilogue<'a> = (Option<bool>, Option<&'a [f32]>);
 
-/// Whether a product of `rows` rows by `p` on `isa` runs here: the token
-/// is [`Q8Simd::Amx`], the rows are an encoder's, and `p`'s tiles are
-/// q8_0 blocks ([`Tiled::q8_tile`]).
-pub(crate) fn takes<P: Tiled>(p: &P, isa: Q8Isa, rows: usize) -> bool {
-    isa.simd() == Q8Simd::Amx && rows >= MIN_ROWS && p.dims().0 > 0 && p.q8_tile(0).is_some()
+/// Whether a product of `x` (of dims `x_dims`, `(..., k)`) by `p` on
+/// `isa` runs here: the token is [`Q8Simd::Amx`], `p`'s tiles are q8_0
+/// blocks ([`Tiled::q8_tile`]), and each sample has an encoder's rows —
+/// [`MIN_ROWS`] or more of [`sample_rows`], so that a batch's products
+/// take the route each of its samples takes alone (a batch of four
+/// 17-token images computes as each image alone, and a decode step of 16
+/// requests as each request's step).
+pub(crate) fn takes<P: Tiled>(p: &P, isa: Q8Isa, x_dims: &[usize]) -> bool {
+    isa.simd() == Q8Simd::Amx
+        && sample_rows(x_dims) >= MIN_ROWS
+        && p.dims().0 > 0
+        && p.q8_tile(0).is_some()
+}
+
+/// The rows of one sample of `x (..., k)`: its dims between the first
+/// and the last (`(batch, tokens, k)`: the tokens; `(batch, h, w, c)`:
+/// `h · w`), or all its rows where it has two dims or fewer.
+pub(crate) fn sample_rows(x_dims: &[usize]) -> usize {
+    match x_dims {
+        [] | [_] => 1,
+        [rows, _] => *rows,
+        [_, inner @ .., _] => inner.iter().product(),
+    }
 }
 
 /// `x (rows, k)` by `p`, plus the bias, through the GELU if asked, into
 /// `out`, tile columns × chunks of rows split across the pool.
 ///
 /// # Safety
-/// [`takes`] said yes for `p`, `isa` and `rows`; `x` holds `rows` rows of
+/// [`takes`] said yes for `p`, `isa` and `x`; `x` holds `rows` rows of
 /// `p`'s `k`; `out`'s places for every row's every tile are disjoint and
 /// writable.
 #[cfg(target_arch = "x86_64")]
@@ -587,7 +607,8 @@ mod tests {
             let w = Tensor::randn(0f32, 1., (n, k), &dev)?;
             let bias = Tensor::randn(0f32, 1., n, &dev)?;
             let p = PackedQ8::quantize(&w)?.with_bias(Some(&bias))?;
-            assert!(!takes(&p, isa, MIN_ROWS - 1));
+            assert!(!takes(&p, isa, &[MIN_ROWS - 1, k]));
+            assert!(!takes(&p, isa, &[4, 17, k]), "4 samples of 17 rows");
             let dq: Vec<f32> = p.dequantize()?.flatten_all()?.to_vec1()?;
             let b: Vec<f32> = bias.to_vec1()?;
             // 1100 rows: chunks of rows, each task's rows rounded by it.
@@ -595,7 +616,7 @@ mod tests {
                 if k >= 800 && rows > 131 {
                     continue;
                 }
-                assert!(takes(&p, isa, rows));
+                assert!(takes(&p, isa, &[rows, k]));
                 let x = Tensor::randn(0f32, 1., (rows, k), &dev)?;
                 let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
                 for gelu in [None, Some(true), Some(false)] {
@@ -637,6 +658,37 @@ mod tests {
         Ok(())
     }
 
+    /// A batch's product takes the route of its samples' rows, so each
+    /// sample's outputs are those it gets alone, bit for bit: four
+    /// samples of 17 rows (68 rows together, on VNNI as each alone) and
+    /// two of 70 (on the tile unit, as each alone).
+    #[test]
+    fn a_batch_computes_as_each_sample_alone() -> candle_core::Result<()> {
+        let Some(isa) = amx() else { return Ok(()) };
+        let dev = Device::Cpu;
+        let (n, k) = (48, 96);
+        let p = PackedQ8::quantize(&Tensor::randn(0f32, 1., (n, k), &dev)?)?;
+        for (batch, rows) in [(4, 17), (2, 70)] {
+            let x = Tensor::randn(0f32, 1., (batch, rows, k), &dev)?;
+            assert_eq!(takes(&p, isa, x.dims()), rows >= MIN_ROWS);
+            let all: Vec<f32> = matmul_tiled_then(&p, isa, &x, None)?
+                .flatten_all()?
+                .to_vec1()?;
+            for b in 0..batch {
+                let alone = matmul_tiled_then(&p, isa, &x.narrow(0, b, 1)?, None)?;
+                assert_eq!(
+                    alone.flatten_all()?.to_vec1::<f32>()?,
+                    all[b * rows * n..][..rows * n].to_vec(),
+                    "sample {b} of {batch} × {rows} rows"
+                );
+            }
+        }
+        assert_eq!(sample_rows(&[7]), 1);
+        assert_eq!(sample_rows(&[9, 4]), 9);
+        assert_eq!(sample_rows(&[2, 12, 12, 64]), 144);
+        Ok(())
+    }
+
     /// A stacked product on the tile unit, placed: each part's own
     /// product (with its own bias), bit for bit.
     #[test]
@@ -656,7 +708,7 @@ mod tests {
         // Row-major `(rows, 64)`, the parts swapped: part 1's tile first.
         let places: Vec<usize> = (0..rows).map(|r| r * 64).collect();
         let tiles: Vec<usize> = vec![16, 32, 48, 0];
-        assert!(takes(&whole, isa, rows));
+        assert!(takes(&whole, isa, &[rows, k]));
         // SAFETY: every (row, tile) has its own 16 of the `rows · 64`
         // values.
         let got = unsafe { matmul_tiled_placed(&whole, isa, &x, &places, &tiles, rows * 64) }?;
