@@ -546,6 +546,7 @@ pub(crate) trait Tiled: Sync {
     ///
     /// # Panics
     /// If `t` is not a tile of the weight.
+    #[cfg(target_arch = "x86_64")]
     fn tile_bias(&self, t: usize) -> Option<&[f32]> {
         let n = self.dims().0;
         let b = self.bias_values()?;
@@ -1282,6 +1283,7 @@ impl<P: Tiled> Tiled for Stacked<'_, P> {
         self.parts[w].q8_tile(t)
     }
 
+    #[cfg(target_arch = "x86_64")]
     fn tile_bias(&self, t: usize) -> Option<&[f32]> {
         let (w, t) = self.locate(t);
         self.parts[w].tile_bias(t)

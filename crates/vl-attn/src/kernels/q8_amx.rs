@@ -23,10 +23,13 @@
 //! (a decode step, whose one read of each weight bounds it; a 17-token
 //! image of the shapes captioner) keep VNNI.
 
+#[cfg(target_arch = "x86_64")]
 use rayon::prelude::*;
 
 use super::features::{Q8Isa, Q8Simd};
-use super::gemv_q8::{Out, Tiled, BLOCK_VALUES, TILE_ROWS};
+use super::gemv_q8::{Out, Tiled};
+#[cfg(target_arch = "x86_64")]
+use super::gemv_q8::{BLOCK_VALUES, TILE_ROWS};
 
 /// Rows from which a product of [`Q8Simd::Amx`] runs on the tile unit:
 /// its blocks of 32 rows are then mostly whole, and the widening of each
@@ -35,14 +38,17 @@ pub const MIN_ROWS: usize = 64;
 
 /// `u32` (bf16 pairs) of a widened tile per q8_0 block: 16 pairs of `k`
 /// × 16 columns, one AMX B tile (1 KiB).
+#[cfg(target_arch = "x86_64")]
 const BLOCK_PAIRS: usize = (BLOCK_VALUES / 2) * TILE_ROWS;
 
 /// Bytes of widened tiles a task keeps in its core's L2 while its rows of
 /// `x` pass by (as the bf16 GEMM's panel groups).
+#[cfg(target_arch = "x86_64")]
 const TASK_BYTES: usize = 256 * 1024;
 
 /// Rows per task at least, where a product has so many that it splits
 /// them (a DaViT's 36,864): each task widens its tiles again.
+#[cfg(target_arch = "x86_64")]
 const CHUNK_ROWS: usize = 256;
 
 /// What a product does to each sum after its bias: the GELU (exact when
@@ -484,7 +490,8 @@ mod x86 {
     }
 }
 
-#[cfg(test)]
+/// On x86-64 alone: no other target hands out the Amx token.
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use candle_core::{Device, Tensor};
     use half::bf16;
