@@ -744,6 +744,17 @@ mod tests {
         for isa in cpu.q8_isas() {
             // What a q8_0 token implies for the f32 kernels is handed out too.
             assert!(cpu.isas().contains(&isa.f32_isa()), "{isa:?} on {cpu}");
+            let vnni = cpu.avx512f && cpu.avx512bw && cpu.avx512vnni;
+            let ok = match isa.simd() {
+                // The tile unit's route widens to bf16 (AVX512_BF16) and
+                // keeps VNNI for a decode step's rows.
+                Q8Simd::Amx => vnni && cpu.avx512bf16 && cpu.amx_bf16,
+                Q8Simd::Vnni => vnni,
+                Q8Simd::Avx2 => cpu.avx2 && cpu.fma,
+                Q8Simd::NeonDot => cpu.neon && cpu.dotprod,
+                Q8Simd::Portable => true,
+            };
+            assert!(ok, "{isa:?} handed out on {cpu}");
         }
         for isa in cpu.bf16_isas() {
             assert!(cpu.isas().contains(&isa.f32_isa()), "{isa:?} on {cpu}");
