@@ -41,54 +41,6 @@ pub use model::VlModel;
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
-/// Has glibc's allocator keep freed memory for reuse instead of handing it
-/// back to the kernel. Call it first thing, before any thread starts (the
-/// `vl` command does, and the Python package when it is imported); then,
-/// once a model is loaded, [`return_freed_memory`].
-///
-/// Inference allocates and frees its activations layer after layer, many
-/// of them larger than the 32 MB up to which glibc can serve a block from
-/// its heap: with glibc's defaults each of those was a fresh mapping whose
-/// every page faulted in again, zeroed by the kernel. So: every block from
-/// the heap (no mappings at all), one heap for every thread (another
-/// thread's heap holds at most 64 MB, past which glibc maps even with
-/// mappings off — and a thread keeps the heap it first allocated from,
-/// hence "before any thread starts"), no trimming of the heap's top, and
-/// 64 MB of top padding. Donut-base's Swin encode of a 1280×960 page
-/// (stage 1's tensors are 39–157 MB) faulted ≈ 1 M pages (≈ 4 GB) per
-/// encode with only the last two settings, set after the load, and took
-/// 2.41–2.56 s in bf16 weights and 5.6 s in f32, against 1.95–2.02 s and
-/// 3.86 s now (BENCHMARKS.md); peak RSS 1.93 → 1.78 GB. Earlier, with the
-/// last two alone: a BLIP-base caption of 8 images at batch 8 in bf16 went
-/// from 2.34–2.43 to 2.19 s at the same peak.
-///
-/// The cost: memory kept can be fragmented, so a batch run's peak can grow
-/// (`vl bench` of vit-gpt2 in f32, batch 8 included: 1122 → 1241 MB), and
-/// what a loader frees stays with the process until
-/// [`return_freed_memory`]. Elsewhere than Linux with glibc, a no-op.
-pub fn keep_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: `mallopt` only sets the allocator's parameters (it takes the
-    // allocator's lock).
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 1);
-        libc::mallopt(libc::M_MMAP_MAX, 0);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-        libc::mallopt(libc::M_TOP_PAD, 64 << 20);
-    }
-}
-
-/// Hands the heap's free memory back to the kernel now (glibc's
-/// `malloc_trim`): after a model's load under [`keep_freed_memory`], what
-/// the loader freed (an f32 checkpoint's tensors before their
-/// quantization, say) would otherwise stay resident. What inference frees
-/// later is kept as [`keep_freed_memory`] says; the first batch faults in
-/// what it needs once. Elsewhere than Linux with glibc, a no-op.
-pub fn return_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: `malloc_trim` only releases free memory (it takes the
-    // allocator's locks).
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
+/// glibc's allocator settings for inference (the kernels' crate owns
+/// them, so that its own benchmarks run as `vl` does).
+pub use vl_attn::kernels::{keep_freed_memory, return_freed_memory};

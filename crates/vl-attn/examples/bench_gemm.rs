@@ -64,19 +64,11 @@ fn time(repeats: usize, mut f: impl FnMut() -> candle_core::Result<Tensor>) -> (
 }
 
 fn main() -> candle_core::Result<()> {
-    // As the `vl` command (`vl::keep_freed_memory`): every block from one
-    // heap that is kept, so that an output of more than 32 MB (a DaViT's
-    // first stages) is not a fresh mapping faulted in page by page on
-    // every call — that, not the product, is what such shapes measured.
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: `mallopt` only sets the allocator's parameters; no thread
-    // has started yet.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 1);
-        libc::mallopt(libc::M_MMAP_MAX, 0);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-        libc::mallopt(libc::M_TOP_PAD, 64 << 20);
-    }
+    // As the `vl` command: every block from one heap that is kept, so that
+    // an output of more than 32 MB (a DaViT's first stages) is not a fresh
+    // mapping faulted in page by page on every call — that, not the
+    // product, is what such shapes measured.
+    vl_attn::kernels::keep_freed_memory();
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         rayon::ThreadPoolBuilder::new()
             .num_threads(2)

@@ -745,6 +745,120 @@ impl TileConfig {
     }
 }
 
+/// One step of the AMX kernels (this GEMM's and
+/// [`crate::kernels::q8_amx`]'s): `tmm0`–`tmm3` += the products of two
+/// 16-row tiles of `x` at `a0`, `a1` (rows `a_stride` bytes apart) by two
+/// B tiles at `b0`, `b1` (rows `b_stride` apart), loaded into `tmm4`–`tmm7`.
+///
+/// # Safety
+/// The tile state is configured (16 rows × 64 bytes each); every load's
+/// 16 rows of 64 bytes are readable.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn tdp_2x2(
+    (a0, a1): (*const u8, *const u8),
+    (b0, b1): (*const u8, *const u8),
+    (a_stride, b_stride): (usize, usize),
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        std::arch::asm!(
+            "tileloadd tmm4, [{a0} + {xs}*1]",
+            "tileloadd tmm5, [{a1} + {xs}*1]",
+            "tileloadd tmm6, [{b0} + {bs}*1]",
+            "tileloadd tmm7, [{b1} + {bs}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            a0 = in(reg) a0,
+            a1 = in(reg) a1,
+            b0 = in(reg) b0,
+            b1 = in(reg) b1,
+            xs = in(reg) a_stride,
+            bs = in(reg) b_stride,
+            options(nostack, readonly)
+        )
+    }
+}
+
+/// The AMX kernels' accumulators `tmm0`–`tmm3` set to zero.
+///
+/// # Safety
+/// The tile state is configured.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn tdp_zero() {
+    // SAFETY: the caller's contract.
+    unsafe {
+        std::arch::asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            options(nostack, nomem)
+        )
+    }
+}
+
+/// The AMX kernels' accumulators stored: `tmm0` (rows 0–15 of the first
+/// B tile's columns) at `c[0]`, `tmm1` (rows 0–15, second) at `c[1]`,
+/// `tmm2` (rows 16–31, first) at `c[2]`, `tmm3` at `c[3]`, each tile's 16
+/// rows of 64 bytes `stride` bytes apart.
+///
+/// # Safety
+/// The tile state is configured; the 16 rows of 64 bytes at each place
+/// are writable.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn tdp_store(c: [*mut u8; 4], stride: usize) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        std::arch::asm!(
+            "tilestored [{c00} + {s}*1], tmm0",
+            "tilestored [{c01} + {s}*1], tmm1",
+            "tilestored [{c10} + {s}*1], tmm2",
+            "tilestored [{c11} + {s}*1], tmm3",
+            c00 = in(reg) c[0],
+            c01 = in(reg) c[1],
+            c10 = in(reg) c[2],
+            c11 = in(reg) c[3],
+            s = in(reg) stride,
+            options(nostack)
+        )
+    }
+}
+
+/// [`tdp_2x2`] for one tile of rows: `tmm0`, `tmm1` += the tile at `a0`
+/// by the B tiles at `b0`, `b1`.
+///
+/// # Safety
+/// As [`tdp_2x2`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn tdp_1x2(
+    a0: *const u8,
+    (b0, b1): (*const u8, *const u8),
+    (a_stride, b_stride): (usize, usize),
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        std::arch::asm!(
+            "tileloadd tmm4, [{a0} + {xs}*1]",
+            "tileloadd tmm6, [{b0} + {bs}*1]",
+            "tileloadd tmm7, [{b1} + {bs}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            a0 = in(reg) a0,
+            b0 = in(reg) b0,
+            b1 = in(reg) b1,
+            xs = in(reg) a_stride,
+            bs = in(reg) b_stride,
+            options(nostack, readonly)
+        )
+    }
+}
+
 /// The GEMM's rows in blocks of 32 on AMX's tile unit: for each panel of
 /// [`NR`] columns, four 16 × 16 f32 accumulator tiles (`tmm0`–`tmm3`) take
 /// `tdpbf16ps` of two 16-row tiles of `x` (`tmm4`, `tmm5`: 32 bf16 of `k`
@@ -766,7 +880,7 @@ mod amx {
 
     use half::bf16;
 
-    use super::{avx512, Out, TileConfig, NR};
+    use super::{avx512, tdp_1x2, tdp_2x2, tdp_store, tdp_zero, Out, TileConfig, NR};
 
     /// Rows of an AMX tile, and of `x` per tile.
     const TILE_ROWS: usize = 16;
@@ -862,65 +976,26 @@ mod amx {
                 let cols = NR.min(n - j * NR);
                 let b = panel.as_ptr().cast::<u8>();
                 for r0 in (0..rows).step_by(block) {
-                    asm!(
-                        "tilezero tmm0",
-                        "tilezero tmm1",
-                        "tilezero tmm2",
-                        "tilezero tmm3",
-                        options(nostack, nomem)
-                    );
+                    tdp_zero();
                     let a = x.as_ptr().add(r0 * k).cast::<u8>();
                     for p0 in (0..k).step_by(TILE_K) {
                         let a0 = a.add(2 * p0);
                         let b0 = b.add((p0 / 2) * panel_stride);
+                        let strides = (x_stride, panel_stride);
                         if H == 1 {
                             // One tile of rows by the panel's two halves.
-                            asm!(
-                                "tileloadd tmm4, [{a0} + {xs}*1]",
-                                "tileloadd tmm6, [{b0} + {bs}*1]",
-                                "tileloadd tmm7, [{b1} + {bs}*1]",
-                                "tdpbf16ps tmm0, tmm4, tmm6",
-                                "tdpbf16ps tmm1, tmm4, tmm7",
-                                a0 = in(reg) a0,
-                                b0 = in(reg) b0,
-                                b1 = in(reg) b0.add(64),
-                                xs = in(reg) x_stride,
-                                bs = in(reg) panel_stride,
-                                options(nostack, readonly)
+                            tdp_1x2(a0, (b0, b0.add(64)), strides);
+                        } else {
+                            tdp_2x2(
+                                (a0, a0.add(TILE_ROWS * x_stride)),
+                                (b0, b0.add(64)),
+                                strides,
                             );
-                            continue;
                         }
-                        asm!(
-                            "tileloadd tmm4, [{a0} + {xs}*1]",
-                            "tileloadd tmm5, [{a1} + {xs}*1]",
-                            "tileloadd tmm6, [{b0} + {bs}*1]",
-                            "tileloadd tmm7, [{b1} + {bs}*1]",
-                            "tdpbf16ps tmm0, tmm4, tmm6",
-                            "tdpbf16ps tmm1, tmm4, tmm7",
-                            "tdpbf16ps tmm2, tmm5, tmm6",
-                            "tdpbf16ps tmm3, tmm5, tmm7",
-                            a0 = in(reg) a0,
-                            a1 = in(reg) a0.add(TILE_ROWS * x_stride),
-                            b0 = in(reg) b0,
-                            b1 = in(reg) b0.add(64),
-                            xs = in(reg) x_stride,
-                            bs = in(reg) panel_stride,
-                            options(nostack, readonly)
-                        );
                     }
                     let c = sums.as_mut_ptr().cast::<u8>();
-                    asm!(
-                        "tilestored [{c00} + {s}*1], tmm0",
-                        "tilestored [{c01} + {s}*1], tmm1",
-                        "tilestored [{c10} + {s}*1], tmm2",
-                        "tilestored [{c11} + {s}*1], tmm3",
-                        c00 = in(reg) c,
-                        c01 = in(reg) c.add(64),
-                        c10 = in(reg) c.add(TILE_ROWS * NR * 4),
-                        c11 = in(reg) c.add(TILE_ROWS * NR * 4 + 64),
-                        s = in(reg) NR * 4,
-                        options(nostack)
-                    );
+                    let lower = TILE_ROWS * NR * 4;
+                    tdp_store([c, c.add(64), c.add(lower), c.add(lower + 64)], NR * 4);
                     let here = stored.saturating_sub(r0).min(block);
                     for (i, row) in sums.iter().enumerate().take(here) {
                         // SAFETY: row `r0 + i < stored`, the panel's

@@ -57,4 +57,4 @@ pub(crate) mod tiled;
 pub use features::{
     Bf16Isa, Bf16Simd, CpuFeatures, F32Gemm, Isa, PrefetchHint, Q8Isa, Q8Simd, Simd, Tuning, Vendor,
 };
-pub use host::{on_pool, with_values, KeepAwake};
+pub use host::{keep_freed_memory, on_pool, return_freed_memory, with_values, KeepAwake};

@@ -208,7 +208,7 @@ mod x86 {
 
     use super::{BLOCK_PAIRS, BLOCK_VALUES, TILE_ROWS};
     use crate::kernels::features::Q8Isa;
-    use crate::kernels::gemm_bf16::TileConfig;
+    use crate::kernels::gemm_bf16::{tdp_1x2, tdp_2x2, tdp_store, tdp_zero, TileConfig};
     use crate::kernels::gemv_q8::{Out, Tiled};
 
     /// Where a task's blocks of rows come from.
@@ -343,34 +343,15 @@ mod x86 {
                     let two = t + 1 < tiles.end;
                     let b0 = wide.as_ptr().add((t - tiles.start) * tile_len).cast::<u8>();
                     let b1 = if two { b0.add(tile_len * 4) } else { b0 };
-                    asm!(
-                        "tilezero tmm0",
-                        "tilezero tmm1",
-                        "tilezero tmm2",
-                        "tilezero tmm3",
-                        options(nostack, nomem)
-                    );
+                    tdp_zero();
                     for b in 0..blocks {
                         let a0 = a.add(64 * b);
                         let (w0, w1) = (b0.add(4 * BLOCK_PAIRS * b), b1.add(4 * BLOCK_PAIRS * b));
+                        let strides = (x_stride, 64);
                         match (halves, two) {
-                            (2, true) => asm!(
-                                "tileloadd tmm4, [{a0} + {xs}*1]",
-                                "tileloadd tmm5, [{a1} + {xs}*1]",
-                                "tileloadd tmm6, [{w0} + {ws}*1]",
-                                "tileloadd tmm7, [{w1} + {ws}*1]",
-                                "tdpbf16ps tmm0, tmm4, tmm6",
-                                "tdpbf16ps tmm1, tmm4, tmm7",
-                                "tdpbf16ps tmm2, tmm5, tmm6",
-                                "tdpbf16ps tmm3, tmm5, tmm7",
-                                a0 = in(reg) a0,
-                                a1 = in(reg) a0.add(TILE_ROWS * x_stride),
-                                w0 = in(reg) w0,
-                                w1 = in(reg) w1,
-                                xs = in(reg) x_stride,
-                                ws = in(reg) 64usize,
-                                options(nostack, readonly)
-                            ),
+                            (2, true) => {
+                                tdp_2x2((a0, a0.add(TILE_ROWS * x_stride)), (w0, w1), strides)
+                            }
                             (2, false) => asm!(
                                 "tileloadd tmm4, [{a0} + {xs}*1]",
                                 "tileloadd tmm5, [{a1} + {xs}*1]",
@@ -384,19 +365,7 @@ mod x86 {
                                 ws = in(reg) 64usize,
                                 options(nostack, readonly)
                             ),
-                            (_, true) => asm!(
-                                "tileloadd tmm4, [{a0} + {xs}*1]",
-                                "tileloadd tmm6, [{w0} + {ws}*1]",
-                                "tileloadd tmm7, [{w1} + {ws}*1]",
-                                "tdpbf16ps tmm0, tmm4, tmm6",
-                                "tdpbf16ps tmm1, tmm4, tmm7",
-                                a0 = in(reg) a0,
-                                w0 = in(reg) w0,
-                                w1 = in(reg) w1,
-                                xs = in(reg) x_stride,
-                                ws = in(reg) 64usize,
-                                options(nostack, readonly)
-                            ),
+                            (_, true) => tdp_1x2(a0, (w0, w1), strides),
                             (_, false) => asm!(
                                 "tileloadd tmm4, [{a0} + {xs}*1]",
                                 "tileloadd tmm6, [{w0} + {ws}*1]",
@@ -412,18 +381,8 @@ mod x86 {
                     let s0 = sums[0].as_mut_ptr().cast::<u8>();
                     let s1 = sums[1].as_mut_ptr().cast::<u8>();
                     let half = TILE_ROWS * TILE_ROWS * 4;
-                    asm!(
-                        "tilestored [{s00} + {s}*1], tmm0",
-                        "tilestored [{s10} + {s}*1], tmm1",
-                        "tilestored [{s01} + {s}*1], tmm2",
-                        "tilestored [{s11} + {s}*1], tmm3",
-                        s00 = in(reg) s0,
-                        s10 = in(reg) s1,
-                        s01 = in(reg) s0.add(half),
-                        s11 = in(reg) s1.add(half),
-                        s = in(reg) 64usize,
-                        options(nostack)
-                    );
+                    // Tile `t`'s sums in `sums[0]`, tile `t + 1`'s in `sums[1]`.
+                    tdp_store([s0, s1, s0.add(half), s1.add(half)], 64);
                     store(p, isa, &mut sums[0][..here], t, r0, (out, epilogue));
                     if two {
                         store(p, isa, &mut sums[1][..here], t + 1, r0, (out, epilogue));
