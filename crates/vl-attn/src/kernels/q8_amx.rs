@@ -99,15 +99,11 @@ pub(crate) unsafe fn product_into<P: Tiled, O: Out>(
     out: &O,
 ) {
     use super::aligned::CacheAligned;
-    if let Some(r) = residual {
-        assert_eq!(
-            r.len(),
-            rows * p.dims().0,
-            "q8_amx: a residual of another shape"
-        );
-    }
     use super::features::{Bf16Simd, CpuFeatures};
     let (n, k) = p.dims();
+    if let Some(r) = residual {
+        assert_eq!(r.len(), rows * n, "q8_amx: a residual of another shape");
+    }
     let bf16_isa = CpuFeatures::get()
         .bf16_isa_for(Bf16Simd::Avx512Bf16)
         .expect("q8_0's Amx token implies AVX512_BF16");
