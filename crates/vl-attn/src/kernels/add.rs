@@ -147,7 +147,7 @@ impl CustomOp2 for Bf16Add {
         match self.isa.simd() {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the token proves AVX512F and AVX512_BF16.
-            Bf16Simd::Amx | Bf16Simd::Avx512Bf16 => {
+            Bf16Simd::Amx | Bf16Simd::Avx512Bf16 | Bf16Simd::Avx512Fma => {
                 chunks.for_each(|(y, (a, b))| unsafe { add_avx512(a, b, y) })
             }
             _ => chunks.for_each(|(y, (a, b))| add_portable(a, b, y)),

@@ -73,6 +73,12 @@ pub enum Bf16Simd {
     Amx,
     /// x86-64 with AVX-512F and AVX512_BF16 (`vdpbf16ps`, `vcvtneps2bf16`).
     Avx512Bf16,
+    /// The same CPUs, the GEMM's products on AVX-512F FMAs instead: each
+    /// pair of bf16 weights widened to two f32 (exact), f32 activations
+    /// kept as they are (not rounded to bf16), everything else as on
+    /// AVX512_BF16. Chosen where `vdpbf16ps` runs at a lower rate than
+    /// the FMAs ([`Bf16Gemm::Fma`]).
+    Avx512Fma,
     /// The target's baseline: plain Rust.
     Portable,
 }
@@ -143,7 +149,7 @@ impl Bf16Isa {
     /// AVX-512F).
     pub const fn f32_isa(self) -> Isa {
         Isa(match self.0 {
-            Bf16Simd::Amx | Bf16Simd::Avx512Bf16 => Simd::Avx512,
+            Bf16Simd::Amx | Bf16Simd::Avx512Bf16 | Bf16Simd::Avx512Fma => Simd::Avx512,
             Bf16Simd::Portable => Simd::Portable,
         })
     }
@@ -172,6 +178,19 @@ pub enum F32Gemm {
     Vl,
 }
 
+/// Which products run the bf16-weight GEMM (an encoder, a prefill under
+/// bf16 weights) on CPUs with AVX512_BF16 where the tile unit does not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bf16Gemm {
+    /// `vdpbf16ps`: two bf16 products per f32 lane and instruction,
+    /// activations rounded to bf16 ([`Bf16Simd::Avx512Bf16`]).
+    Dot,
+    /// FMAs on the weights widened to f32, activations in f32
+    /// ([`Bf16Simd::Avx512Fma`]): where `vdpbf16ps` runs at a quarter of
+    /// the FMAs' rate in instructions, which is half of it in products.
+    Fma,
+}
+
 /// The choices of vl's kernels that depend on the CPU model rather than on
 /// its instruction sets, made once at detection ([`Tuning::for_cpu`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -182,6 +201,10 @@ pub struct Tuning {
     pub prefetch_ahead: usize,
     /// The f32 product of many rows.
     pub f32_gemm: F32Gemm,
+    /// The bf16-weight product of many rows where the tile unit does not
+    /// take it: which of [`Bf16Simd::Avx512Bf16`] and
+    /// [`Bf16Simd::Avx512Fma`] is the best token.
+    pub bf16_gemm: Bf16Gemm,
 }
 
 impl Tuning {
@@ -217,9 +240,19 @@ impl Tuning {
     /// gemm's AVX-512 kernels beat its AVX2 ones by 24% (f32 encode), and
     /// vl's own there is yet to be measured.
     ///
-    /// `VL_PREFETCH=nta|t0|off[:BYTES]` and `VL_F32_GEMM=vl|candle` in the
-    /// environment override these (to measure a new CPU); a value that does
-    /// not parse is ignored with a warning on stderr.
+    /// The bf16-weight product of many rows, where the tile unit does not
+    /// run it, is FMAs on widened weights ([`Bf16Gemm::Fma`]) on Intel and
+    /// `vdpbf16ps` ([`Bf16Gemm::Dot`]) elsewhere. On the Intel Xeon model
+    /// 207 (without AMX granted) one thread ran 1.28 G `vdpbf16ps` a second
+    /// against 5.29 G 512-bit FMAs (82 against 169 GFLOP/s), and the
+    /// FMA product of a ViT-B's shapes beat the `vdpbf16ps` one by
+    /// BENCHMARKS.md's "Intel Xeon model 207" figures; AMD's Zen 4 and Zen
+    /// 5 keep the `vdpbf16ps` product they were measured on.
+    ///
+    /// `VL_PREFETCH=nta|t0|off[:BYTES]`, `VL_F32_GEMM=vl|candle` and
+    /// `VL_BF16_GEMM=dot|fma` in the environment override these (to
+    /// measure a new CPU); a value that does not parse is ignored with a
+    /// warning on stderr.
     pub fn for_cpu(vendor: Vendor, family: u32, avx512f: bool) -> Self {
         let prefetch = match vendor {
             Vendor::Amd => PrefetchHint::NonTemporal,
@@ -235,10 +268,22 @@ impl Tuning {
             },
             Err(_) => Self::f32_gemm_for(vendor, family, avx512f),
         };
+        let bf16_for = match vendor {
+            Vendor::Intel => Bf16Gemm::Fma,
+            Vendor::Amd | Vendor::Arm | Vendor::Other => Bf16Gemm::Dot,
+        };
+        let bf16_gemm = match std::env::var("VL_BF16_GEMM") {
+            Ok(v) => Self::parse_bf16_gemm(&v).unwrap_or_else(|| {
+                eprintln!("vl: VL_BF16_GEMM={v:?} ignored: expected dot or fma");
+                bf16_for
+            }),
+            Err(_) => bf16_for,
+        };
         let tuning = Self {
             prefetch,
             prefetch_ahead: Self::PREFETCH_AHEAD,
             f32_gemm,
+            bf16_gemm,
         };
         match std::env::var("VL_PREFETCH") {
             Ok(v) => match tuning.with_override(&v) {
@@ -274,6 +319,15 @@ impl Tuning {
         match spec.trim().to_ascii_lowercase().as_str() {
             "vl" => Some(F32Gemm::Vl),
             "candle" => Some(F32Gemm::Candle),
+            _ => None,
+        }
+    }
+
+    /// `dot` or `fma`, any case; `None` otherwise.
+    fn parse_bf16_gemm(spec: &str) -> Option<Bf16Gemm> {
+        match spec.trim().to_ascii_lowercase().as_str() {
+            "dot" => Some(Bf16Gemm::Dot),
+            "fma" => Some(Bf16Gemm::Fma),
             _ => None,
         }
     }
@@ -373,6 +427,7 @@ impl CpuFeatures {
                 prefetch: PrefetchHint::T0,
                 prefetch_ahead: Tuning::PREFETCH_AHEAD,
                 f32_gemm: F32Gemm::Candle,
+                bf16_gemm: Bf16Gemm::Dot,
             },
             best: (Isa::portable(), Q8Isa::portable(), Bf16Isa::portable()),
         };
@@ -409,8 +464,9 @@ impl CpuFeatures {
         if cpu.l2_bytes.is_none() {
             cpu.l2_bytes = sysfs_l2_bytes();
         }
-        cpu.best = (cpu.isas()[0], cpu.q8_isas()[0], cpu.bf16_isas()[0]);
+        // The tuning first: it orders the bf16 tokens.
         cpu.tuning = Tuning::for_cpu(cpu.vendor, cpu.family, cpu.avx512f);
+        cpu.best = (cpu.isas()[0], cpu.q8_isas()[0], cpu.bf16_isas()[0]);
         cpu
     }
 
@@ -480,8 +536,15 @@ impl CpuFeatures {
     /// Every [`Bf16Isa`] this CPU runs, best first, [`Bf16Isa::portable`]
     /// last.
     pub fn bf16_isas(&self) -> Vec<Bf16Isa> {
-        [Bf16Simd::Amx, Bf16Simd::Avx512Bf16, Bf16Simd::Portable]
+        let dot_first = [Bf16Simd::Amx, Bf16Simd::Avx512Bf16, Bf16Simd::Avx512Fma];
+        let fma_first = [Bf16Simd::Amx, Bf16Simd::Avx512Fma, Bf16Simd::Avx512Bf16];
+        let order = match self.tuning.bf16_gemm {
+            Bf16Gemm::Dot => dot_first,
+            Bf16Gemm::Fma => fma_first,
+        };
+        order
             .into_iter()
+            .chain([Bf16Simd::Portable])
             .filter_map(|s| self.bf16_isa_for(s))
             .collect()
     }
@@ -490,7 +553,7 @@ impl CpuFeatures {
     pub fn bf16_isa_for(&self, simd: Bf16Simd) -> Option<Bf16Isa> {
         let ok = match simd {
             Bf16Simd::Amx => self.avx512f && self.avx512bf16 && self.amx_bf16,
-            Bf16Simd::Avx512Bf16 => self.avx512f && self.avx512bf16,
+            Bf16Simd::Avx512Bf16 | Bf16Simd::Avx512Fma => self.avx512f && self.avx512bf16,
             Bf16Simd::Portable => true,
         };
         ok.then_some(Bf16Isa(simd))
@@ -760,10 +823,19 @@ mod tests {
             assert!(cpu.isas().contains(&isa.f32_isa()), "{isa:?} on {cpu}");
             let ok = match isa.simd() {
                 Bf16Simd::Amx => cpu.amx_bf16 && cpu.avx512bf16,
-                Bf16Simd::Avx512Bf16 => cpu.avx512bf16 && cpu.avx512f,
+                Bf16Simd::Avx512Bf16 | Bf16Simd::Avx512Fma => cpu.avx512bf16 && cpu.avx512f,
                 Bf16Simd::Portable => true,
             };
             assert!(ok, "{isa:?} handed out on {cpu}");
+        }
+        // Without the tile unit, the tuning picks the first of the two
+        // AVX-512 tokens.
+        if !cpu.amx_bf16 && cpu.avx512bf16 && cpu.avx512f {
+            let want = match cpu.tuning.bf16_gemm {
+                Bf16Gemm::Dot => Bf16Simd::Avx512Bf16,
+                Bf16Gemm::Fma => Bf16Simd::Avx512Fma,
+            };
+            assert_eq!(cpu.bf16_isa().simd(), want, "{cpu}");
         }
         #[cfg(target_arch = "x86_64")]
         {
@@ -789,8 +861,12 @@ mod tests {
             prefetch,
             prefetch_ahead: Tuning::PREFETCH_AHEAD,
             f32_gemm: F32Gemm::Candle,
+            bf16_gemm: Bf16Gemm::Dot,
         };
-        if std::env::var_os("VL_PREFETCH").is_none() && std::env::var_os("VL_F32_GEMM").is_none() {
+        let overridden = ["VL_PREFETCH", "VL_F32_GEMM", "VL_BF16_GEMM"]
+            .iter()
+            .any(|v| std::env::var_os(v).is_some());
+        if !overridden {
             for avx512f in [false, true] {
                 for family in [25, 26] {
                     let zen = Tuning::for_cpu(Vendor::Amd, family, avx512f);
@@ -806,15 +882,16 @@ mod tests {
                     );
                 }
             }
-            assert_eq!(
-                Tuning::for_cpu(Vendor::Intel, 6, false),
-                base(PrefetchHint::T0)
-            );
+            let intel = Tuning {
+                bf16_gemm: Bf16Gemm::Fma,
+                ..base(PrefetchHint::T0)
+            };
+            assert_eq!(Tuning::for_cpu(Vendor::Intel, 6, false), intel);
             assert_eq!(
                 Tuning::for_cpu(Vendor::Intel, 6, true),
                 Tuning {
                     f32_gemm: F32Gemm::Vl,
-                    ..base(PrefetchHint::T0)
+                    ..intel
                 }
             );
             let cpu = CpuFeatures::get();
@@ -828,6 +905,9 @@ mod tests {
         assert_eq!(Tuning::parse_f32_gemm(" VL "), Some(F32Gemm::Vl));
         assert_eq!(Tuning::parse_f32_gemm("candle"), Some(F32Gemm::Candle));
         assert_eq!(Tuning::parse_f32_gemm("avx512"), None);
+        assert_eq!(Tuning::parse_bf16_gemm(" FMA"), Some(Bf16Gemm::Fma));
+        assert_eq!(Tuning::parse_bf16_gemm("dot"), Some(Bf16Gemm::Dot));
+        assert_eq!(Tuning::parse_bf16_gemm("amx"), None);
         let t = base(PrefetchHint::NonTemporal);
         assert_eq!(t.with_override("t0"), Some(base(PrefetchHint::T0)));
         assert_eq!(t.with_override("OFF"), Some(base(PrefetchHint::Off)));
@@ -836,7 +916,7 @@ mod tests {
             Some(Tuning {
                 prefetch: PrefetchHint::NonTemporal,
                 prefetch_ahead: 2048,
-                f32_gemm: F32Gemm::Candle,
+                ..base(PrefetchHint::NonTemporal)
             })
         );
         for bad in ["", "t1", "t0:", "t0:4k", "nta:-1"] {

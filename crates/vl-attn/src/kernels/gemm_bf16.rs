@@ -11,9 +11,14 @@
 //! across the rayon pool. Where the CPU also has AMX-BF16 (Intel's Xeons
 //! from Sapphire Rapids on) and the operating system grants the tile
 //! state, blocks of 32 rows run on the tile unit instead (`amx`), on the
-//! same packed panels. A portable implementation in plain Rust (the
-//! same panels, `x` widened pair by pair) runs anywhere and is the oracle
-//! the AVX512_BF16 one is tested against; [`crate::Proj`] routes products
+//! same packed panels. Where `vdpbf16ps` runs at a lower rate than the
+//! FMAs (Intel's Xeons without the tile unit: half of the FMAs' products
+//! on the model 207 measured), the products run on FMAs instead
+//! ([`Bf16Simd::Avx512Fma`], chosen by [`crate::kernels::Tuning`]): each
+//! pair of the panel widened to two f32 vectors (exact), f32 rows of `x`
+//! kept as they are, blocks of 12 rows × 32 columns. A portable
+//! implementation in plain Rust (the same panels, `x` widened pair by
+//! pair) runs anywhere and is the oracle the others are tested against; [`crate::Proj`] routes products
 //! here only where the CPU has AVX512_BF16 ([`accelerated`]), and to
 //! candle's product elsewhere.
 //!
@@ -50,8 +55,9 @@ pub fn accelerated() -> bool {
 
 /// Whether [`matmul`] takes `x` and `w`: the kernels [`accelerated`], both
 /// on the CPU and untracked, `w (n, k)` bf16 and contiguous with `k` even,
-/// `x (..., k)` bf16 or f32 (rounded to bf16 for the products: the
-/// weights-only bf16 of [`crate::Proj::quantize`]).
+/// `x (..., k)` bf16 or f32 (rounded to bf16 for the `vdpbf16ps` and tile
+/// products, kept in f32 for the FMA ones: the weights-only bf16 of
+/// [`crate::Proj::quantize`]).
 pub fn applies(x: &Tensor, w: &Tensor) -> bool {
     accelerated() && takes(x, w)
 }
@@ -141,12 +147,30 @@ impl CustomOp2 for GemmBf16 {
         }
         let m = l1.shape().elem_count() / k;
         let w = slice(s2, l2, "w")?;
+        let isa = self.isa;
         let y = match s1 {
             CpuStorage::F32(x) => {
                 let x = contiguous(x, l1, "vl-gemm-bf16", "x")?;
-                CpuStorage::F32(product(self.isa, &to_bf16(self.isa, x), w, m, n, k))
+                CpuStorage::F32(rows_product(
+                    isa,
+                    Rows::F32(x),
+                    &pack(w, n, k),
+                    (None, None),
+                    m,
+                    (n, k),
+                ))
             }
-            _ => CpuStorage::BF16(product(self.isa, slice(s1, l1, "x")?, w, m, n, k)),
+            _ => {
+                let x = Rows::Bf16(slice(s1, l1, "x")?);
+                CpuStorage::BF16(rows_product(
+                    isa,
+                    x,
+                    &pack(w, n, k),
+                    (None, None),
+                    m,
+                    (n, k),
+                ))
+            }
         };
         let mut shape = dims[..dims.len() - 1].to_vec();
         shape.push(n);
@@ -182,7 +206,9 @@ pub(crate) fn to_bf16_padded(isa: Bf16Isa, x: &[f32], len: usize) -> CacheAligne
             .for_each(|(y, x)| match isa.simd() {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the token proves AVX-512F and AVX512_BF16.
-                Bf16Simd::Amx | Bf16Simd::Avx512Bf16 => unsafe { avx512::round(x, y) },
+                Bf16Simd::Amx | Bf16Simd::Avx512Bf16 | Bf16Simd::Avx512Fma => unsafe {
+                    avx512::round(x, y)
+                },
                 _ => {
                     for (y, &x) in y.iter_mut().zip(x) {
                         y.write(bf16::from_f32(x));
@@ -284,8 +310,9 @@ fn pack(w: &[bf16], n: usize, k: usize) -> CacheAligned<u32> {
 /// [`Self::matmul`] takes f32 or bf16 activations: up to
 /// [`crate::kernels::gemv::MAX_ROWS`] rows (decode steps) run a matrix-vector
 /// kernel that widens the weight to f32 and keeps `x` in f32 (as
-/// [`crate::kernels::gemv`] does); more rows run the `vdpbf16ps` GEMM, `x` rounded
-/// to bf16.
+/// [`crate::kernels::gemv`] does); more rows run the GEMM of the token: on
+/// `vdpbf16ps` or the tile unit `x` rounded to bf16, on FMAs
+/// ([`Bf16Simd::Avx512Fma`]) `x` kept in f32.
 #[derive(Debug)]
 pub struct PackedBf16 {
     panels: CacheAligned<u32>,
@@ -407,7 +434,7 @@ impl PackedBf16 {
 
     /// `GELU(x W^T + b)` rounded to bf16, for many rows of f32 `x`: a
     /// feed-forward's hidden layer whose second product
-    /// ([`PackedBf16::matmul_f32`]) rounds its input to bf16 anyway. The
+    /// ([`PackedBf16::matmul_f32`]) takes bf16 rows. The
     /// GELU (exact when `exact`, else tanh) runs on the accumulators, in
     /// the product's epilogue: no f32 hidden layer is written, read back
     /// and rounded — the same values as the three steps apart.
@@ -499,14 +526,14 @@ impl candle_core::CustomOp1 for PackedOp {
             ),
             (CpuStorage::F32(x), Mode::GeluBf16 { exact }) => {
                 let x = contiguous(x, l, "vl-gemm-bf16", "x")?;
-                CpuStorage::BF16(product_packed(isa, &to_bf16(isa, x), w, m, Some(exact)))
+                CpuStorage::BF16(product_packed(isa, Rows::F32(x), w, m, Some(exact)))
             }
             (CpuStorage::F32(x), _) => {
                 let x = contiguous(x, l, "vl-gemm-bf16", "x")?;
                 if decode {
                     CpuStorage::F32(gemv_packed(isa, x, w, m))
                 } else {
-                    CpuStorage::F32(product_packed(isa, &to_bf16(isa, x), w, m, None))
+                    CpuStorage::F32(product_packed(isa, Rows::F32(x), w, m, None))
                 }
             }
             (CpuStorage::BF16(x), mode @ (Mode::Plain | Mode::F32Out)) => {
@@ -521,9 +548,9 @@ impl candle_core::CustomOp1 for PackedOp {
                         CpuStorage::BF16(y.into_iter().map(bf16::from_f32).collect())
                     }
                 } else if f32_out {
-                    CpuStorage::F32(product_packed(isa, x, w, m, None))
+                    CpuStorage::F32(product_packed(isa, Rows::Bf16(x), w, m, None))
                 } else {
-                    CpuStorage::BF16(product_packed(isa, x, w, m, None))
+                    CpuStorage::BF16(product_packed(isa, Rows::Bf16(x), w, m, None))
                 }
             }
             _ => candle_core::bail!(
@@ -557,7 +584,7 @@ fn gemv_packed(isa: Bf16Isa, x: &[f32], w: &PackedBf16, m: usize) -> Vec<f32> {
         // with AVX512F, all `gemv_task` needs).
         match isa.simd() {
             #[cfg(target_arch = "x86_64")]
-            Bf16Simd::Amx | Bf16Simd::Avx512Bf16 => unsafe {
+            Bf16Simd::Amx | Bf16Simd::Avx512Bf16 | Bf16Simd::Avx512Fma => unsafe {
                 avx512::gemv_task(x, range, out, m, (first, last), (n, k), bias)
             },
             _ => unsafe { portable::gemv_task(x, range, out, m, (first, last), (n, k), bias) },
@@ -591,37 +618,127 @@ impl Out for f32 {
     }
 }
 
-/// `y (m, n)` = `x (m, k)` times `w (n, k)` transposed.
-///
-/// The work is split in two dimensions, blocks of [`TASK_ROWS`] rows ×
-/// groups of panels of about [`TASK_PANEL_BYTES`], so that the tasks are
-/// many and of nearly equal size whatever `m` (197 rows in 64-row tasks
-/// alone would leave one of two threads idle a quarter of the time), and
-/// each task's rows and panels stay in the core's L2 while it runs.
-fn product<O: Out>(isa: Bf16Isa, x: &[bf16], w: &[bf16], m: usize, n: usize, k: usize) -> Vec<O> {
-    panels_product(isa, x, &pack(w, n, k), (None, None), m, (n, k))
+/// A product's rows of `x`, as the op was given them.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
 }
 
-/// [`product`] with a packed weight, plus its bias, then GELU (exact when
-/// `gelu` is `Some(true)`, tanh when `Some(false)`) if asked.
+/// `y (m, n)` = `x (m, k)` times the packed `w (n, k)` transposed, plus
+/// the epilogue, on `isa`: on [`Bf16Simd::Avx512Fma`] f32 rows as they
+/// are and bf16 ones widened to f32 (exact), else f32 rows rounded to
+/// bf16 ([`to_bf16`]) for the bf16 products.
+fn rows_product<O: Out>(
+    isa: Bf16Isa,
+    x: Rows<'_>,
+    packed: &[u32],
+    epilogue: Epilogue<'_>,
+    m: usize,
+    (n, k): (usize, usize),
+) -> Vec<O> {
+    match (isa.simd(), x) {
+        (Bf16Simd::Avx512Fma, Rows::F32(x)) => panels_product(isa, x, packed, epilogue, m, (n, k)),
+        (Bf16Simd::Avx512Fma, Rows::Bf16(x)) => {
+            let wide: Vec<f32> = x.par_iter().map(|v| v.to_f32()).collect();
+            panels_product(isa, &wide, packed, epilogue, m, (n, k))
+        }
+        (_, Rows::F32(x)) => panels_product(isa, &to_bf16(isa, x)[..], packed, epilogue, m, (n, k)),
+        (_, Rows::Bf16(x)) => panels_product(isa, x, packed, epilogue, m, (n, k)),
+    }
+}
+
+/// [`rows_product`] with a packed weight, plus its bias, then GELU (exact
+/// when `gelu` is `Some(true)`, tanh when `Some(false)`) if asked.
 fn product_packed<O: Out>(
     isa: Bf16Isa,
-    x: &[bf16],
+    x: Rows<'_>,
     w: &PackedBf16,
     m: usize,
     gelu: Option<bool>,
 ) -> Vec<O> {
-    panels_product(isa, x, &w.panels, (w.bias.as_deref(), gelu), m, (w.n, w.k))
+    rows_product(isa, x, &w.panels, (w.bias.as_deref(), gelu), m, (w.n, w.k))
 }
 
 /// What a task does to an accumulator before storing it: add the bias
 /// (`n` values) if any, then GELU (exact when `Some(true)`) if any.
 type Epilogue<'a> = (Option<&'a [f32]>, Option<bool>);
 
-/// [`product`] over panels ([`pack`]), then the epilogue.
-fn panels_product<O: Out>(
+/// A row element a task takes: bf16 (the `vdpbf16ps` and tile kernels')
+/// or f32 (the FMA kernel's), each dispatched to the kernels that take it.
+trait TaskRow: crate::kernels::gemv::Weight {
+    /// One task of [`panels_product`] on `isa`.
+    ///
+    /// # Safety
+    /// As [`portable::task`]'s, and the token proves the instruction set.
+    unsafe fn task<O: Out>(
+        isa: Bf16Isa,
+        x: &[Self],
+        panels: &[u32],
+        y: *mut O,
+        shape: TaskShape,
+        epilogue: Epilogue<'_>,
+    );
+}
+
+impl TaskRow for bf16 {
+    unsafe fn task<O: Out>(
+        isa: Bf16Isa,
+        x: &[bf16],
+        panels: &[u32],
+        y: *mut O,
+        shape: TaskShape,
+        epilogue: Epilogue<'_>,
+    ) {
+        // SAFETY: the contract; each token proves its instructions (the
+        // FMA one implies AVX512_BF16 too).
+        unsafe {
+            match isa.simd() {
+                #[cfg(target_arch = "x86_64")]
+                Bf16Simd::Avx512Bf16 | Bf16Simd::Avx512Fma => {
+                    avx512::task(x, panels, y, shape, epilogue)
+                }
+                #[cfg(target_arch = "x86_64")]
+                Bf16Simd::Amx => amx::task(x, panels, y, shape, epilogue),
+                _ => portable::task(x, panels, y, shape, epilogue),
+            }
+        }
+    }
+}
+
+impl TaskRow for f32 {
+    unsafe fn task<O: Out>(
+        isa: Bf16Isa,
+        x: &[f32],
+        panels: &[u32],
+        y: *mut O,
+        shape: TaskShape,
+        epilogue: Epilogue<'_>,
+    ) {
+        // SAFETY: the contract; every token but the portable one proves
+        // AVX-512F, all the FMA kernel needs.
+        unsafe {
+            match isa.simd() {
+                #[cfg(target_arch = "x86_64")]
+                Bf16Simd::Amx | Bf16Simd::Avx512Bf16 | Bf16Simd::Avx512Fma => {
+                    avx512::task_fma(x, panels, y, shape, epilogue)
+                }
+                _ => portable::task(x, panels, y, shape, epilogue),
+            }
+        }
+    }
+}
+
+/// `y (m, n)` = `x (m, k)` times the panels of `w (n, k)` transposed.
+///
+/// The work is split in two dimensions, blocks of [`TASK_ROWS`] rows ×
+/// groups of panels of about [`TASK_PANEL_BYTES`], so that the tasks are
+/// many and of nearly equal size whatever `m` (197 rows in 64-row tasks
+/// alone would leave one of two threads idle a quarter of the time), and
+/// each task's rows and panels stay in the core's L2 while it runs.
+fn panels_product<X: TaskRow, O: Out>(
     isa: Bf16Isa,
-    x: &[bf16],
+    x: &[X],
     packed: &[u32],
     epilogue: Epilogue<'_>,
     m: usize,
@@ -654,14 +771,14 @@ fn panels_product<O: Out>(
         // proves the instruction set.
         unsafe {
             let y = out.at(b * TASK_ROWS * n);
-            let shape = (rows, (first, last), (n, k));
-            match isa.simd() {
-                #[cfg(target_arch = "x86_64")]
-                Bf16Simd::Avx512Bf16 => avx512::task(xt, panel_range, y, shape, epilogue),
-                #[cfg(target_arch = "x86_64")]
-                Bf16Simd::Amx => amx::task(xt, panel_range, y, shape, epilogue),
-                _ => portable::task(xt, panel_range, y, shape, epilogue),
-            }
+            X::task(
+                isa,
+                xt,
+                panel_range,
+                y,
+                (rows, (first, last), (n, k)),
+                epilogue,
+            )
         };
     });
     // SAFETY: the tasks cover every row block × panel group, and each
@@ -1183,6 +1300,108 @@ mod avx512 {
         }
     }
 
+    /// [`task`] for f32 rows on FMAs ([`super::Bf16Simd::Avx512Fma`]):
+    /// per pair of `k`, the panel's 32 columns widened to f32 (as
+    /// [`gemv_task`] widens them) and multiplied by `x` as it is, in
+    /// blocks of [`MR_FMA`] rows.
+    ///
+    /// # Safety
+    /// As [`task`]'s, but the CPU needs only AVX512F (AVX512_BF16 for a
+    /// bf16 `O`).
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn task_fma<O: Out>(
+        x: &[f32],
+        packed: &[u32],
+        y: *mut O,
+        (rows, (first, last), (n, k)): super::TaskShape,
+        (bias, gelu): super::Epilogue<'_>,
+    ) {
+        let pairs = k / 2;
+        for (j, panel) in (first..last).zip(packed.chunks_exact(pairs * NR)) {
+            let cols = NR.min(n - j * NR);
+            let mut r = 0;
+            while r < rows {
+                let mr = MR_FMA.min(rows - r);
+                let xs = &x[r * k..(r + mr) * k];
+                let mut tile = [[0f32; NR]; MR_FMA];
+                match mr {
+                    12 => micro_fma::<12>(xs, panel, k, &mut tile),
+                    11 => micro_fma::<11>(xs, panel, k, &mut tile),
+                    10 => micro_fma::<10>(xs, panel, k, &mut tile),
+                    9 => micro_fma::<9>(xs, panel, k, &mut tile),
+                    8 => micro_fma::<8>(xs, panel, k, &mut tile),
+                    7 => micro_fma::<7>(xs, panel, k, &mut tile),
+                    6 => micro_fma::<6>(xs, panel, k, &mut tile),
+                    5 => micro_fma::<5>(xs, panel, k, &mut tile),
+                    4 => micro_fma::<4>(xs, panel, k, &mut tile),
+                    3 => micro_fma::<3>(xs, panel, k, &mut tile),
+                    2 => micro_fma::<2>(xs, panel, k, &mut tile),
+                    _ => micro_fma::<1>(xs, panel, k, &mut tile),
+                }
+                for (i, row) in tile.iter().take(mr).enumerate() {
+                    // SAFETY: row `r + i < rows`, columns `j * NR ..
+                    // j * NR + cols` within this task's columns (the
+                    // contract).
+                    unsafe { store_row(row, y.add((r + i) * n + j * NR), j, cols, (bias, gelu)) };
+                }
+                r += mr;
+            }
+        }
+    }
+
+    /// Rows of the FMA micro-kernel: 12 × 2 accumulators, the four
+    /// widened weight vectors and the mask in 29 of the 32 registers, so
+    /// that the widening (four instructions a pair) is shared by 48 FMAs.
+    pub(super) const MR_FMA: usize = 12;
+
+    /// `M` rows of f32 `x` (each `k` long) times one panel into `tile`,
+    /// the panel widened to f32 pair by pair.
+    #[target_feature(enable = "avx512f")]
+    fn micro_fma<const M: usize>(
+        x: &[f32],
+        panel: &[u32],
+        k: usize,
+        tile: &mut [[f32; NR]; MR_FMA],
+    ) {
+        let pairs = k / 2;
+        assert!(x.len() >= M * k && panel.len() >= pairs * NR && M <= MR_FMA);
+        let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+        let mut acc = [[_mm512_setzero_ps(); 2]; M];
+        for p in 0..pairs {
+            // SAFETY: the panel holds `pairs * NR` u32 (asserted); `p <
+            // pairs`, so the 32 u32 read (two 512-bit loads) are inside it.
+            let (b0, b1) = unsafe {
+                let ptr = panel.as_ptr().add(p * NR) as *const __m512i;
+                (_mm512_loadu_si512(ptr), _mm512_loadu_si512(ptr.add(1)))
+            };
+            // bf16 is the top half of an f32: the low element shifted up,
+            // the high one masked.
+            let lo0 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(b0));
+            let hi0 = _mm512_castsi512_ps(_mm512_and_si512(b0, high));
+            let lo1 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(b1));
+            let hi1 = _mm512_castsi512_ps(_mm512_and_si512(b1, high));
+            for (r, a) in acc.iter_mut().enumerate() {
+                // SAFETY: `r < M` rows of `k` values are in `x` (asserted)
+                // and `2p + 1 < k`.
+                let (xa, xb) = unsafe {
+                    let xp = x.as_ptr().add(r * k + 2 * p);
+                    (_mm512_set1_ps(*xp), _mm512_set1_ps(*xp.add(1)))
+                };
+                a[0] = _mm512_fmadd_ps(lo0, xa, a[0]);
+                a[1] = _mm512_fmadd_ps(lo1, xa, a[1]);
+                a[0] = _mm512_fmadd_ps(hi0, xb, a[0]);
+                a[1] = _mm512_fmadd_ps(hi1, xb, a[1]);
+            }
+        }
+        for (t, a) in tile.iter_mut().zip(&acc) {
+            // SAFETY: each row of `tile` is NR = 32 f32, two 512-bit stores.
+            unsafe {
+                _mm512_storeu_ps(t.as_mut_ptr(), a[0]);
+                _mm512_storeu_ps(t.as_mut_ptr().add(16), a[1]);
+            }
+        }
+    }
+
     /// The sums of one row of panel `j` (`cols` of its [`NR`] columns
     /// valid) plus the bias, through GELU if asked, stored at `dst` as
     /// `O`: a full panel as two vectors (rounded to bf16 by
@@ -1545,9 +1764,9 @@ mod tests {
 
     /// A packed weight unpacks bit for bit, keeps its bias, and its product
     /// equals the f64 product of the bf16 weight plus the bias: with f32
-    /// `x` kept as is for 1 to 8 rows
-    /// (error 1e-5 of the largest sum of `|x|·|w|` terms), rounded to bf16 for more (1e-5 against the
-    /// rounded `x`), for `n` not a multiple of 32 and several panel groups;
+    /// `x` kept as is for 1 to 8 rows and, on the FMA kernel, for more
+    /// (error 1e-5 of the largest sum of `|x|·|w|` terms), rounded to bf16
+    /// for more elsewhere (1e-5 against the rounded `x`), for `n` not a multiple of 32 and several panel groups;
     /// bf16 `x` gives bf16 outputs (1e-2 against the product of those bf16
     /// values); on every implementation this CPU runs.
     #[test]
@@ -1569,7 +1788,9 @@ mod tests {
                 let w64 = w.to_dtype(DType::F64)?;
                 for m in [1, 3, 8, 9, 197] {
                     let x = Tensor::randn(0f32, 1., (m, 1, k), &dev)?;
-                    let used = if m <= crate::kernels::gemv::MAX_ROWS {
+                    let kept =
+                        m <= crate::kernels::gemv::MAX_ROWS || isa.simd() == Bf16Simd::Avx512Fma;
+                    let used = if kept {
                         x.clone()
                     } else {
                         x.to_dtype(DType::BF16)?.to_dtype(DType::F32)?

@@ -55,6 +55,7 @@ pub mod q8_amx;
 pub(crate) mod tiled;
 
 pub use features::{
-    Bf16Isa, Bf16Simd, CpuFeatures, F32Gemm, Isa, PrefetchHint, Q8Isa, Q8Simd, Simd, Tuning, Vendor,
+    Bf16Gemm, Bf16Isa, Bf16Simd, CpuFeatures, F32Gemm, Isa, PrefetchHint, Q8Isa, Q8Simd, Simd,
+    Tuning, Vendor,
 };
 pub use host::{keep_freed_memory, on_pool, return_freed_memory, with_values, KeepAwake};

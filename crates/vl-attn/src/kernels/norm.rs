@@ -158,7 +158,7 @@ impl CustomOp3 for Norm {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: the token proves AVX-512F and AVX512_BF16;
                     // rows, weight and bias are `width` long.
-                    Bf16Simd::Amx | Bf16Simd::Avx512Bf16 => {
+                    Bf16Simd::Amx | Bf16Simd::Avx512Bf16 | Bf16Simd::Avx512Fma => {
                         rows(x, width, |x, y| unsafe { row_bf16(x, w, b, eps, y) })
                     }
                     _ => rows(x, width, |x, y| portable_row(x, w, b, eps, y)),
