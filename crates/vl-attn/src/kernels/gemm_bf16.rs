@@ -432,17 +432,19 @@ impl PackedBf16 {
         })
     }
 
-    /// `GELU(x W^T + b)` rounded to bf16, for many rows of f32 `x`: a
-    /// feed-forward's hidden layer whose second product
-    /// ([`PackedBf16::matmul_f32`]) takes bf16 rows. The
-    /// GELU (exact when `exact`, else tanh) runs on the accumulators, in
-    /// the product's epilogue: no f32 hidden layer is written, read back
-    /// and rounded — the same values as the three steps apart.
+    /// `GELU(x W^T + b)` for many rows of f32 `x`, as a feed-forward's
+    /// second product ([`PackedBf16::matmul_f32`]) takes its rows without
+    /// loss: rounded to bf16 where the products round their rows to bf16
+    /// anyway (`vdpbf16ps`, the tile unit), in f32 on FMAs
+    /// ([`Bf16Simd::Avx512Fma`]), which keep them. The GELU (exact when
+    /// `exact`, else tanh) runs on the accumulators, in the product's
+    /// epilogue: no separate pass over the hidden layer — the same values
+    /// as the three steps apart.
     ///
     /// # Shapes
     /// `x: (..., k)` f32 on the CPU, more than
     /// [`crate::kernels::gemv::MAX_ROWS`] rows (made contiguous) → `(...,
-    /// n)` bf16.
+    /// n)` bf16, or f32 on [`Bf16Simd::Avx512Fma`].
     ///
     /// # Errors
     /// Another dtype, device or width of `x`, or too few rows, named.
@@ -467,7 +469,7 @@ impl PackedBf16 {
         x.contiguous()?.apply_op1_no_bwd(&PackedOp {
             w: self.clone(),
             isa,
-            mode: Mode::GeluBf16 { exact },
+            mode: Mode::Gelu { exact },
         })
     }
 
@@ -500,8 +502,9 @@ struct PackedOp {
 enum Mode {
     /// `x W^T + b` in `x`'s dtype.
     Plain,
-    /// `GELU(x W^T + b)` rounded to bf16, for f32 `x` of many rows.
-    GeluBf16 { exact: bool },
+    /// `GELU(x W^T + b)` for f32 `x` of many rows: rounded to bf16, or
+    /// f32 on FMAs.
+    Gelu { exact: bool },
     /// `x W^T + b` in f32.
     F32Out,
 }
@@ -520,13 +523,18 @@ impl candle_core::CustomOp1 for PackedOp {
         let m = l.shape().elem_count() / w.k.max(1);
         let decode = m <= crate::kernels::gemv::MAX_ROWS;
         let y = match (s, self.mode) {
-            (CpuStorage::F32(_), Mode::GeluBf16 { .. }) if decode => candle_core::bail!(
+            (CpuStorage::F32(_), Mode::Gelu { .. }) if decode => candle_core::bail!(
                 "vl-gemm-bf16: the fused GELU takes more than {} rows, got {m}",
                 crate::kernels::gemv::MAX_ROWS
             ),
-            (CpuStorage::F32(x), Mode::GeluBf16 { exact }) => {
+            (CpuStorage::F32(x), Mode::Gelu { exact }) => {
                 let x = contiguous(x, l, "vl-gemm-bf16", "x")?;
-                CpuStorage::BF16(product_packed(isa, Rows::F32(x), w, m, Some(exact)))
+                let gelu = Some(exact);
+                if isa.simd() == Bf16Simd::Avx512Fma {
+                    CpuStorage::F32(product_packed(isa, Rows::F32(x), w, m, gelu))
+                } else {
+                    CpuStorage::BF16(product_packed(isa, Rows::F32(x), w, m, gelu))
+                }
             }
             (CpuStorage::F32(x), _) => {
                 let x = contiguous(x, l, "vl-gemm-bf16", "x")?;
@@ -1707,10 +1715,11 @@ mod tests {
     }
 
     /// The GELU in the epilogue gives the bits of the three steps apart
-    /// (the f32 product, GELU over it, rounding to bf16) on the CPU's
-    /// best implementation, and the portable one is within a bf16 step of
-    /// it; the second product takes the bf16 hidden layer and returns f32.
-    /// Full and partial panels, both GELUs.
+    /// (the f32 product, GELU over it, rounding to bf16 — kept in f32 on
+    /// FMAs) on every accelerated implementation of the CPU, and the
+    /// portable one is within a bf16 step of each; the second product
+    /// takes the hidden layer and returns f32. Full and partial panels,
+    /// both GELUs.
     #[test]
     fn fused_gelu_is_the_steps_apart() -> candle_core::Result<()> {
         let dev = Device::Cpu;
@@ -1719,10 +1728,22 @@ mod tests {
             let w = Tensor::randn(0f32, 0.2, (n, k), &dev)?.to_dtype(DType::BF16)?;
             let b = Tensor::randn(0f32, 1., n, &dev)?;
             let packed = std::sync::Arc::new(PackedBf16::pack(&w, Some(&b))?);
-            for exact in [true, false] {
-                let best = CpuFeatures::get().bf16_isa();
+            let mut isas: Vec<Bf16Isa> = CpuFeatures::get()
+                .bf16_isas()
+                .into_iter()
+                .filter(|i| i.simd() != Bf16Simd::Portable)
+                .collect();
+            if isas.is_empty() {
+                isas.push(Bf16Isa::portable());
+            }
+            for (exact, best) in [true, false]
+                .into_iter()
+                .flat_map(|e| isas.iter().map(move |&i| (e, i)))
+            {
                 let fused = packed.matmul_gelu_with(best, &x, exact)?;
-                assert_eq!(fused.dtype(), DType::BF16);
+                let keeps_f32 = best.simd() == Bf16Simd::Avx512Fma;
+                let hidden = if keeps_f32 { DType::F32 } else { DType::BF16 };
+                assert_eq!(fused.dtype(), hidden);
                 let portable = packed.matmul_gelu_with(Bf16Isa::portable(), &x, exact)?;
                 let step = (fused.to_dtype(DType::F32)? - portable.to_dtype(DType::F32)?)?
                     .abs()?
@@ -1733,7 +1754,10 @@ mod tests {
                     .abs()?
                     .max_all()?
                     .to_scalar::<f32>()?;
-                assert!(step <= top / 128.0, "({m}, {n}, {k}) exact {exact}: {step}");
+                assert!(
+                    step <= top / 128.0,
+                    "{best:?} ({m}, {n}, {k}) exact {exact}: {step}"
+                );
                 if accelerated() {
                     let y = packed.matmul_with(best, &x)?;
                     let act = if exact {
@@ -1745,14 +1769,26 @@ mod tests {
                     // (`vcvtneps2bf16` flushes subnormals, which a deep
                     // negative GELU gives; candle's `to_dtype` keeps them).
                     let gelu = act.forward(&y)?.flatten_all()?.to_vec1::<f32>()?;
-                    let apart = to_bf16(best, &gelu);
-                    let fused = fused.flatten_all()?.to_vec1::<bf16>()?;
-                    let differ = fused
-                        .iter()
-                        .zip(&apart)
-                        .filter(|(f, a)| f.to_bits() != a.to_bits())
-                        .count();
-                    assert_eq!(differ, 0, "({m}, {n}, {k}) exact {exact}: values differ");
+                    let differ = if keeps_f32 {
+                        let fused = fused.flatten_all()?.to_vec1::<f32>()?;
+                        fused
+                            .iter()
+                            .zip(&gelu)
+                            .filter(|(f, a)| f.to_bits() != a.to_bits())
+                            .count()
+                    } else {
+                        let apart = to_bf16(best, &gelu);
+                        let fused = fused.flatten_all()?.to_vec1::<bf16>()?;
+                        fused
+                            .iter()
+                            .zip(&apart)
+                            .filter(|(f, a)| f.to_bits() != a.to_bits())
+                            .count()
+                    };
+                    assert_eq!(
+                        differ, 0,
+                        "{best:?} ({m}, {n}, {k}) exact {exact}: values differ"
+                    );
                 }
                 let back = std::sync::Arc::new(PackedBf16::pack(&w.t()?.contiguous()?, None)?);
                 let y = back.matmul_f32(&fused)?;

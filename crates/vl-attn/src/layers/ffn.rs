@@ -203,10 +203,11 @@ impl FeedForward {
     /// The layer in two products when both weights are packed bf16 under
     /// f32 activations, the activation a GELU and the rows many (an
     /// encoder's): the first product applies the GELU in its epilogue and
-    /// stores the hidden layer in bf16, which the second would round it to
-    /// anyway ([`PackedBf16::matmul_gelu`]) — the values of the three
-    /// steps apart, without the f32 hidden layer's writes, reads and
-    /// rounding pass. `None` where that does not apply.
+    /// stores the hidden layer as the second takes it
+    /// ([`PackedBf16::matmul_gelu`]: bf16, which the `vdpbf16ps` and tile
+    /// products would round it to anyway; f32 on FMAs, which keep it) —
+    /// the values of the three steps apart, without a separate GELU pass.
+    /// `None` where that does not apply.
     ///
     /// [`PackedBf16::matmul_gelu`]: crate::kernels::gemm_bf16::PackedBf16::matmul_gelu
     fn fused_bf16(&self, x: &Tensor) -> Result<Option<Tensor>> {
