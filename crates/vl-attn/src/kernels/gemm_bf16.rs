@@ -1276,35 +1276,15 @@ mod avx512 {
         x: &[bf16],
         packed: &[u32],
         y: *mut O,
-        (rows, (first, last), (n, k)): super::TaskShape,
-        (bias, gelu): super::Epilogue<'_>,
+        shape: super::TaskShape,
+        epilogue: super::Epilogue<'_>,
     ) {
-        let pairs = k / 2;
-        for (j, panel) in (first..last).zip(packed.chunks_exact(pairs * NR)) {
-            let cols = NR.min(n - j * NR);
-            let mut r = 0;
-            while r < rows {
-                let mr = MR.min(rows - r);
-                let xs = &x[r * k..(r + mr) * k];
-                let mut tile = [[0f32; NR]; MR];
-                match mr {
-                    8 => micro::<8>(xs, panel, k, &mut tile),
-                    7 => micro::<7>(xs, panel, k, &mut tile),
-                    6 => micro::<6>(xs, panel, k, &mut tile),
-                    5 => micro::<5>(xs, panel, k, &mut tile),
-                    4 => micro::<4>(xs, panel, k, &mut tile),
-                    3 => micro::<3>(xs, panel, k, &mut tile),
-                    2 => micro::<2>(xs, panel, k, &mut tile),
-                    _ => micro::<1>(xs, panel, k, &mut tile),
-                }
-                for (i, row) in tile.iter().take(mr).enumerate() {
-                    // SAFETY: row `r + i < rows`, columns `j * NR ..
-                    // j * NR + cols` within this task's columns (the
-                    // contract).
-                    unsafe { store_row(row, y.add((r + i) * n + j * NR), j, cols, (bias, gelu)) };
-                }
-                r += mr;
-            }
+        let (_, _, (_, k)) = shape;
+        // SAFETY: the contract (AVX512_BF16, for `dot_block`, included).
+        unsafe {
+            blocks_of_rows::<_, O, MR>(x, packed, y, shape, epilogue, |xs, panel, mr, tile| {
+                dot_block(xs, panel, k, mr, tile)
+            })
         }
     }
 
@@ -1321,39 +1301,84 @@ mod avx512 {
         x: &[f32],
         packed: &[u32],
         y: *mut O,
+        shape: super::TaskShape,
+        epilogue: super::Epilogue<'_>,
+    ) {
+        let (_, _, (_, k)) = shape;
+        // SAFETY: the contract (AVX-512F, for `fma_block`, included).
+        unsafe {
+            blocks_of_rows::<_, O, MR_FMA>(x, packed, y, shape, epilogue, |xs, panel, mr, tile| {
+                fma_block(xs, panel, k, mr, tile)
+            })
+        }
+    }
+
+    /// Panels `first .. last` (given as `packed`) times the task's rows
+    /// in blocks of up to `R`, each block's sums from `block(rows, panel,
+    /// mr, tile)` stored by [`store_row`] with the epilogue: the loop of
+    /// [`task`] and [`task_fma`].
+    ///
+    /// # Safety
+    /// As [`task`]'s.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn blocks_of_rows<X, O: Out, const R: usize>(
+        x: &[X],
+        packed: &[u32],
+        y: *mut O,
         (rows, (first, last), (n, k)): super::TaskShape,
-        (bias, gelu): super::Epilogue<'_>,
+        epilogue: super::Epilogue<'_>,
+        block: impl Fn(&[X], &[u32], usize, &mut [[f32; NR]; R]),
     ) {
         let pairs = k / 2;
         for (j, panel) in (first..last).zip(packed.chunks_exact(pairs * NR)) {
             let cols = NR.min(n - j * NR);
             let mut r = 0;
             while r < rows {
-                let mr = MR_FMA.min(rows - r);
-                let xs = &x[r * k..(r + mr) * k];
-                let mut tile = [[0f32; NR]; MR_FMA];
-                match mr {
-                    12 => micro_fma::<12>(xs, panel, k, &mut tile),
-                    11 => micro_fma::<11>(xs, panel, k, &mut tile),
-                    10 => micro_fma::<10>(xs, panel, k, &mut tile),
-                    9 => micro_fma::<9>(xs, panel, k, &mut tile),
-                    8 => micro_fma::<8>(xs, panel, k, &mut tile),
-                    7 => micro_fma::<7>(xs, panel, k, &mut tile),
-                    6 => micro_fma::<6>(xs, panel, k, &mut tile),
-                    5 => micro_fma::<5>(xs, panel, k, &mut tile),
-                    4 => micro_fma::<4>(xs, panel, k, &mut tile),
-                    3 => micro_fma::<3>(xs, panel, k, &mut tile),
-                    2 => micro_fma::<2>(xs, panel, k, &mut tile),
-                    _ => micro_fma::<1>(xs, panel, k, &mut tile),
-                }
+                let mr = R.min(rows - r);
+                let mut tile = [[0f32; NR]; R];
+                block(&x[r * k..(r + mr) * k], panel, mr, &mut tile);
                 for (i, row) in tile.iter().take(mr).enumerate() {
                     // SAFETY: row `r + i < rows`, columns `j * NR ..
                     // j * NR + cols` within this task's columns (the
                     // contract).
-                    unsafe { store_row(row, y.add((r + i) * n + j * NR), j, cols, (bias, gelu)) };
+                    unsafe { store_row(row, y.add((r + i) * n + j * NR), j, cols, epilogue) };
                 }
                 r += mr;
             }
+        }
+    }
+
+    /// `mr <= MR` rows of bf16 `x` times one panel on `vdpbf16ps`.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    fn dot_block(xs: &[bf16], panel: &[u32], k: usize, mr: usize, tile: &mut [[f32; NR]; MR]) {
+        match mr {
+            8 => micro::<8>(xs, panel, k, tile),
+            7 => micro::<7>(xs, panel, k, tile),
+            6 => micro::<6>(xs, panel, k, tile),
+            5 => micro::<5>(xs, panel, k, tile),
+            4 => micro::<4>(xs, panel, k, tile),
+            3 => micro::<3>(xs, panel, k, tile),
+            2 => micro::<2>(xs, panel, k, tile),
+            _ => micro::<1>(xs, panel, k, tile),
+        }
+    }
+
+    /// `mr <= MR_FMA` rows of f32 `x` times one panel on FMAs.
+    #[target_feature(enable = "avx512f")]
+    fn fma_block(xs: &[f32], panel: &[u32], k: usize, mr: usize, tile: &mut [[f32; NR]; MR_FMA]) {
+        match mr {
+            12 => micro_fma::<12>(xs, panel, k, tile),
+            11 => micro_fma::<11>(xs, panel, k, tile),
+            10 => micro_fma::<10>(xs, panel, k, tile),
+            9 => micro_fma::<9>(xs, panel, k, tile),
+            8 => micro_fma::<8>(xs, panel, k, tile),
+            7 => micro_fma::<7>(xs, panel, k, tile),
+            6 => micro_fma::<6>(xs, panel, k, tile),
+            5 => micro_fma::<5>(xs, panel, k, tile),
+            4 => micro_fma::<4>(xs, panel, k, tile),
+            3 => micro_fma::<3>(xs, panel, k, tile),
+            2 => micro_fma::<2>(xs, panel, k, tile),
+            _ => micro_fma::<1>(xs, panel, k, tile),
         }
     }
 
