@@ -16,7 +16,7 @@
 //! | q4_K product, any rows | [`gemv_q4k::PackedQ4K::matmul`] | AVX-512 VNNI, AVX2+FMA, portable |
 //! | f32 GEMM, many rows (where [`Tuning::f32_gemm`] chooses it) | [`gemm_f32::matmul`] | AVX-512F, AVX2+FMA, portable |
 //! | f32 feed-forward, an encoder's rows a chunk at a time (GELU as the first product stores) | [`gemm_f32::ffn`] (through [`crate::FeedForward`]) | AVX-512F, AVX2+FMA, portable |
-//! | bf16 GEMM (and packed bf16 GEMV; GELU in its epilogue) | [`gemm_bf16::matmul`], [`gemm_bf16::PackedBf16::matmul`], [`gemm_bf16::PackedBf16::matmul_gelu`] | AMX-BF16 (blocks of 32 rows), AVX512_BF16, portable |
+//! | bf16 GEMM (and packed bf16 GEMV; GELU in its epilogue) | [`gemm_bf16::matmul`], [`gemm_bf16::PackedBf16::matmul`], [`gemm_bf16::PackedBf16::matmul_gelu`] | AMX-BF16 (blocks of 32 rows), AVX512_BF16, AVX-512F FMAs on widened weights (where [`Tuning::bf16_gemm`] chooses them), portable |
 //! | fused attention, per row and tiled | `attention::fused` (through [`crate::attention::attention`]) | AVX-512F, AVX2+FMA, portable |
 //! | keys and values in 8 bits (q8_0 blocks) | [`kv_q8::quantize`], [`kv_q8::widen`] | AVX-512F, portable (quantize); portable (widen) |
 //! | LayerNorm | [`norm::layer_norm`] | AVX-512F (f32), AVX512_BF16 (bf16), portable |
