@@ -147,29 +147,15 @@ impl CustomOp2 for GemmBf16 {
         }
         let m = l1.shape().elem_count() / k;
         let w = slice(s2, l2, "w")?;
-        let isa = self.isa;
+        let (isa, packed) = (self.isa, pack(w, n, k));
         let y = match s1 {
             CpuStorage::F32(x) => {
-                let x = contiguous(x, l1, "vl-gemm-bf16", "x")?;
-                CpuStorage::F32(rows_product(
-                    isa,
-                    Rows::F32(x),
-                    &pack(w, n, k),
-                    (None, None),
-                    m,
-                    (n, k),
-                ))
+                let x = Rows::F32(contiguous(x, l1, "vl-gemm-bf16", "x")?);
+                CpuStorage::F32(rows_product(isa, x, &packed, (None, None), m, (n, k)))
             }
             _ => {
                 let x = Rows::Bf16(slice(s1, l1, "x")?);
-                CpuStorage::BF16(rows_product(
-                    isa,
-                    x,
-                    &pack(w, n, k),
-                    (None, None),
-                    m,
-                    (n, k),
-                ))
+                CpuStorage::BF16(rows_product(isa, x, &packed, (None, None), m, (n, k)))
             }
         };
         let mut shape = dims[..dims.len() - 1].to_vec();

@@ -127,18 +127,7 @@ impl FeedForward {
     /// # Shapes
     /// `x: (batch, len, hidden)` → `(batch, len, hidden)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if let Some(y) = self.fused_bf16(x)? {
-            return Ok(y);
-        }
-        if let Some(y) = self.fused_tiled(x)? {
-            return Ok(y);
-        }
-        if let Some(y) = self.chunked_f32(x)? {
-            return Ok(y);
-        }
-        Ok(self
-            .down
-            .forward(&self.act.forward(&self.up.forward(x)?)?)?)
+        self.forward_then(x, None)
     }
 
     /// `residual + forward(x)`: the bits of [`crate::kernels::add::add`] of
@@ -152,20 +141,32 @@ impl FeedForward {
     /// # Shapes
     /// `x: (..., hidden)`, `residual: (..., hidden)` → `(..., hidden)`.
     pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        // `forward`'s route for vl's tiles (`fused_tiled`: the other
-        // routes take other weights), its last product adding the residual
-        // where it is the second product alone.
-        if let Some(exact) = self.act.gelu_exact() {
-            if x.dtype() == candle_core::DType::F32 && x.device().is_cpu() && !x.track_op() {
-                if let Some(y) = Proj::ffn_tiled(&self.up, &self.down, x, exact)? {
-                    return Ok(crate::kernels::add::add(residual, &y)?);
-                }
-                if let Some(hidden) = self.up.matmul_gelu_tiled(x, exact) {
-                    return Ok(self.down.forward_add(&hidden?, residual)?);
-                }
+        self.forward_then(x, Some(residual))
+    }
+
+    /// [`FeedForward::forward`]'s routes, plus `residual` if any: added as
+    /// the second product stores where `fused_tiled` takes the layer,
+    /// after the output elsewhere.
+    fn forward_then(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+        let plus = |y: Tensor| -> Result<Tensor> {
+            match residual {
+                Some(r) => Ok(crate::kernels::add::add(r, &y)?),
+                None => Ok(y),
             }
+        };
+        if let Some(y) = self.fused_bf16(x)? {
+            return plus(y);
         }
-        Ok(crate::kernels::add::add(residual, &self.forward(x)?)?)
+        if let Some(y) = self.fused_tiled(x, residual)? {
+            return Ok(y);
+        }
+        if let Some(y) = self.chunked_f32(x)? {
+            return plus(y);
+        }
+        plus(
+            self.down
+                .forward(&self.act.forward(&self.up.forward(x)?)?)?,
+        )
     }
 
     /// A dense f32 layer of an encoder's rows through vl's f32 product a
@@ -244,7 +245,11 @@ impl FeedForward {
     /// product (`cargo bench -p vl-attn --bench gemv -- "ffn q8_0"`: a
     /// Florence-2 first-stage layer, 36,864 rows, 2.8× faster). `None`
     /// where neither applies.
-    fn fused_tiled(&self, x: &Tensor) -> Result<Option<Tensor>> {
+    /// With a `residual`, it is added to the output: as the second
+    /// product stores where that product runs alone
+    /// ([`Proj::forward_add`]), after the chunks' output otherwise — the
+    /// bits of the addition after either way.
+    fn fused_tiled(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Option<Tensor>> {
         let Some(exact) = self.act.gelu_exact() else {
             return Ok(None);
         };
@@ -252,12 +257,19 @@ impl FeedForward {
             return Ok(None);
         }
         if let Some(y) = Proj::ffn_tiled(&self.up, &self.down, x, exact)? {
-            return Ok(Some(y));
+            return Ok(Some(match residual {
+                Some(r) => crate::kernels::add::add(r, &y)?,
+                None => y,
+            }));
         }
-        match self.up.matmul_gelu_tiled(x, exact) {
-            Some(hidden) => Ok(Some(self.down.forward(&hidden?)?)),
-            None => Ok(None),
-        }
+        let Some(hidden) = self.up.matmul_gelu_tiled(x, exact) else {
+            return Ok(None);
+        };
+        let hidden = hidden?;
+        Ok(Some(match residual {
+            Some(r) => self.down.forward_add(&hidden, r)?,
+            None => self.down.forward(&hidden)?,
+        }))
     }
 }
 
