@@ -19,6 +19,11 @@
 //! plus bias, vl's GELU, the product plus bias) on a ViT-B's, Florence-2's
 //! BART encoder's and its DaViT stages' shapes.
 //!
+//! `--cold` reads every weight cold, as a model's encode does (its
+//! weights, 344 MB for a ViT-B in f32, pass the L3): each call takes the
+//! next of enough copies of the weight to fill 512 MB, so that none is
+//! left in a cache by the call before (vl's f32 product and `--ffn`).
+//!
 //! Two threads unless `RAYON_NUM_THREADS` says otherwise (as `vl bench
 //! --threads 2`). GFLOP/s is `2 m n k` per product.
 
@@ -78,6 +83,7 @@ fn main() -> candle_core::Result<()> {
     let rows = arg("--rows", 197);
     let only = value("--only").unwrap_or_default();
     let repeats = arg("--repeats", 20).max(1);
+    let cold = std::env::args().any(|a| a == "--cold");
     let cpu = CpuFeatures::get();
     println!("{cpu}");
     println!(
@@ -86,7 +92,7 @@ fn main() -> candle_core::Result<()> {
     );
     let dev = Device::Cpu;
     if std::env::args().any(|a| a == "--ffn") {
-        return feed_forward(&dev, repeats);
+        return feed_forward(&dev, repeats, cold);
     }
     let davit = std::env::args().any(|a| a == "--davit");
     let shape = value("--shape").map(|s| {
@@ -129,9 +135,14 @@ fn main() -> candle_core::Result<()> {
             report("candle f32", time(repeats, || on_pool(|| x.matmul(&wt))));
         }
         if timed("vl f32") {
+            let ws = copies(&w, cold)?;
+            let mut next = 0;
             report(
-                "vl f32",
-                time(repeats, || on_pool(|| gemm_f32::matmul(&x, &w))),
+                if cold { "vl f32 (cold)" } else { "vl f32" },
+                time(repeats, || {
+                    next += 1;
+                    on_pool(|| gemm_f32::matmul(&x, &ws[next % ws.len()]))
+                }),
             );
         }
         let packed = Arc::new(PackedBf16::pack(&w.to_dtype(DType::BF16)?, None)?);
@@ -157,9 +168,22 @@ fn main() -> candle_core::Result<()> {
     Ok(())
 }
 
+/// `w` once, or with `cold` as many copies of it as fill 512 MB (more than
+/// an L3), to be taken in turn.
+fn copies(w: &Tensor, cold: bool) -> candle_core::Result<Vec<Tensor>> {
+    let bytes = w.elem_count() * w.dtype().size_in_bytes();
+    let n = if cold {
+        (512usize << 20).div_ceil(bytes)
+    } else {
+        1
+    };
+    (0..n).map(|_| w.copy()).collect()
+}
+
 /// `--ffn`: the f32 feed-forward in chunks against its steps apart, `(m,
-/// k)` through `h`, GFLOP/s as `4 m k h`.
-fn feed_forward(dev: &Device, repeats: usize) -> candle_core::Result<()> {
+/// k)` through `h`, GFLOP/s as `4 m k h`; with `cold`, weights taken in
+/// turn from copies that pass the L3.
+fn feed_forward(dev: &Device, repeats: usize, cold: bool) -> candle_core::Result<()> {
     let isa = CpuFeatures::get().isa();
     for (m, k, h) in [
         (16, 768, 3072),
@@ -172,26 +196,32 @@ fn feed_forward(dev: &Device, repeats: usize) -> candle_core::Result<()> {
         (576, 1024, 4096),
     ] {
         let x = Tensor::randn(0f32, 1., (m, k), dev)?;
-        let up = Tensor::randn(0f32, 0.05, (h, k), dev)?;
-        let down = Tensor::randn(0f32, 0.05, (k, h), dev)?;
+        let ups = copies(&Tensor::randn(0f32, 0.05, (h, k), dev)?, cold)?;
+        let downs = copies(&Tensor::randn(0f32, 0.05, (k, h), dev)?, cold)?;
+        let mut next = 0;
         let (ub, db) = (
             Tensor::randn(0f32, 1., h, dev)?,
             Tensor::randn(0f32, 1., k, dev)?,
         );
         let flops = 4.0 * (m * k * h) as f64;
         let apart = time(repeats, || {
+            next += 1;
+            let (up, down) = (&ups[next % ups.len()], &downs[next % downs.len()]);
             on_pool(|| {
-                let hidden = gemm_f32::matmul_bias_with(isa, &x, &up, Some(&ub))?;
+                let hidden = gemm_f32::matmul_bias_with(isa, &x, up, Some(&ub))?;
                 let hidden = vl_attn::Activation::Gelu.forward(&hidden)?;
-                gemm_f32::matmul_bias_with(isa, &hidden, &down, Some(&db))
+                gemm_f32::matmul_bias_with(isa, &hidden, down, Some(&db))
             })
         });
         let chunked = time(repeats, || {
-            on_pool(|| gemm_f32::ffn(isa, &x, (&up, Some(&ub)), (&down, Some(&db)), true))
+            next += 1;
+            let (up, down) = (&ups[next % ups.len()], &downs[next % downs.len()]);
+            on_pool(|| gemm_f32::ffn(isa, &x, (up, Some(&ub)), (down, Some(&db)), true))
         });
         for (name, (least, median)) in [("apart", apart), ("in chunks", chunked)] {
             println!(
-                "({m}, {k}) through {h}: {name:<10} {least:8.3} ms {median:8.3} ms  {:7.1} GFLOP/s",
+                "({m}, {k}) through {h}: {name:<10}{} {least:8.3} ms {median:8.3} ms  {:7.1} GFLOP/s",
+                if cold { " (cold)" } else { "" },
                 flops / least / 1e6
             );
         }
