@@ -168,16 +168,16 @@ fn main() -> candle_core::Result<()> {
     Ok(())
 }
 
-/// `w` once, or with `cold` as many copies of it as fill 512 MB (more than
-/// an L3), to be taken in turn.
+/// `w` itself, or with `cold` as many copies of it as fill 512 MB (more
+/// than an L3), to be taken in turn.
 fn copies(w: &Tensor, cold: bool) -> candle_core::Result<Vec<Tensor>> {
+    if !cold {
+        return Ok(vec![w.clone()]);
+    }
     let bytes = w.elem_count() * w.dtype().size_in_bytes();
-    let n = if cold {
-        (512usize << 20).div_ceil(bytes)
-    } else {
-        1
-    };
-    (0..n).map(|_| w.copy()).collect()
+    (0..(512usize << 20).div_ceil(bytes))
+        .map(|_| w.copy())
+        .collect()
 }
 
 /// `--ffn`: the f32 feed-forward in chunks against its steps apart, `(m,

@@ -148,12 +148,7 @@ impl FeedForward {
     /// the second product stores where `fused_tiled` takes the layer,
     /// after the output elsewhere.
     fn forward_then(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
-        let plus = |y: Tensor| -> Result<Tensor> {
-            match residual {
-                Some(r) => Ok(crate::kernels::add::add(r, &y)?),
-                None => Ok(y),
-            }
-        };
+        let plus = |y: Tensor| plus_residual(y, residual);
         if let Some(y) = self.fused_bf16(x)? {
             return plus(y);
         }
@@ -231,6 +226,14 @@ impl FeedForward {
     }
 }
 
+/// `residual + y` (vl's addition), or `y` without a residual.
+fn plus_residual(y: Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+    match residual {
+        Some(r) => Ok(crate::kernels::add::add(r, &y)?),
+        None => Ok(y),
+    }
+}
+
 impl FeedForward {
     /// The layer with the GELU in the first product's epilogue when that
     /// product is vl's q8_0 or q4k tiles under f32 activations on the CPU:
@@ -257,10 +260,7 @@ impl FeedForward {
             return Ok(None);
         }
         if let Some(y) = Proj::ffn_tiled(&self.up, &self.down, x, exact)? {
-            return Ok(Some(match residual {
-                Some(r) => crate::kernels::add::add(r, &y)?,
-                None => y,
-            }));
+            return Ok(Some(plus_residual(y, residual)?));
         }
         let Some(hidden) = self.up.matmul_gelu_tiled(x, exact) else {
             return Ok(None);
