@@ -335,11 +335,16 @@ fn load_family<F: Family>(
         None => None,
         Some((encoder, resampler)) => {
             let pipeline = VisionPipeline::new(encoder, resampler, &options.device)?;
-            Some(if converts {
-                pipeline.quantize(&quantizer)?
-            } else {
-                pipeline
-            })
+            // A ViT's layers left dense f32 are packed for vl's f32
+            // product where it is this CPU's (the same values).
+            Some(
+                if converts {
+                    pipeline.quantize(&quantizer)?
+                } else {
+                    pipeline
+                }
+                .pack_f32()?,
+            )
         }
     };
     let dq = quantizer.within("decoder");

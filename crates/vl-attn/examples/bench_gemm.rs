@@ -1,6 +1,7 @@
 //! The products of many rows alone, on a ViT-B/16's shapes (197 rows or a
 //! batch of them; the q/k/v, output, and the two feed-forward products):
-//! candle's f32 product, vl's f32 one, vl's packed bf16 weights on every
+//! candle's f32 product, vl's f32 one (the weight where it lies, and
+//! packed: `PackedF32`), vl's packed bf16 weights on every
 //! bf16 implementation the CPU runs and its q8_0 weights on every q8_0
 //! one (AMX where it has it; `x` rounded per call, as in a model), each
 //! the least and the median of `--repeats` runs after a warm-up.
@@ -22,7 +23,7 @@
 //! `--cold` reads every weight cold, as a model's encode does (its
 //! weights, 344 MB for a ViT-B in f32, pass the L3): each call takes the
 //! next of enough copies of the weight to fill 512 MB, so that none is
-//! left in a cache by the call before (vl's f32 product and `--ffn`).
+//! left in a cache by the call before (vl's f32 products and `--ffn`).
 //!
 //! Two threads unless `RAYON_NUM_THREADS` says otherwise (as `vl bench
 //! --threads 2`). GFLOP/s is `2 m n k` per product.
@@ -142,6 +143,24 @@ fn main() -> candle_core::Result<()> {
                 time(repeats, || {
                     next += 1;
                     on_pool(|| gemm_f32::matmul(&x, &ws[next % ws.len()]))
+                }),
+            );
+        }
+        if timed("vl f32 packed") {
+            let ps = copies(&w, cold)?
+                .iter()
+                .map(|w| gemm_f32::PackedF32::pack(w, None).map(Arc::new))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let mut next = 0;
+            report(
+                if cold {
+                    "vl f32 packed (cold)"
+                } else {
+                    "vl f32 packed"
+                },
+                time(repeats, || {
+                    next += 1;
+                    on_pool(|| ps[next % ps.len()].matmul(&x))
                 }),
             );
         }

@@ -769,6 +769,29 @@ mod tests {
         Ok(())
     }
 
+    /// Packed for vl's f32 product ([`vl_attn::Quantizer::packing_f32`]),
+    /// the encoder gives the dense encoder's tokens: bit for bit where
+    /// this CPU's tuning runs the dense products on vl's f32 GEMM (the
+    /// packed product's sums are its sums), within 1e-6 relative L2
+    /// elsewhere (candle's product).
+    #[test]
+    fn packed_f32_is_the_dense_encoder() -> Result<()> {
+        use vl_attn::kernels::{CpuFeatures, F32Gemm};
+        let (_vars, dense) = load(&tiny(64, Some(32)))?;
+        let packed = dense.quantize(vl_attn::Quantizer::packing_f32())?;
+        assert_eq!(packed.quantization(), None);
+        let pixels = Tensor::randn(0f32, 1., (4, 3, 8, 8), &candle_core::Device::Cpu)?;
+        let (want, got) = (dense.forward(&pixels)?, packed.forward(&pixels)?);
+        if CpuFeatures::get().tuning.f32_gemm == F32Gemm::Vl {
+            let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0);
+        } else {
+            let err = relative_l2(&got, &want)?;
+            assert!(err < 1e-6, "relative L2 error {err}");
+        }
+        Ok(())
+    }
+
     /// The 16-bit formats convert the patch embedding with the blocks (a
     /// bf16 or f16 encoder, as transformers' half-precision models have
     /// it), within 2% relative L2 error of the dense encoder (bf16 keeps 8

@@ -40,11 +40,17 @@ const WIDEN: usize = 512;
 /// # Errors
 /// Only candle's.
 pub(crate) fn forward(x: &Tensor, exact: bool) -> candle_core::Result<Tensor> {
+    forward_with(CpuFeatures::get().isa(), x, exact)
+}
+
+/// [`forward`] on a given implementation (the token proves the CPU runs
+/// it): what a product's GELU epilogue is tested against.
+///
+/// # Errors
+/// Only candle's.
+pub(crate) fn forward_with(isa: Isa, x: &Tensor, exact: bool) -> candle_core::Result<Tensor> {
     if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::BF16) && !x.track_op() {
-        return x.contiguous()?.apply_op1_no_bwd(&Gelu {
-            exact,
-            isa: CpuFeatures::get().isa(),
-        });
+        return x.contiguous()?.apply_op1_no_bwd(&Gelu { exact, isa });
     }
     if exact {
         x.gelu_erf()

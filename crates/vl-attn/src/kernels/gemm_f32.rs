@@ -32,6 +32,9 @@
 
 use std::mem::MaybeUninit;
 
+pub mod packed;
+pub use packed::PackedF32;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;

@@ -15,6 +15,7 @@
 //! | q8_0 product, any rows | [`gemv_q8::PackedQ8::matmul`] | AMX-BF16 (an encoder's rows, [`q8_amx`]), AVX-512 VNNI, AVX2+FMA, portable |
 //! | q4_K product, any rows | [`gemv_q4k::PackedQ4K::matmul`] | AVX-512 VNNI, AVX2+FMA, portable |
 //! | f32 GEMM, many rows (where [`Tuning::f32_gemm`] chooses it) | [`gemm_f32::matmul`] | AVX-512F, AVX2+FMA, portable |
+//! | f32 GEMM on a weight packed at load (an encoder's layers, [`crate::Proj::pack_f32`]; GELU in its epilogue) | [`gemm_f32::PackedF32::matmul`], [`gemm_f32::PackedF32::matmul_gelu`] | AVX-512F, AVX2+FMA, portable |
 //! | f32 feed-forward, an encoder's rows a chunk at a time (GELU as the first product stores) | [`gemm_f32::ffn`] (through [`crate::FeedForward`]) | AVX-512F, AVX2+FMA, portable |
 //! | bf16 GEMM (and packed bf16 GEMV; GELU in its epilogue) | [`gemm_bf16::matmul`], [`gemm_bf16::PackedBf16::matmul`], [`gemm_bf16::PackedBf16::matmul_gelu`] | AMX-BF16 (blocks of 32 rows), AVX512_BF16, AVX-512F FMAs on widened weights (where [`Tuning::bf16_gemm`] chooses them), portable |
 //! | fused attention, per row and tiled | `attention::fused` (through [`crate::attention::attention`]) | AVX-512F, AVX2+FMA, portable |

@@ -152,6 +152,9 @@ impl FeedForward {
         if let Some(y) = self.fused_bf16(x)? {
             return plus(y);
         }
+        if let Some(y) = self.packed_f32(x)? {
+            return plus(y);
+        }
         if let Some(y) = self.fused_tiled(x, residual)? {
             return Ok(y);
         }
@@ -194,6 +197,27 @@ impl FeedForward {
         }
         let isa = crate::kernels::CpuFeatures::get().isa();
         Ok(Some(gemm_f32::ffn(isa, x, up, down, exact)?))
+    }
+
+    /// The layer in two products when both weights are packed f32
+    /// ([`Proj::pack_f32`]) and the activation a GELU: the first applies
+    /// the GELU as it stores ([`PackedF32::matmul_gelu`]) — the values of
+    /// the three steps apart, bit for bit, without a GELU pass over the
+    /// hidden layer. `None` where that does not apply.
+    ///
+    /// [`PackedF32::matmul_gelu`]: crate::kernels::gemm_f32::PackedF32::matmul_gelu
+    fn packed_f32(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let Some(exact) = self.act.gelu_exact() else {
+            return Ok(None);
+        };
+        let (Some(up), Some(down)) = (self.up.packed_f32(), self.down.packed_f32()) else {
+            return Ok(None);
+        };
+        if x.dtype() != candle_core::DType::F32 || !x.device().is_cpu() || x.track_op() {
+            return Ok(None);
+        }
+        let hidden = up.matmul_gelu(x, exact)?;
+        Ok(Some(down.matmul(&hidden)?))
     }
 
     /// The layer in two products when both weights are packed bf16 under
@@ -310,6 +334,53 @@ mod tests {
                 let apart = down.forward(&act.forward(&up.forward(&x)?)?)?;
                 assert_eq!(fused.dtype(), DType::F32);
                 assert!(same_bits(&fused, &apart)?, "{act:?}, {rows} rows");
+            }
+        }
+        Ok(())
+    }
+
+    /// With both weights packed f32, the GELU in the first product's
+    /// epilogue gives the bits of the three steps apart on those packed
+    /// layers, and those of the dense layer (chunked or not) where the
+    /// CPU's tuning runs dense products on vl's f32 GEMM (decode-shaped
+    /// rows aside, which the dense layer runs on its GEMV); a ReLU takes
+    /// the steps; a residual is added after, bit for bit.
+    #[test]
+    fn packed_f32_equals_the_steps_and_the_dense_layer() -> Result<()> {
+        let dev = Device::Cpu;
+        let (hidden, inter) = (64, 96);
+        for act in [Activation::Gelu, Activation::GeluTanh, Activation::Relu] {
+            for bias in [true, false] {
+                let dense = FeedForward::from_parts(
+                    layer(inter, hidden, bias)?,
+                    layer(hidden, inter, bias)?,
+                    act,
+                );
+                let packed = dense.quantize(Quantizer::packing_f32())?;
+                let (up, down) = packed.parts();
+                assert!(up.packed_f32().is_some() && down.packed_f32().is_some());
+                for rows in [5, 40, 197] {
+                    let x = Tensor::randn(0f32, 1., (rows, hidden), &dev)?;
+                    let y = packed.forward(&x)?;
+                    let apart = down.forward(&act.forward(&up.forward(&x)?)?)?;
+                    assert!(same_bits(&y, &apart)?, "{act:?}, bias {bias}, {rows} rows");
+                    assert_eq!(
+                        packed.packed_f32(&x)?.is_some(),
+                        act != Activation::Relu,
+                        "{act:?}"
+                    );
+                    let want = dense.forward(&x)?;
+                    let w = dense.parts().0.as_linear().unwrap().weight();
+                    if crate::kernels::gemm_f32::applies(&x, w) {
+                        assert!(same_bits(&y, &want)?, "{act:?}, {rows} rows, dense");
+                    } else {
+                        let err = (&y - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                        assert!(err < 1e-5, "{act:?}, {rows} rows: {err}");
+                    }
+                    let r = Tensor::randn(0f32, 1., (rows, hidden), &dev)?;
+                    let added = packed.forward_add(&x, &r)?;
+                    assert!(same_bits(&added, &crate::kernels::add::add(&r, &y)?)?);
+                }
             }
         }
         Ok(())

@@ -6,7 +6,10 @@
 //! bf16 GEMM ([`crate::kernels::gemm_bf16`]) where the CPU has AVX512_BF16 (a
 //! weight quantized to bf16 there is packed once for it, at load time);
 //! everything else (f32 prefill and encoders, training, other devices) on
-//! candle's matmul. A `q8_0` weight on the CPU is packed once for vl's
+//! candle's matmul. A dense f32 weight of an encoder can be packed once,
+//! at load ([`Proj::pack_f32`]), for vl's f32 product of many rows
+//! ([`crate::kernels::gemm_f32::PackedF32`]: the same values, faster where
+//! the weights come from memory). A `q8_0` weight on the CPU is packed once for vl's
 //! own q8_0 kernels ([`crate::kernels::gemv_q8::PackedQ8`], any number of rows),
 //! a `q4k` one for vl's q4_K kernels ([`crate::kernels::gemv_q4k::PackedQ4K`]);
 //! other formats, and every format off the CPU, run on candle's quantized
@@ -27,6 +30,7 @@ use candle_nn::Linear;
 
 use crate::error::{AttnError, Result};
 use crate::kernels::gemm_bf16::PackedBf16;
+use crate::kernels::gemm_f32::PackedF32;
 use crate::kernels::gemv_q4k::PackedQ4K;
 use crate::kernels::gemv_q8::PackedQ8;
 use crate::named::{blocks_name, join, Named};
@@ -77,6 +81,13 @@ enum Inner {
         weight: Arc<PackedBf16>,
         dtype: DType,
     },
+    /// A dense f32 weight packed once for vl's f32 product of many rows
+    /// (on the CPU): the values of `Dense`, bit for bit, for an
+    /// encoder's products ([`Proj::pack_f32`]).
+    PackedF32 {
+        /// The bias inside, added as the outputs are stored.
+        weight: Arc<PackedF32>,
+    },
     /// A q8_0 weight packed once for vl's q8_0 kernels (on the CPU).
     Q8 {
         /// The bias inside, added as the outputs are stored.
@@ -115,6 +126,44 @@ impl Proj {
         match &self.inner {
             Inner::Dense(l) if l.weight().dtype() == DType::F32 => Some((l.weight(), l.bias())),
             _ => None,
+        }
+    }
+
+    /// The packed f32 weight, if the layer holds one ([`Proj::pack_f32`]).
+    pub(crate) fn packed_f32(&self) -> Option<&Arc<PackedF32>> {
+        match &self.inner {
+            Inner::PackedF32 { weight } => Some(weight),
+            _ => None,
+        }
+    }
+
+    /// A copy whose dense f32 CPU weight is packed once for vl's f32
+    /// product of many rows ([`PackedF32`]), the bias inside; any other
+    /// layer (quantized, 16-bit, on another device, tracked for training)
+    /// is returned as it is. The products give the values of the dense
+    /// layer, bit for bit, on every row count of more than a decode
+    /// step's; a decode step's few rows run the packed product too, which
+    /// is slower than the dense layer's GEMV: pack an encoder's layers,
+    /// not a decoder's. The weight is held once (packed), as
+    /// [`Proj::weight_and_bias`] unpacks it.
+    ///
+    /// # Errors
+    /// Only candle's, reading the weight.
+    pub fn pack_f32(&self) -> Result<Self> {
+        match &self.inner {
+            Inner::Dense(l)
+                if l.weight().dtype() == DType::F32
+                    && l.weight().device().is_cpu()
+                    && !l.weight().track_op() =>
+            {
+                let bias = l.bias().map(|b| b.to_dtype(DType::F32)).transpose()?;
+                Ok(Self {
+                    inner: Inner::PackedF32 {
+                        weight: Arc::new(PackedF32::pack(l.weight(), bias.as_ref())?),
+                    },
+                })
+            }
+            _ => Ok(self.clone()),
         }
     }
 
@@ -299,6 +348,7 @@ impl Proj {
             } => (*out_dim, *in_dim),
             Inner::Half { weight, .. } => weight.dims2().unwrap_or((0, 0)),
             Inner::Packed { weight, .. } => weight.dims(),
+            Inner::PackedF32 { weight } => weight.dims(),
             Inner::Q8 { weight, .. } => weight.dims(),
             Inner::Q4K { weight, .. } => weight.dims(),
         }
@@ -308,6 +358,7 @@ impl Proj {
     pub fn dtype(&self) -> DType {
         match &self.inner {
             Inner::Dense(l) => l.weight().dtype(),
+            Inner::PackedF32 { .. } => DType::F32,
             Inner::Quantized { dtype, .. }
             | Inner::Half { dtype, .. }
             | Inner::Packed { dtype, .. }
@@ -322,14 +373,17 @@ impl Proj {
             Inner::Dense(l) => l.weight().device(),
             Inner::Quantized { device, .. } => device,
             Inner::Half { weight, .. } => weight.device(),
-            Inner::Packed { .. } | Inner::Q8 { .. } | Inner::Q4K { .. } => &Device::Cpu,
+            Inner::Packed { .. }
+            | Inner::PackedF32 { .. }
+            | Inner::Q8 { .. }
+            | Inner::Q4K { .. } => &Device::Cpu,
         }
     }
 
-    /// The quantized format, `None` when dense.
+    /// The quantized format, `None` when dense (packed or not).
     pub fn quantization(&self) -> Option<GgmlDType> {
         match &self.inner {
-            Inner::Dense(_) => None,
+            Inner::Dense(_) | Inner::PackedF32 { .. } => None,
             Inner::Quantized { format, .. } | Inner::Half { format, .. } => Some(*format),
             Inner::Packed { .. } => Some(GgmlDType::BF16),
             Inner::Q8 { .. } => Some(GgmlDType::Q8_0),
@@ -348,19 +402,21 @@ impl Proj {
             Inner::Dense(l) => l.weight().dtype().size_in_bytes() as f64,
             Inner::Half { weight, .. } => weight.dtype().size_in_bytes() as f64,
             Inner::Packed { .. } => DType::BF16.size_in_bytes() as f64,
+            Inner::PackedF32 { .. } => DType::F32.size_in_bytes() as f64,
             Inner::Q8 { .. } => per_block(GgmlDType::Q8_0),
             Inner::Q4K { .. } => PackedQ4K::BYTES_PER_WEIGHT,
             Inner::Quantized { format, .. } => per_block(*format),
         }
     }
 
-    /// The dense layer, `None` when quantized.
+    /// The dense layer, `None` when quantized or packed.
     pub fn as_linear(&self) -> Option<&Linear> {
         match &self.inner {
             Inner::Dense(l) => Some(l),
             Inner::Quantized { .. }
             | Inner::Half { .. }
             | Inner::Packed { .. }
+            | Inner::PackedF32 { .. }
             | Inner::Q8 { .. }
             | Inner::Q4K { .. } => None,
         }
@@ -515,6 +571,7 @@ impl Proj {
             Inner::Packed { weight, .. } => {
                 (weight.unpack()?.to_dtype(DType::F32)?, weight.bias()?)
             }
+            Inner::PackedF32 { weight } => (weight.unpack()?, weight.bias()?),
             Inner::Q8 { weight, .. } => (weight.dequantize()?, weight.bias()?),
             Inner::Q4K { weight, .. } => (weight.dequantize()?, weight.bias()?),
         })
@@ -545,6 +602,9 @@ impl Proj {
                 ((join(prefix, "weight"), weight.clone()), bias.clone())
             }
             Inner::Packed { weight, .. } => {
+                ((join(prefix, "weight"), weight.unpack()?), weight.bias()?)
+            }
+            Inner::PackedF32 { weight } => {
                 ((join(prefix, "weight"), weight.unpack()?), weight.bias()?)
             }
             Inner::Q8 { weight, .. } => (
@@ -702,6 +762,7 @@ impl Proj {
             Inner::Dense(l) => (l.weight(), l.bias()),
             Inner::Half { weight, bias, .. } => (weight, bias.as_ref()),
             Inner::Packed { weight, .. } => return weight.matmul(&x.to_dtype(DType::F32)?),
+            Inner::PackedF32 { weight } => return weight.matmul(&x.to_dtype(DType::F32)?),
             Inner::Q8 { weight, .. } => return weight.matmul(&x.to_dtype(DType::F32)?),
             Inner::Q4K { weight, .. } => return weight.matmul(&x.to_dtype(DType::F32)?),
             // The quantized kernels take f32 activations on every device.
@@ -746,6 +807,7 @@ impl Module for Proj {
                 ),
             },
             Inner::Packed { weight, .. } => weight.matmul(x),
+            Inner::PackedF32 { weight } => weight.matmul(x),
             Inner::Q8 { weight, .. } => weight.matmul(x)?.to_dtype(x.dtype()),
             Inner::Q4K { weight, .. } => weight.matmul(x)?.to_dtype(x.dtype()),
             Inner::Quantized {
@@ -793,6 +855,7 @@ mod tests {
                 "bf16",
                 Quantizer::strict(Quantization::Bf16).proj("p", &dense)?,
             ),
+            ("packed f32", Quantizer::packing_f32().proj("p", &dense)?),
         ];
         for (name, p) in &forms {
             let k = p.dims().1;
@@ -810,6 +873,82 @@ mod tests {
             let wrong = Tensor::zeros((150, 81), DType::F32, &dev)?;
             assert!(p.forward_add(&x, &wrong).is_err(), "{name}");
         }
+        Ok(())
+    }
+
+    /// A dense f32 layer packed ([`Proj::pack_f32`]) gives the dense
+    /// layer's values: bit for bit where the dense layer's many rows run
+    /// vl's f32 product (this CPU's tuning), within 1e-5 relative where
+    /// they run candle's; its weight, bias and saved tensors are the
+    /// dense layer's, and quantizing it is quantizing the dense layer.
+    /// Other forms are not packed.
+    #[test]
+    fn packed_f32_is_the_dense_layer() -> Result<()> {
+        use crate::quantize::{Quantization, Quantizer};
+        let dev = Device::Cpu;
+        for (out, inp, bias) in [(80, 64, true), (33, 70, false), (768, 768, true)] {
+            let l = layer(out, inp, &dev)?;
+            let dense = if bias {
+                Proj::from(l)
+            } else {
+                Proj::from(Linear::new(l.weight().clone(), None))
+            };
+            let packed = dense.pack_f32()?;
+            assert!(packed.packed_f32().is_some() && packed.as_linear().is_none());
+            assert_eq!(
+                (packed.dims(), packed.dtype(), packed.quantization()),
+                (dense.dims(), DType::F32, None)
+            );
+            for rows in [1, 9, 197] {
+                let x = Tensor::randn(0f32, 1., (2, rows, inp), &dev)?;
+                let (want, got) = (dense.forward(&x)?, packed.forward(&x)?);
+                let x2 = x.flatten_to(1)?;
+                if crate::kernels::gemm_f32::applies(&x2, dense.as_linear().unwrap().weight()) {
+                    assert!(
+                        crate::layers::same_bits(&want, &got)?,
+                        "{out}x{inp}, {rows} rows"
+                    );
+                } else {
+                    assert!(rel_err(&got, &want)? < 1e-5, "{out}x{inp}, {rows} rows");
+                }
+                let f32_out = packed.forward_f32(&x)?;
+                assert!(crate::layers::same_bits(&f32_out, &got)?);
+            }
+            let (w, b) = dense.weight_and_bias()?;
+            let (pw, pb) = packed.weight_and_bias()?;
+            assert!(crate::layers::same_bits(&w, &pw)?);
+            assert_eq!(b.is_some(), pb.is_some());
+            if let (Some(b), Some(pb)) = (b, pb) {
+                assert!(crate::layers::same_bits(&b, &pb)?);
+            }
+            let (mut a, mut z) = (Named::default(), Named::default());
+            dense.named_tensors("p", &mut a)?;
+            packed.named_tensors("p", &mut z)?;
+            assert_eq!(a.len(), z.len());
+            let q8 = |p: &Proj| -> Result<Vec<u8>> {
+                let mut n = Named::default();
+                Quantizer::strict(Quantization::Q8_0)
+                    .proj("p", p)?
+                    .named_tensors("p", &mut n)?;
+                Ok(n.into_iter()
+                    .find(|(k, _)| k.contains("weight"))
+                    .unwrap()
+                    .1
+                    .flatten_all()?
+                    .to_vec1::<u8>()?)
+            };
+            if inp % 32 == 0 {
+                assert_eq!(q8(&dense)?, q8(&packed)?);
+            }
+        }
+        let q8 =
+            Quantizer::strict(Quantization::Q8_0).proj("p", &Proj::from(layer(8, 64, &dev)?))?;
+        assert!(q8.pack_f32()?.packed_f32().is_none());
+        let half = Proj::from(Linear::new(
+            Tensor::zeros((8, 64), DType::BF16, &dev)?,
+            None,
+        ));
+        assert!(half.pack_f32()?.packed_f32().is_none());
         Ok(())
     }
 

@@ -197,6 +197,8 @@ pub struct Fallback {
 pub struct Quantizer {
     format: Option<GgmlDType>,
     fall_back: bool,
+    /// With no format: pack each dense f32 CPU layer ([`Proj::pack_f32`]).
+    pack_f32: bool,
     path: String,
     fell_back: Arc<Mutex<BTreeMap<String, Fallback>>>,
     stored: Option<Arc<dyn StoredBlocks>>,
@@ -207,6 +209,7 @@ impl fmt::Debug for Quantizer {
         f.debug_struct("Quantizer")
             .field("format", &self.format)
             .field("fall_back", &self.fall_back)
+            .field("pack_f32", &self.pack_f32)
             .field("path", &self.path)
             .field("stored", &self.stored.is_some())
             .finish()
@@ -229,6 +232,7 @@ impl Quantizer {
         Self {
             format,
             fall_back,
+            pack_f32: false,
             path: String::new(),
             fell_back: Arc::default(),
             stored: None,
@@ -257,6 +261,19 @@ impl Quantizer {
     /// dense. Each such layer is recorded ([`Quantizer::fallbacks`]).
     pub fn fitting(q: Quantization) -> Self {
         Self::new(q.ggml_dtype(), true)
+    }
+
+    /// Keeps every layer's values and format, and packs each dense f32
+    /// layer on the CPU once for vl's f32 product of many rows
+    /// ([`Proj::pack_f32`]: the same values, bit for bit): what a loader
+    /// gives an encoder's layers where
+    /// [`crate::kernels::gemm_f32::packed::accelerated`]. Not for a
+    /// decoder, whose decode steps read a dense weight as it lies.
+    pub fn packing_f32() -> Self {
+        Self {
+            pack_f32: true,
+            ..Self::new(None, false)
+        }
     }
 
     /// The format asked, `None` for dense (nothing is converted).
@@ -314,14 +331,20 @@ impl Quantizer {
 
     /// `proj` (the layer `name` of the module) in the format this
     /// quantizer gives it. A layer already in that format is shared, not
-    /// converted again; with no format asked, `proj` is returned as it is.
+    /// converted again; with no format asked, `proj` is returned as it is
+    /// (packed, with [`Quantizer::packing_f32`], where it is dense f32 on
+    /// the CPU).
     ///
     /// # Errors
     /// [`AttnError::Quantize`] naming the layer's whole path when a strict
     /// quantizer's format cannot hold it; candle's errors.
     pub fn proj(&self, name: &str, proj: &Proj) -> Result<Proj> {
         let Some(asked) = self.format else {
-            return Ok(proj.clone());
+            return if self.pack_f32 {
+                proj.pack_f32()
+            } else {
+                Ok(proj.clone())
+            };
         };
         let layer = self.name(name);
         let in_dim = proj.dims().1;
