@@ -17,11 +17,11 @@
 //! row and step. The register tile is `MR` = 12 rows × 32 columns (24
 //! accumulators, two vector loads of the panel and 12 broadcasts a step).
 //! A task is a block of up to `TASK_ROWS` rows × a group of panels
-//! (about `TASK_PANEL_BYTES`); it walks `k` in blocks of `KC`, each
-//! panel's block meeting every row tile of the task while it is in L1/L2,
-//! and the tile's sums accumulate in `y` itself. The first row tile of
-//! each block asks for the panel `AHEAD` bytes on (the rest of its block
-//! and the next one's start: the weight's first read, from memory).
+//! (about `TASK_PANEL_BYTES`); each panel meets every row tile of the
+//! task over the whole of `k` (up to `KC`; wider, in blocks whose sums
+//! continue in `y`), the panel in L2 after its first tile. That first row
+//! tile asks for the panel `AHEAD` bytes on (the weight's first read,
+//! from memory).
 //!
 //! # Numerics
 //! Each output is one chain of multiply-adds over `k` in order (fused
@@ -42,11 +42,14 @@ use crate::kernels::gemm_bf16::SyncPtr;
 use crate::kernels::host::contiguous;
 use crate::kernels::micro::{madd, per_isa, Kernel, NR};
 
-/// Steps of `k` per block: a panel's block is 64 KB, in L2 while the
-/// task's row tiles meet it (the sums continue across blocks, so the
-/// block's length changes no bits; 512 measured a little ahead of 256
-/// and 768 on the Xeon model 207, within its noise).
-const KC: usize = 512;
+/// Steps of `k` per block: every encoder's whole width (a ViT-B's 768
+/// and 3,072, DaViT's up to 4,096), so that a tile's sums stay in
+/// registers over all of `k`; a wider `k` runs in blocks, the sums
+/// continued from `y` (the same bits). A ViT-B/16 f32 encode on the Xeon
+/// model 207 (`vl bench --quick`, interleaved, ms): blocks of 256
+/// 160–171, 512 151–172, 768 146–150, 1,024 141–152, the whole of `k`
+/// 135–148.
+const KC: usize = 4096;
 /// Rows of the register tile.
 const MR: usize = 12;
 /// The most rows of a task: a ViT's 197 in one, so that each panel group
@@ -545,11 +548,12 @@ mod tests {
         CpuFeatures::get().isas()
     }
 
-    /// Every shape class: partial panels, partial row tiles, one and
-    /// several blocks of `k` (and a partial one), one and several row
-    /// blocks and panel groups.
-    const SHAPES: [(usize, usize, usize); 7] = [
+    /// Every shape class: partial panels, partial row tiles, one block of
+    /// `k` and two (the second partial), one and several row blocks and
+    /// panel groups.
+    const SHAPES: [(usize, usize, usize); 8] = [
         (1, 1, 1),
+        (13, 40, KC + 5),
         (5, 33, 7),
         (13, 64, 256),
         (25, 100, 300),
