@@ -129,10 +129,7 @@ impl PackedF32 {
     /// # Errors
     /// Only candle's, building the tensor.
     pub fn bias(&self) -> candle_core::Result<Option<Tensor>> {
-        self.bias
-            .as_ref()
-            .map(|b| Tensor::new(b.as_slice(), &candle_core::Device::Cpu))
-            .transpose()
+        crate::kernels::gemv_q8::bias_tensor(self.bias.as_deref())
     }
 
     /// The weight as an f32 tensor `(n, k)` again (bit for bit).
