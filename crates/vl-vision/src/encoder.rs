@@ -120,6 +120,29 @@ impl VisionEncoder {
         })
     }
 
+    /// A copy whose ViT holds its dense f32 layers packed for vl's f32
+    /// product of many rows ([`vl_attn::Proj::pack_f32`]: the same values,
+    /// bit for bit, each weight held once; CPU weights only) where that
+    /// product is this CPU's
+    /// ([`vl_attn::kernels::gemm_f32::packed::accelerated`]); otherwise,
+    /// and for the other encoders, the encoder as it is. (DaViT's
+    /// feed-forward runs a chunk of rows through both products on the
+    /// weights as they lie, its hidden layer in the core's cache, which two
+    /// packed products would lose.) On a Xeon without AMX, a ViT-B/16's
+    /// products read from memory ran 10–30% faster packed (`bench_gemm
+    /// --cold`, BENCHMARKS.md).
+    ///
+    /// # Errors
+    /// Only candle's, reading the weights.
+    pub fn pack_f32(&self) -> Result<Self> {
+        match self {
+            Self::Vit(_) if vl_attn::kernels::gemm_f32::packed::accelerated() => {
+                self.quantize(Quantizer::packing_f32())
+            }
+            _ => Ok(self.clone()),
+        }
+    }
+
     /// Switches a ViT between training and inference (see
     /// [`crate::Vit::set_mode`]); the mock encoder has no dropout.
     pub fn set_mode(&mut self, mode: vl_attn::Mode) {

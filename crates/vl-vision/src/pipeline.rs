@@ -63,29 +63,16 @@ impl VisionPipeline {
         })
     }
 
-    /// A copy whose ViT holds its dense f32 layers packed for vl's f32
-    /// product of many rows ([`vl_attn::Proj::pack_f32`]: the same values,
-    /// bit for bit, each weight held once) where that product is this
-    /// CPU's ([`vl_attn::kernels::gemm_f32::packed::accelerated`]) and the
-    /// pipeline runs on the CPU; otherwise, and for the other encoders,
-    /// the pipeline as it is. (DaViT's feed-forward runs a chunk of rows
-    /// through both products on the weights as they lie, its hidden layer
-    /// in the core's cache, which two packed products would lose.) On a
-    /// Xeon without AMX, a ViT-B/16's products read cold ran 10–25%
-    /// faster packed (`bench_gemm --cold`, BENCHMARKS.md).
+    /// A copy whose encoder's dense f32 layers are packed for vl's f32
+    /// product where that is this CPU's ([`VisionEncoder::pack_f32`]: a
+    /// ViT's; the same values); the resampler as it is.
     ///
     /// # Errors
     /// Only candle's, reading the weights.
     pub fn pack_f32(&self) -> Result<Self> {
-        if !self.device.is_cpu() || !vl_attn::kernels::gemm_f32::packed::accelerated() {
-            return Ok(self.clone());
-        }
-        Ok(match &self.encoder {
-            VisionEncoder::Vit(_) => Self {
-                encoder: self.encoder.quantize(Quantizer::packing_f32())?,
-                ..self.clone()
-            },
-            _ => self.clone(),
+        Ok(Self {
+            encoder: self.encoder.pack_f32()?,
+            ..self.clone()
         })
     }
 

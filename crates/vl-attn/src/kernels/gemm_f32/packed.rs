@@ -326,7 +326,7 @@ fn task_on<K: Kernel>(
             // L2 a share per row tile after the first, so that its first
             // tile does not wait on memory.
             let tiles = rows.len().div_ceil(MR);
-            let next_lines = if j + 1 < w.n.div_ceil(NR) && tiles > 1 {
+            let next_lines = if (j + 1) * NR < n && tiles > 1 {
                 kc * NR * 4 / 64
             } else {
                 0
@@ -337,25 +337,21 @@ fn task_on<K: Kernel>(
                 .as_ptr()
                 .wrapping_add((j + 1) * k * NR + k0 * NR)
                 .cast::<u8>();
-            let mut r = rows.start;
-            let mut t = 0;
-            while r < rows.end {
-                let next = if t == 0 || next_lines == 0 {
-                    (std::ptr::null(), 0)
-                } else {
-                    let from = ((t - 1) * share).min(next_lines);
-                    (
-                        next_base.wrapping_add(from * 64),
-                        share.min(next_lines - from),
-                    )
-                };
-                t += 1;
+            for (t, r) in rows.clone().step_by(MR).enumerate() {
+                let from = (t.saturating_sub(1) * share).min(next_lines);
                 let tile = Tile {
                     rows: MR.min(rows.end - r),
                     cols,
                     fresh: k0 == 0,
-                    ahead: r == rows.start,
-                    next,
+                    ahead: t == 0,
+                    next: if t == 0 {
+                        (std::ptr::null(), 0)
+                    } else {
+                        (
+                            next_base.wrapping_add(from * 64),
+                            share.min(next_lines - from),
+                        )
+                    },
                 };
                 // SAFETY: rows `r .. r + tile.rows` of `x` hold `k0 + kc
                 // <= k` values each (asserted); the panel's block holds
@@ -374,7 +370,6 @@ fn task_on<K: Kernel>(
                         epilogue,
                     )
                 };
-                r += tile.rows;
             }
         }
     }
